@@ -1,0 +1,1 @@
+"""Everything that touches LMCache or vLLM. Installed as ``lmcache_histate.backends``."""

@@ -1,0 +1,1 @@
+"""Pure, deterministic HiState policy core (no I/O, injected clock)."""
