@@ -1,0 +1,204 @@
+"""The unified cost-aware eviction queue: ``H = t + τ · C / M``, lowest ``H`` goes first.
+
+Intermediate snapshots, bundles and dead tails (see ``units``) compete in one ranking.
+``t`` is the unit's last access, ``C`` its expected recompute (tokens per access), ``M``
+the bytes it frees *in the tier that must make room*, expressed in KV-token units
+(``bytes / kv_bytes_per_token``) so that ``C/M`` is dimensionless and ``τ`` is in
+seconds: how much recency one recompute-token per stored token is worth. A unit holding
+nothing in a tier frees nothing there, so it is not a candidate for that tier: the queue
+keeps one addressable heap per tier, all ranked by the same formula.
+
+``H`` depends on neighbours (inserting a snapshot shortens its predecessor's zone,
+evicting one lengthens it), so every structural change re-ranks the units around it
+(``update_around``), and every access re-ranks the units on the accessed path. The hit
+model's ``p_end`` and the number of sessions drift slowly and globally; re-ranking every
+unit on each drift would cost O(n), so instead a candidate's ``H`` is recomputed when it
+reaches the top of a heap and it is pushed back if it rose (lazy verification).
+
+Pinned units (any node pinned by an in-flight load or by the request being stored)
+are never returned as victims.
+"""
+
+from __future__ import annotations
+
+from .heap import IndexedHeap
+from .index import Node, PrefixIndex
+from .units import HitModel, expected_recompute, unit_kind, unit_nodes
+
+__all__ = ["EvictionQueue"]
+
+_VERIFY_ROUNDS = 8
+
+
+class EvictionQueue:
+    """One ranking over all units, one heap per tier.
+
+    ``tau`` = 0 gives plain LRU over units; ``refresh_all`` controls whether a hit
+    refreshes every unit on the prefix up to the hit (the paper's refresh-all) or only
+    the unit that was hit.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        num_tiers: int,
+        *,
+        tau: float,
+        token_bytes: int,
+        hit_model: HitModel | None = None,
+        refresh_all: bool = True,
+    ) -> None:
+        if num_tiers <= 0:
+            raise ValueError("num_tiers must be positive")
+        if tau < 0:
+            raise ValueError(f"tau must be ≥ 0, got {tau}")
+        if token_bytes <= 0:
+            raise ValueError(f"token_bytes must be positive, got {token_bytes}")
+        self.index = index
+        self.tau = float(tau)
+        self.token_bytes = token_bytes
+        self.hit_model = hit_model if hit_model is not None else HitModel()
+        self.refresh_all = refresh_all
+        self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
+
+    # ----------------------------------------------------------------- ranking
+    def cost(self, node: Node) -> float:
+        return expected_recompute(
+            node,
+            self.index.chunk_tokens,
+            self.hit_model.end_probability,
+            len(self.index.sessions),
+        )
+
+    def _tier_bytes(self, anchor: Node) -> list[int]:
+        snap, chain = unit_nodes(anchor)
+        out = [0] * len(self.heaps)
+        for t in range(len(out)):
+            bit = 1 << t
+            total = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
+            for node in chain:
+                if node.kv_tiers & bit:
+                    total += node.kv_bytes
+            out[t] = total
+        return out
+
+    def rank(self, anchor: Node, tier: int) -> float | None:
+        """``H`` of the unit at ``anchor`` for ``tier``; None if it frees nothing there."""
+        freed = self._tier_bytes(anchor)[tier]
+        if freed <= 0:
+            return None
+        c = self.cost(anchor) if anchor.snap_tiers and self.tau else 0.0
+        return anchor.access + self.tau * c * self.token_bytes / freed
+
+    def update(self, anchor: Node) -> None:
+        """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
+        if anchor.depth < 0 or unit_kind(anchor) is None or anchor.parent is None:
+            self.remove(anchor)
+            return
+        freed = self._tier_bytes(anchor)
+        c = self.cost(anchor) if anchor.snap_tiers and self.tau else 0.0
+        for tier, heap in enumerate(self.heaps):
+            if freed[tier] > 0:
+                heap.set(anchor, anchor.access + self.tau * c * self.token_bytes / freed[tier])
+            else:
+                heap.discard(anchor)
+
+    def remove(self, anchor: Node) -> None:
+        for heap in self.heaps:
+            heap.discard(anchor)
+
+    def update_around(self, node: Node) -> None:
+        """Re-rank every unit whose extent or cost depends on ``node``.
+
+        That is ``node`` itself; its parent (it may have become or stopped being a KV
+        leaf); the nearest snapshot above (its zone contains ``node``); and, below the
+        parent, the zone's boundary snapshots and KV leaves: their previous snapshot may
+        have changed, and a tail segment running through the parent grows or shrinks
+        when the parent gains or loses a branch.
+        """
+        self.update(node)
+        parent = node.parent
+        start = parent if parent is not None and parent.depth >= 0 else node
+        if start is not node:
+            self.update(start)
+        above = start.parent
+        while above is not None and above.depth >= 0 and not above.snap_tiers:
+            above = above.parent
+        if above is not None and above.depth >= 0:
+            self.update(above)
+        stack = list(start.children.values()) if start.children else []
+        while stack:
+            q = stack.pop()
+            if q.snap_tiers or not q.kv_children:
+                self.update(q)
+            # Below ``node`` itself too: its own snapshot bounds the tails under it.
+            if q.children and (not q.snap_tiers or q is node):
+                stack.extend(q.children.values())
+
+    # ----------------------------------------------------------------- access
+    def touch(self, path: list[Node], hit_chunks: int, now: float) -> None:
+        """A request read the prefix ``path[:hit_chunks]``: refresh and re-rank.
+
+        With refresh-all every node on the hit prefix gets ``now``; otherwise only the
+        hit node (the snapshot that was loaded) and the KV it needed.
+        """
+        if hit_chunks <= 0:
+            return
+        hit = path[hit_chunks - 1]
+        if self.refresh_all:
+            for node in path[:hit_chunks]:
+                node.access = now
+                if node.snap_tiers or not node.kv_children:
+                    self.update(node)
+        else:
+            hit.access = now
+            self.update(hit)
+
+    # --------------------------------------------------------------- victims
+    def pinned(self, anchor: Node) -> bool:
+        snap, chain = unit_nodes(anchor)
+        if snap is not None and snap.pins:
+            return True
+        return any(n.pins for n in chain)
+
+    def victim(self, tier: int, below: float | None = None) -> tuple[Node, float] | None:
+        """The unpinned unit with the lowest ``H`` in ``tier`` (and ``H < below``)."""
+        heap = self.heaps[tier]
+        skipped: list[tuple[Node, float]] = []
+        found: tuple[Node, float] | None = None
+        rounds = 0
+        while heap:
+            top = heap.peek()
+            assert top is not None
+            anchor, pri = top
+            if below is not None and pri >= below:
+                break
+            if rounds < _VERIFY_ROUNDS:
+                fresh = self.rank(anchor, tier)
+                if fresh is None:
+                    heap.discard(anchor)
+                    continue
+                if fresh > pri + 1e-9:
+                    heap.set(anchor, fresh)
+                    rounds += 1
+                    continue
+            if self.pinned(anchor):
+                heap.discard(anchor)
+                skipped.append((anchor, pri))
+                continue
+            found = (anchor, pri)
+            break
+        for anchor, pri in skipped:
+            heap.set(anchor, pri)
+        return found
+
+    def check(self) -> None:
+        """Every unit is queued in exactly the tiers where it frees bytes (O(n); tests)."""
+        live = set(self.index.nodes.values())
+        for heap in self.heaps:
+            for anchor in heap:
+                assert anchor in live, f"queued node {anchor} is not in the index"
+        for node in live:
+            freed = self._tier_bytes(node) if unit_kind(node) is not None else [0] * len(self.heaps)
+            for tier, heap in enumerate(self.heaps):
+                assert (freed[tier] > 0) == (node in heap), (node, tier, freed)

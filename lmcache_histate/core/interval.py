@@ -1,0 +1,160 @@
+"""Interval control: how densely to snapshot a newly added context segment.
+
+For a segment of ``L`` new tokens we save a recurrent-state snapshot every ``I`` tokens
+(plus, always, at the segment's end). A denser interval shortens the recompute after a
+hit that lands inside the segment; a sparser one stores fewer snapshots. With the hit
+position uniform inside the segment the expected recompute is ≈ ``I/2`` tokens and the
+storage is ``L/I`` snapshots of ``N_s`` KV-token units each, weighted by the pressure
+factor ``F``. Minimising ``I/2 + F·N_s·L/I`` gives the paper's continuous optimum
+``I* = sqrt(2·L·N_s·F)``.
+
+``F = EMA(KV residence) / EMA(snapshot residence)``: when snapshots are evicted sooner
+than KV, the snapshot tier is the tight one, so ``F`` grows and snapshots get sparser.
+Until both residence times have been observed there is no evidence of pressure either
+way and ``F`` is 1.
+
+The engine can only capture states at multiples of its block (chunk) size, so the choice
+is the supported interval with the lowest cost (the one next to ``I*`` on the convex
+cost curve). The segment's start is covered by the previous segment's final snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
+
+
+class ResidenceTracker:
+    """Exponential moving averages of how long KV chunks and snapshots stay cached.
+
+    Fed by eviction events (``residence = evicted_at - stored_at``).
+    """
+
+    __slots__ = ("alpha", "kv_ema", "kv_samples", "snapshot_ema", "snapshot_samples")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.kv_ema = 0.0
+        self.snapshot_ema = 0.0
+        self.kv_samples = 0
+        self.snapshot_samples = 0
+
+    def observe_kv(self, residence: float) -> None:
+        self.kv_ema = self._update(self.kv_ema, self.kv_samples, residence)
+        self.kv_samples += 1
+
+    def observe_snapshot(self, residence: float) -> None:
+        self.snapshot_ema = self._update(self.snapshot_ema, self.snapshot_samples, residence)
+        self.snapshot_samples += 1
+
+    def _update(self, ema: float, samples: int, value: float) -> float:
+        value = max(0.0, float(value))
+        # The first sample seeds the average instead of being shrunk towards zero.
+        return value if samples == 0 else ema + self.alpha * (value - ema)
+
+    @property
+    def pressure_factor(self) -> float:
+        """``T_KV / T_state``; 1.0 until both kinds were seen leaving the cache."""
+        if self.kv_samples == 0 or self.snapshot_samples == 0:
+            return 1.0
+        if self.snapshot_ema <= 0.0:
+            return 1.0 if self.kv_ema <= 0.0 else 1e6
+        return max(self.kv_ema / self.snapshot_ema, 1e-6)
+
+
+def supported_intervals(chunk_tokens: int, max_multiple: int = 64) -> tuple[int, ...]:
+    """Every multiple of the engine's chunk size up to ``max_multiple`` chunks."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if max_multiple <= 0:
+        raise ValueError(f"max_multiple must be positive, got {max_multiple}")
+    return tuple(chunk_tokens * k for k in range(1, max_multiple + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class IntervalChoice:
+    interval: int
+    continuous_optimum: float
+    pressure_factor: float
+    cost: float
+
+
+class IntervalController:
+    """Chooses a segment's snapshot interval from ``supported`` (token counts)."""
+
+    __slots__ = ("chunk_tokens", "residence", "snapshot_tokens", "supported")
+
+    def __init__(
+        self,
+        chunk_tokens: int,
+        snapshot_tokens: float,
+        supported: Sequence[int] | None = None,
+        residence: ResidenceTracker | None = None,
+    ) -> None:
+        if snapshot_tokens <= 0:
+            raise ValueError(f"snapshot_tokens (N_s) must be positive, got {snapshot_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.snapshot_tokens = float(snapshot_tokens)
+        sup = tuple(sorted(set(supported))) if supported else supported_intervals(chunk_tokens)
+        bad = [i for i in sup if i <= 0 or i % chunk_tokens]
+        if bad:
+            raise ValueError(
+                f"supported intervals must be positive multiples of the chunk size "
+                f"{chunk_tokens}; got {bad}"
+            )
+        self.supported = sup
+        self.residence = residence if residence is not None else ResidenceTracker()
+
+    @property
+    def pressure_factor(self) -> float:
+        return self.residence.pressure_factor
+
+    def continuous_optimum(self, segment_tokens: int, factor: float | None = None) -> float:
+        f = self.pressure_factor if factor is None else factor
+        return math.sqrt(2.0 * segment_tokens * self.snapshot_tokens * f)
+
+    def cost(self, interval: int, segment_tokens: int, factor: float | None = None) -> float:
+        """The paper's model: ``I/2`` expected recompute + ``F · N_s · L/I`` storage.
+
+        The smooth form is used on purpose: its minimiser over the supported set is the
+        supported interval next to ``I*`` on the convex curve, which is how the paper
+        states the rule, and it does not flip between neighbours on rounding artefacts of
+        where the segment happens to end.
+        """
+        f = self.pressure_factor if factor is None else factor
+        if segment_tokens <= 0:
+            return 0.0
+        return interval / 2.0 + f * self.snapshot_tokens * segment_tokens / interval
+
+    def choose(self, segment_tokens: int, factor: float | None = None) -> IntervalChoice:
+        f = self.pressure_factor if factor is None else factor
+        best = min(self.supported, key=lambda i: (self.cost(i, segment_tokens, f), i))
+        return IntervalChoice(
+            interval=best,
+            continuous_optimum=self.continuous_optimum(segment_tokens, f),
+            pressure_factor=f,
+            cost=self.cost(best, segment_tokens, f),
+        )
+
+    def boundaries(
+        self, start_tokens: int, end_tokens: int, factor: float | None = None
+    ) -> list[int]:
+        """Token positions (chunk-aligned, in ``(start, end]``) whose states to save.
+
+        ``end_tokens`` is rounded down to the chunk grid: states exist only at chunk ends.
+        The last one is the segment's final snapshot and is always included.
+        """
+        end = end_tokens - end_tokens % self.chunk_tokens
+        # The previous segment's final state sits on the chunk grid at or below its end.
+        start = start_tokens - start_tokens % self.chunk_tokens
+        if end <= start:
+            return []
+        interval = self.choose(end - start, factor).interval
+        points = list(range(start + interval, end, interval))
+        points.append(end)
+        return points

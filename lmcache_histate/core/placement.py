@@ -1,0 +1,322 @@
+"""Tier placement and byte accounting: where each object lives, and who leaves when full.
+
+Tiers are ordered fast → slow (e.g. ``cpu``, ``disk``). The paper's placement:
+
+* KV chunks go to the KV tier (CPU) first; when it is full the units with the lowest
+  ``H`` there are *demoted* one tier down, so colder KV reaches disk only when CPU
+  memory is full;
+* intermediate snapshots go to the snapshot tier (disk) as objects of their own;
+* each session's final snapshot goes to the final tier (CPU), optionally with a copy on
+  the snapshot tier (write-through, as the LMCache backend does for durability), and
+  moves down when a newer final snapshot replaces it;
+* a unit leaving the last tier leaves the cache (its KV and snapshot are dropped).
+
+A demotion must not push out better units: the lower tier only makes room by evicting
+units whose ``H`` is below the demoted unit's; if that is not enough, the demoted unit
+is dropped instead. Capacities are never exceeded; ``check()`` recomputes the accounting.
+
+Every byte movement is reported to a ``PlacementListener`` so that the live backend can
+move or delete the real objects and counters can be kept, while the simulator only
+counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .eviction import EvictionQueue
+from .index import Node, PrefixIndex
+from .interval import ResidenceTracker
+from .units import unit_nodes
+
+__all__ = ["KV", "SNAPSHOT", "PlacementListener", "PlacementRules", "TierSpec", "TieredStore"]
+
+KV = "kv"
+SNAPSHOT = "snapshot"
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise ValueError(f"tier {self.name!r}: capacity must be ≥ 0, got {self.capacity}")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRules:
+    """Home tier (index) of each kind of object."""
+
+    kv_tier: int = 0
+    snapshot_tier: int = 1
+    final_tier: int = 0
+    final_copy_tier: int | None = None
+
+
+class PlacementListener(Protocol):
+    def moved(self, node: Node, part: str, src: int, dst: int) -> None: ...
+    def stored(self, node: Node, part: str, tier: int) -> None: ...
+    def dropped(self, node: Node, part: str, tiers: int) -> None: ...
+
+
+class _NullListener:
+    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
+        pass
+
+    def stored(self, node: Node, part: str, tier: int) -> None:
+        pass
+
+    def dropped(self, node: Node, part: str, tiers: int) -> None:
+        pass
+
+
+class TieredStore:
+    """Applies placement to the index, keeps per-tier byte counts, runs evictions."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        queue: EvictionQueue,
+        tiers: Sequence[TierSpec],
+        rules: PlacementRules | None = None,
+        residence: ResidenceTracker | None = None,
+        listener: PlacementListener | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("at least one tier is needed")
+        if len(queue.heaps) != len(tiers):
+            raise ValueError("the eviction queue must have one heap per tier")
+        self.index = index
+        self.queue = queue
+        self.tiers = tuple(tiers)
+        self.rules = rules if rules is not None else PlacementRules()
+        for field in ("kv_tier", "snapshot_tier", "final_tier"):
+            value = getattr(self.rules, field)
+            if not 0 <= value < len(self.tiers):
+                raise ValueError(f"placement {field}={value} is not a tier index")
+        self.residence = residence if residence is not None else ResidenceTracker()
+        self.listener: PlacementListener = listener if listener is not None else _NullListener()
+        self.used = [0] * len(self.tiers)
+        self.dropped_units = 0
+
+    def free(self, tier: int) -> int:
+        return self.tiers[tier].capacity - self.used[tier]
+
+    # ------------------------------------------------------------------ stores
+    def store_kv(self, node: Node, nbytes: int, now: float) -> bool:
+        """Cache the KV of ``node``'s chunk; False if it could not be placed."""
+        if node.kv_tiers:
+            return True
+        parent = node.parent
+        assert parent is not None
+        if parent.depth >= 0 and not parent.kv_tiers:
+            return False
+        tier = self._place(self.rules.kv_tier, nbytes, now, protect=parent)
+        if tier is None:
+            return False
+        self.index.set_kv(node, 1 << tier, nbytes, now)
+        self.used[tier] += nbytes
+        self.listener.stored(node, KV, tier)
+        self.queue.update_around(node)
+        return True
+
+    def store_snapshot(self, node: Node, nbytes: int, now: float, *, final: bool) -> bool:
+        """Cache the recurrent state after ``node``'s chunk (its KV must be cached)."""
+        if node.snap_tiers or not node.kv_tiers:
+            return bool(node.snap_tiers)
+        home = self.rules.final_tier if final else self.rules.snapshot_tier
+        mask = 0
+        node.pins += 1
+        try:
+            tier = self._place(home, nbytes, now, protect=node)
+            if tier is not None:
+                mask |= 1 << tier
+            copy = self.rules.final_copy_tier
+            wants_copy = final and copy is not None and copy != tier and node.kv_tiers
+            if wants_copy and copy is not None and self.make_room(copy, nbytes, now):
+                mask |= 1 << copy
+        finally:
+            node.pins -= 1
+        if not mask or not node.kv_tiers:
+            return False
+        self.index.set_snapshot(node, mask, nbytes, now)
+        for tier in _bits(mask):
+            self.used[tier] += nbytes
+            self.listener.stored(node, SNAPSHOT, tier)
+        self.queue.update_around(node)
+        return True
+
+    def retire_final(self, node: Node, now: float) -> None:
+        """``node``'s snapshot stopped being a session's final one: move it to its home.
+
+        A snapshot pinned by an in-flight load stays where it is (moving it would race
+        the read); it is then an ordinary unit on the fast tier and leaves it through the
+        eviction queue like any other.
+        """
+        if node.pins:
+            return
+        home = self.rules.snapshot_tier
+        if not node.snap_tiers or node.snap_tiers & (1 << home):
+            # Already on the snapshot tier: fast-tier copies are just released.
+            for tier in _bits(node.snap_tiers & ~(1 << home)):
+                self._release_snapshot_copy(node, tier)
+            return
+        for tier in _bits(node.snap_tiers):
+            self._move_snapshot(node, tier, home, now)
+            break
+
+    def _place(self, tier: int, nbytes: int, now: float, protect: Node) -> int | None:
+        """First tier from ``tier`` down that can take ``nbytes`` after evictions."""
+        protect.pins += 1
+        try:
+            for t in range(tier, len(self.tiers)):
+                if nbytes <= self.tiers[t].capacity and self.make_room(t, nbytes, now):
+                    return t
+            return None
+        finally:
+            protect.pins -= 1
+
+    # --------------------------------------------------------------- eviction
+    def make_room(self, tier: int, need: int, now: float, below: float | None = None) -> bool:
+        """Evict (demote or drop) units from ``tier`` until ``need`` bytes are free."""
+        if need > self.tiers[tier].capacity:
+            return False
+        while self.free(tier) < need:
+            found = self.queue.victim(tier, below)
+            if found is None:
+                return False
+            anchor, rank = found
+            self.evict(anchor, tier, now, rank)
+        return True
+
+    def evict(self, anchor: Node, tier: int, now: float, rank: float | None = None) -> None:
+        """Push the unit at ``anchor`` out of ``tier``: one tier down, or out of the cache."""
+        lower = tier + 1
+        if lower >= len(self.tiers):
+            self.drop(anchor, now)
+            return
+        for _ in range(3):
+            # Making room below can reshape this unit (an evicted snapshot above it
+            # lengthens its tail), so its extent is re-read after every attempt.
+            snap, chain = unit_nodes(anchor)
+            if self.queue.pinned(anchor) or (snap is None and not chain):
+                return
+            need = sum(n.kv_bytes for n in chain if _only_on(n.kv_tiers, tier, lower))
+            if snap is not None and _only_on(snap.snap_tiers, tier, lower):
+                need += snap.snap_bytes
+            if self.free(lower) >= need:
+                for node in chain:
+                    if node.kv_tiers & (1 << tier):
+                        self._relocate(node, KV, tier, lower)
+                if snap is not None and snap.snap_tiers & (1 << tier):
+                    self._relocate(snap, SNAPSHOT, tier, lower)
+                self.queue.update_around(anchor)
+                return
+            anchor.pins += 1
+            try:
+                ok = self.make_room(lower, need, now, below=rank)
+            finally:
+                anchor.pins -= 1
+            if not ok:
+                break
+        if not self.queue.pinned(anchor):
+            self.drop(anchor, now)
+
+    def drop(self, anchor: Node, now: float) -> None:
+        """Remove the unit at ``anchor`` from every tier."""
+        snap, chain = unit_nodes(anchor)
+        self.dropped_units += 1
+        if snap is not None:
+            self.residence.observe_snapshot(now - snap.snap_since)
+            self._forget_snapshot(snap)
+        for node in chain:  # leaf first, so KV stays prefix-closed
+            self.residence.observe_kv(now - node.kv_since)
+            for tier in _bits(node.kv_tiers):
+                self.used[tier] -= node.kv_bytes
+            self.listener.dropped(node, KV, node.kv_tiers)
+            self.index.clear_kv(node)
+            self.queue.remove(node)
+        top = chain[-1] if chain else anchor
+        parent = top.parent
+        self.queue.update_around(top)
+        for node in chain:
+            self.queue.remove(node)
+        if chain:
+            self.index.prune(anchor)
+        if parent is not None and parent.depth >= 0 and parent.key in self.index.nodes:
+            self.queue.update_around(parent)
+
+    def _forget_snapshot(self, node: Node) -> None:
+        for tier in _bits(node.snap_tiers):
+            self.used[tier] -= node.snap_bytes
+        self.listener.dropped(node, SNAPSHOT, node.snap_tiers)
+        self.index.clear_snapshot(node)
+        self.queue.update_around(node)
+
+    def _release_snapshot_copy(self, node: Node, tier: int) -> None:
+        node.snap_tiers &= ~(1 << tier)
+        self.used[tier] -= node.snap_bytes
+        self.listener.dropped(node, SNAPSHOT, 1 << tier)
+        self.queue.update(node)
+
+    def _move_snapshot(self, node: Node, src: int, dst: int, now: float) -> None:
+        rank = self.queue.rank(node, src)
+        node.pins += 1
+        try:
+            ok = self.make_room(dst, node.snap_bytes, now, below=rank)
+        finally:
+            node.pins -= 1
+        if ok:
+            self._relocate(node, SNAPSHOT, src, dst)
+            self.queue.update_around(node)
+        else:
+            self.residence.observe_snapshot(now - node.snap_since)
+            self._forget_snapshot(node)
+
+    def _relocate(self, node: Node, part: str, src: int, dst: int) -> None:
+        nbytes = node.kv_bytes if part == KV else node.snap_bytes
+        mask = node.kv_tiers if part == KV else node.snap_tiers
+        if not mask & (1 << dst):
+            self.used[dst] += nbytes
+            self.listener.moved(node, part, src, dst)
+        else:
+            self.listener.dropped(node, part, 1 << src)
+        self.used[src] -= nbytes
+        mask = (mask & ~(1 << src)) | (1 << dst)
+        if part == KV:
+            node.kv_tiers = mask
+        else:
+            node.snap_tiers = mask
+
+    # ----------------------------------------------------------------- checks
+    def check(self) -> None:
+        """Recount bytes per tier from the index and assert capacities (O(n); tests)."""
+        counted = [0] * len(self.tiers)
+        for node in self.index.nodes.values():
+            for t in _bits(node.kv_tiers):
+                counted[t] += node.kv_bytes
+            for t in _bits(node.snap_tiers):
+                counted[t] += node.snap_bytes
+        assert counted == self.used, (counted, self.used)
+        for t, spec in enumerate(self.tiers):
+            assert 0 <= self.used[t] <= spec.capacity, (spec, self.used[t])
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    t = 0
+    while mask:
+        if mask & 1:
+            out.append(t)
+        mask >>= 1
+        t += 1
+    return out
+
+
+def _only_on(mask: int, tier: int, lower: int) -> bool:
+    """The part has a copy on ``tier`` that must be moved (none on ``lower`` yet)."""
+    return bool(mask & (1 << tier)) and not mask & (1 << lower)

@@ -1,0 +1,150 @@
+"""Eviction units and their expected recompute cost ``C``.
+
+The eviction queue ranks *units*, not raw objects, because objects are only worth
+something together:
+
+* **snapshot unit** — an intermediate snapshot (its node has KV descendants). Evicting
+  it alone is safe: a hit that would have used it falls back to the previous kept
+  snapshot on the same prefix.
+* **bundle** — a KV leaf that holds a snapshot: the last KV segment (from the nearest
+  ancestor that holds a snapshot or where the prefix branches, exclusive, down to the
+  leaf) plus the snapshot at its end. This is the paper's per-session *final bundle*;
+  its KV is useless without its snapshot and vice versa, so they go together.
+* **dead tail** — a KV leaf without a snapshot, with the same KV segment: no hit can
+  ever land in it (hits need a snapshot), so its expected cost is zero.
+
+Cold sessions (our choice where the paper is silent): once a session's final bundle is
+evicted, the previous intermediate snapshot becomes the end of a KV leaf, i.e. the anchor
+of a new bundle made of the preceding segment. A cold prefix therefore peels off from
+its tail one snapshot interval at a time, each step priced like any other unit, and the
+shared parts of branched prefixes stay as long as any branch below them does.
+
+``C`` (expected extra recompute tokens per access if the unit goes) weights hit
+positions as the paper does: every live session is equally likely to be accessed next;
+with probability ``p_end`` (an EMA over observed accesses) the access continues the
+session's context from its end, otherwise it lands uniformly on an internal position of
+the session's context. Removing the snapshot at ``p`` whose previous kept snapshot on the
+prefix is at ``p_prev`` makes every hit position in ``[p, next kept snapshot)`` fall back
+by ``p - p_prev`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from enum import Enum
+
+from .index import Node
+
+__all__ = [
+    "HitModel",
+    "UnitKind",
+    "expected_recompute",
+    "snapshot_ancestor",
+    "tail_chain",
+    "unit_kind",
+    "unit_nodes",
+]
+
+
+class UnitKind(Enum):
+    SNAPSHOT = "snapshot"
+    BUNDLE = "bundle"
+    DEAD = "dead"
+
+
+class HitModel:
+    """Online estimate of how accesses are spread over a session's context."""
+
+    __slots__ = ("alpha", "end_probability", "samples")
+
+    def __init__(self, alpha: float = 0.05, prior: float = 0.9) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior}")
+        self.alpha = alpha
+        self.end_probability = prior
+        self.samples = 0
+
+    def observe(self, at_end: bool) -> None:
+        """Record whether an access continued its session from the end of its context."""
+        self.end_probability += self.alpha * ((1.0 if at_end else 0.0) - self.end_probability)
+        self.samples += 1
+
+
+def is_kv_leaf(node: Node) -> bool:
+    return node.kv_tiers != 0 and node.kv_children == 0
+
+
+def unit_kind(node: Node) -> UnitKind | None:
+    """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
+    if is_kv_leaf(node):
+        return UnitKind.BUNDLE if node.snap_tiers else UnitKind.DEAD
+    if node.snap_tiers:
+        return UnitKind.SNAPSHOT
+    return None
+
+
+def tail_chain(leaf: Node) -> Iterator[Node]:
+    """KV nodes freed with the tail unit anchored at ``leaf`` (leaf first)."""
+    node = leaf
+    while True:
+        yield node
+        parent = node.parent
+        if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
+            return
+        node = parent
+
+
+def unit_nodes(anchor: Node) -> tuple[Node | None, list[Node]]:
+    """``(snapshot node or None, KV nodes)`` evicted together with the unit at ``anchor``."""
+    kind = unit_kind(anchor)
+    if kind is None:
+        return None, []
+    if kind is UnitKind.SNAPSHOT:
+        return anchor, []
+    return (anchor if kind is UnitKind.BUNDLE else None), list(tail_chain(anchor))
+
+
+def snapshot_ancestor(node: Node) -> Node | None:
+    parent = node.parent
+    while parent is not None and parent.depth >= 0:
+        if parent.snap_tiers:
+            return parent
+        parent = parent.parent
+    return None
+
+
+def expected_recompute(
+    node: Node, chunk_tokens: int, end_probability: float, num_sessions: int
+) -> float:
+    """``C`` of the snapshot at ``node``: expected extra recompute tokens per access.
+
+    Walks the snapshot's *zone* (descendants reachable without crossing another
+    snapshot): sessions ending in the zone lose ``p - p_prev`` on end accesses and on
+    internal hits in ``[p, P_s)``; sessions passing a boundary snapshot at ``q`` lose it
+    on internal hits in ``[p, q)``, whose mass is ``(q - p) · weight(q)``.
+    """
+    if not node.snap_tiers or num_sessions <= 0:
+        return 0.0
+    p = (node.depth + 1) * chunk_tokens
+    prev = snapshot_ancestor(node)
+    delta = p - (0 if prev is None else (prev.depth + 1) * chunk_tokens)
+    internal = 0.0
+    ends = 0
+    stack = [node]
+    while stack:
+        q = stack.pop()
+        if q.ends:
+            for session in q.ends:
+                if session.end_tokens > p:
+                    internal += (session.end_tokens - p) / session.end_tokens
+                ends += 1
+        if q.children:
+            for child in q.children.values():
+                if child.snap_tiers:
+                    internal += ((child.depth + 1) * chunk_tokens - p) * child.weight
+                else:
+                    stack.append(child)
+    mass = (1.0 - end_probability) * internal + end_probability * ends
+    return delta * mass / num_sessions
