@@ -1,0 +1,145 @@
+"""The interface between the simulator's server model and a caching policy.
+
+The server model asks a policy two things per request: what hits when the request is
+scheduled (``begin``: tokens the engine can skip and the bytes it must read from each
+tier), and what it stores once its prefill is done (``complete``: bytes written per
+tier). HiState and its ablations are the real policy core (``HiStateCache``) behind this
+interface; baselines implement it with their own (documented) rules.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..core.cache import CacheConfig, HiStateCache, RequestHandle
+from ..core.index import Node
+from ..core.placement import SNAPSHOT, PlacementRules, TierSpec
+from .traces import Request
+
+__all__ = ["HiStatePolicy", "Lookup", "Policy", "TierCounter"]
+
+
+@dataclass(slots=True)
+class Lookup:
+    """What a request finds when it is scheduled.
+
+    ``hit_tokens``: prompt tokens not recomputed (a state must exist there);
+    ``load_bytes``: bytes read per tier name to resume (GPU-resident reads are free in
+    the cost model but reported); ``handle``: the policy's own token for ``complete``.
+    """
+
+    hit_tokens: int
+    load_bytes: dict[str, int] = field(default_factory=dict)
+    handle: Any = None
+
+
+class Policy(Protocol):
+    name: str
+
+    def begin(self, request: Request, now: float) -> Lookup: ...
+
+    def complete(self, request: Request, lookup: Lookup, now: float) -> dict[str, int]:
+        """Store what the request computed; returns bytes written per tier name."""
+        ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+class TierCounter:
+    """Placement listener that counts bytes written to / dropped from each tier."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.written: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.snapshots_dropped = 0
+
+    def _nbytes(self, node: Node, part: str) -> int:
+        return node.snap_bytes if part == SNAPSHOT else node.kv_bytes
+
+    def stored(self, node: Node, part: str, tier: int) -> None:
+        self.written[self.names[tier]] += self._nbytes(node, part)
+
+    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
+        self.written[self.names[dst]] += self._nbytes(node, part)
+
+    def dropped(self, node: Node, part: str, tiers: int) -> None:
+        for t, name in enumerate(self.names):
+            if tiers & (1 << t):
+                self.dropped[name] += self._nbytes(node, part)
+        if part == SNAPSHOT:
+            self.snapshots_dropped += 1
+
+
+def _fastest(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
+
+
+class HiStatePolicy:
+    """The policy core itself, driven by the simulator (HiState and its ablations)."""
+
+    def __init__(self, name: str, config: CacheConfig) -> None:
+        self.name = name
+        self.tier_names = [t.name for t in config.tiers]
+        self.counter = TierCounter(self.tier_names)
+        self.cache = HiStateCache(config, listener=self.counter)
+        self._written_before: Counter[str] = Counter()
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        *,
+        chunk_tokens: int,
+        kv_bytes_per_token: int,
+        snapshot_bytes: int,
+        tiers: list[tuple[str, int]],
+        rules: PlacementRules,
+        **knobs: Any,
+    ) -> HiStatePolicy:
+        return cls(
+            name,
+            CacheConfig(
+                chunk_tokens=chunk_tokens,
+                kv_chunk_bytes=chunk_tokens * kv_bytes_per_token,
+                snapshot_bytes=snapshot_bytes,
+                tiers=tuple(TierSpec(n, c) for n, c in tiers),
+                rules=rules,
+                **knobs,
+            ),
+        )
+
+    def begin(self, request: Request, now: float) -> Lookup:
+        handle = self.cache.begin(request.session_id, request.chunk_hashes, now)
+        loads: Counter[str] = Counter()
+        hit = handle.match.hit_chunks
+        if hit:
+            for node in self.cache.index.walk(request.chunk_hashes[:hit]):
+                loads[self.tier_names[_fastest(node.kv_tiers)]] += node.kv_bytes
+            snap = handle.match.hit_node
+            assert snap is not None
+            loads[self.tier_names[_fastest(snap.snap_tiers)]] += snap.snap_bytes
+        return Lookup(hit * self.cache.config.chunk_tokens, dict(loads), handle)
+
+    def complete(self, request: Request, lookup: Lookup, now: float) -> dict[str, int]:
+        handle: RequestHandle = lookup.handle
+        before = Counter(self.counter.written)
+        self.cache.complete(handle, request.input_tokens, now)
+        after = self.counter.written
+        return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+    def stats(self) -> dict[str, float]:
+        cache = self.cache
+        out: dict[str, float] = {
+            "pressure_factor": cache.interval.pressure_factor,
+            "end_probability": cache.hit_model.end_probability,
+            "dropped_units": float(cache.store.dropped_units),
+            "snapshots_dropped": float(self.counter.snapshots_dropped),
+        }
+        for name, used in zip(self.tier_names, cache.store.used, strict=True):
+            out[f"used_{name}"] = float(used)
+        for name in self.tier_names:
+            out[f"written_{name}"] = float(self.counter.written[name])
+        return out
