@@ -52,23 +52,23 @@ class TierCounter:
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
-        self.written: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
+        self.written_bytes: Counter[str] = Counter()
+        self.dropped_bytes: Counter[str] = Counter()
         self.snapshots_dropped = 0
 
     def _nbytes(self, node: Node, part: str) -> int:
         return node.snap_bytes if part == SNAPSHOT else node.kv_bytes
 
     def stored(self, node: Node, part: str, tier: int) -> None:
-        self.written[self.names[tier]] += self._nbytes(node, part)
+        self.written_bytes[self.names[tier]] += self._nbytes(node, part)
 
     def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self.written[self.names[dst]] += self._nbytes(node, part)
+        self.written_bytes[self.names[dst]] += self._nbytes(node, part)
 
     def dropped(self, node: Node, part: str, tiers: int) -> None:
         for t, name in enumerate(self.names):
             if tiers & (1 << t):
-                self.dropped[name] += self._nbytes(node, part)
+                self.dropped_bytes[name] += self._nbytes(node, part)
         if part == SNAPSHOT:
             self.snapshots_dropped += 1
 
@@ -85,7 +85,6 @@ class HiStatePolicy:
         self.tier_names = [t.name for t in config.tiers]
         self.counter = TierCounter(self.tier_names)
         self.cache = HiStateCache(config, listener=self.counter)
-        self._written_before: Counter[str] = Counter()
 
     @classmethod
     def build(
@@ -125,9 +124,9 @@ class HiStatePolicy:
 
     def complete(self, request: Request, lookup: Lookup, now: float) -> dict[str, int]:
         handle: RequestHandle = lookup.handle
-        before = Counter(self.counter.written)
+        before = Counter(self.counter.written_bytes)
         self.cache.complete(handle, request.input_tokens, now)
-        after = self.counter.written
+        after = self.counter.written_bytes
         return {name: after[name] - before[name] for name in after if after[name] != before[name]}
 
     def stats(self) -> dict[str, float]:
@@ -141,5 +140,5 @@ class HiStatePolicy:
         for name, used in zip(self.tier_names, cache.store.used, strict=True):
             out[f"used_{name}"] = float(used)
         for name in self.tier_names:
-            out[f"written_{name}"] = float(self.counter.written[name])
+            out[f"written_{name}"] = float(self.counter.written_bytes[name])
         return out
