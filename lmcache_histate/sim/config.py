@@ -1,0 +1,318 @@
+"""Simulation set-up: model geometry, tier capacities, HiState knobs and the cost model.
+
+One frozen ``SimSetup`` is what every policy (HiState variants and baselines) is built
+from, so a comparison is always between policies that see the same model, the same
+capacities and the same clock. It is read from a YAML file (``configs/sim-paper.yaml``)
+whose defaults reproduce the paper's configuration: Qwen3.5-9B on one H100, vLLM block
+(= chunk) size 528 tokens (the size vLLM forces for this model, DESIGN.md §4), GPU pool
+45 GiB, CPU 96 GiB, disk 150 GiB, at most 24 concurrent sessions.
+
+Tiers are named ``gpu``, ``cpu`` and ``disk`` everywhere (``Lookup.load_bytes`` keys,
+traffic counters, the cost model's bandwidths): a policy that reports a read from any
+other tier name is a bug and the cost model says so.
+
+Errors in a config file raise ``ConfigError`` naming the offending key, so the CLI can
+print one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..core.geometry import GeometryError, ModelGeometry, load_geometry
+
+__all__ = [
+    "DEFAULT_COST_MODEL",
+    "GIB",
+    "TIERS",
+    "ConfigError",
+    "CostModel",
+    "SimSetup",
+    "load_cost_model",
+    "load_setup",
+    "parse_bytes",
+]
+
+GIB = 1 << 30
+TIERS = ("gpu", "cpu", "disk")
+DEFAULT_COST_MODEL = "cost_model_qwen35_9b_h100.yaml"
+
+
+class ConfigError(ValueError):
+    """A simulation config or cost-model file is invalid; the message names the key."""
+
+
+# ---------------------------------------------------------------- cost model
+_COST_KEYS = (
+    "pcie_bytes_per_s",
+    "ssd_bytes_per_s",
+    "prefill_s_per_token",
+    "attention_s_per_token_pair",
+    "decode_s_per_token",
+    "request_overhead_s",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Times of the operations on a request's path (see the YAML file for the sources).
+
+    ``prefill_time(h, n)``: recomputing tokens ``[h, n)`` of an ``n``-token prompt costs a
+    linear term per token plus causal attention over every (query, key) pair,
+    ``(n² − h²) / 2`` pairs. ``load_time``: bytes per tier over that tier's bandwidth,
+    tiers read one after the other (LMCache retrieves chunk by chunk); GPU-resident
+    data is already in place and costs nothing.
+    """
+
+    name: str
+    pcie_bytes_per_s: float
+    ssd_bytes_per_s: float
+    prefill_s_per_token: float
+    attention_s_per_token_pair: float
+    decode_s_per_token: float
+    request_overhead_s: float
+
+    def __post_init__(self) -> None:
+        for key in _COST_KEYS:
+            value = getattr(self, key)
+            bandwidth = key.endswith("bytes_per_s")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not (
+                value > 0 if bandwidth else value >= 0
+            ) or not math.isfinite(value):
+                kind = "a positive number" if bandwidth else "a non-negative number"
+                raise ConfigError(f"cost model {self.name!r}: {key} must be {kind}, got {value!r}")
+
+    @property
+    def bandwidths(self) -> dict[str, float]:
+        return {"gpu": math.inf, "cpu": self.pcie_bytes_per_s, "disk": self.ssd_bytes_per_s}
+
+    def load_time(self, load_bytes: Mapping[str, int]) -> float:
+        total = 0.0
+        for tier, nbytes in load_bytes.items():
+            if tier == "gpu":
+                continue
+            if tier == "cpu":
+                total += nbytes / self.pcie_bytes_per_s
+            elif tier == "disk":
+                total += nbytes / self.ssd_bytes_per_s
+            else:
+                raise ValueError(f"unknown tier {tier!r} in load_bytes; tiers are {TIERS}")
+        return total
+
+    def prefill_time(self, hit_tokens: int, input_tokens: int) -> float:
+        h, n = hit_tokens, input_tokens
+        if n <= h:
+            return 0.0
+        return self.prefill_s_per_token * (n - h) + self.attention_s_per_token_pair * (
+            n * n - h * h
+        ) / 2.0
+
+    def decode_time(self, output_tokens: int) -> float:
+        return self.decode_s_per_token * output_tokens
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _yaml_float(value: Any) -> Any:
+    """PyYAML (YAML 1.1) reads ``5.0e9`` (no exponent sign) as a string: accept it."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _data_path(name: str) -> Path:
+    return Path(str(resources.files("lmcache_histate") / "data" / name))
+
+
+def load_cost_model(spec: str | Path = DEFAULT_COST_MODEL, base: Path | None = None) -> CostModel:
+    """A cost model from a YAML path, or the name of one shipped in ``lmcache_histate/data``.
+
+    Relative paths are resolved against ``base`` (the config file's folder) first.
+    """
+    candidates = [Path(spec)]
+    if base is not None and not Path(spec).is_absolute():
+        candidates.insert(0, base / spec)
+    name = str(spec) if str(spec).endswith((".yaml", ".yml")) else f"{spec}.yaml"
+    candidates.append(_data_path(name))
+    candidates.append(_data_path(f"cost_model_{name}"))
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise ConfigError(f"cost_model: no such file or shipped model {str(spec)!r}")
+    data = _read_yaml(path)
+    unknown = sorted(set(data) - {"name", *_COST_KEYS})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
+    missing = [k for k in _COST_KEYS if k not in data]
+    if missing:
+        raise ConfigError(f"{path}: missing key {missing[0]!r}")
+    values = {k: _yaml_float(data[k]) for k in _COST_KEYS}
+    try:
+        return CostModel(name=str(data.get("name", path.stem)), **values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+# ---------------------------------------------------------------- set-up
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*$")
+_UNITS = {
+    None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+}
+
+
+def parse_bytes(value: Any, key: str) -> int:
+    """``123``, ``"45 GiB"``, ``"96GB"`` → bytes; anything else is a ConfigError on ``key``."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    m = _SIZE.match(str(value)) if isinstance(value, str) else None
+    if m is None:
+        raise ConfigError(f"{key}: expected a byte size like 96GiB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True, slots=True)
+class SimSetup:
+    """Everything a policy and the server model are built from.
+
+    Capacities are bytes per tier. HiState knobs: ``tau`` (seconds, the eviction
+    queue's recency-vs-cost exchange rate, see ``core.eviction``), ``max_interval_multiple``
+    (the interval controller's supported set is 1..this many chunks), ``ema_alpha``
+    (residence-time and hit-position EMAs). ``max_think_s`` caps a session's idle gap
+    between requests (the Weka trace has multi-hour gaps; see ``server``). ``seed`` is
+    handed to anything random (synthetic traces, randomised baselines).
+    """
+
+    geometry: ModelGeometry
+    cost: CostModel
+    chunk_tokens: int = 528
+    gpu_bytes: int = 45 * GIB
+    cpu_bytes: int = 96 * GIB
+    disk_bytes: int = 150 * GIB
+    max_sessions: int = 24
+    tau: float = 600.0
+    max_interval_multiple: int = 64
+    ema_alpha: float = 0.05
+    max_think_s: float = 600.0
+    seed: int = 0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        positive = ("chunk_tokens", "max_sessions", "max_interval_multiple")
+        for key in positive:
+            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        for key in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"capacity.{key.removesuffix('_bytes')} must be ≥ 0")
+        if not self.tau >= 0:
+            raise ConfigError(f"histate.tau must be ≥ 0, got {self.tau!r}")
+        if not 0 < self.ema_alpha <= 1:
+            raise ConfigError(f"histate.ema_alpha must be in (0, 1], got {self.ema_alpha!r}")
+        if not self.max_think_s >= 0:
+            raise ConfigError(f"max_think_s must be ≥ 0, got {self.max_think_s!r}")
+
+    # Derived sizes every policy needs.
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.geometry.kv_bytes_per_token
+
+    @property
+    def kv_chunk_bytes(self) -> int:
+        return self.chunk_tokens * self.geometry.kv_bytes_per_token
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.geometry.snapshot_bytes
+
+    @property
+    def capacities(self) -> dict[str, int]:
+        return {"gpu": self.gpu_bytes, "cpu": self.cpu_bytes, "disk": self.disk_bytes}
+
+    def with_(self, **changes: Any) -> SimSetup:
+        """A copy with some fields replaced (capacity sweeps, tests)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def paper(cls, **changes: Any) -> SimSetup:
+        """The paper's configuration with the shipped cost model (= configs/sim-paper.yaml)."""
+        base = cls(
+            geometry=load_geometry("qwen3.5-9b"), cost=load_cost_model(), name="paper"
+        )
+        return replace(base, **changes) if changes else base
+
+
+_TOP_KEYS = {"name", "model", "chunk_tokens", "capacity", "max_sessions", "max_think_s",
+             "seed", "histate", "cost_model"}
+_HISTATE_KEYS = {"tau", "max_interval_multiple", "ema_alpha"}
+
+
+def _number(section: Mapping[str, Any], key: str, where: str, kind: type = float) -> Any:
+    value = _yaml_float(section[key]) if kind is float else section[key]
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok:
+        raise ConfigError(f"{where}{key}: expected {'an integer' if kind is int else 'a number'}, "
+                          f"got {value!r}")
+    return value
+
+
+def load_setup(path: str | Path) -> SimSetup:
+    """Read a simulation config (see ``configs/sim-paper.yaml``); absent keys = defaults."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config not found: {path}")
+    data = _read_yaml(path)
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
+    kw: dict[str, Any] = {"name": str(data.get("name", path.stem))}
+    try:
+        kw["geometry"] = load_geometry(str(data.get("model", "qwen3.5-9b")))
+    except GeometryError as e:
+        raise ConfigError(f"{path}: model: {e}") from e
+    kw["cost"] = load_cost_model(data.get("cost_model", DEFAULT_COST_MODEL), base=path.parent)
+    for key, kind in (("chunk_tokens", int), ("max_sessions", int), ("seed", int),
+                      ("max_think_s", float)):
+        if key in data:
+            kw[key] = _number(data, key, f"{path}: ", kind)
+    cap = data.get("capacity", {})
+    if not isinstance(cap, dict):
+        raise ConfigError(f"{path}: capacity: expected a mapping of tier -> size")
+    for tier, value in cap.items():
+        if tier not in TIERS:
+            raise ConfigError(f"{path}: capacity: unknown tier {tier!r}; tiers are {TIERS}")
+        kw[f"{tier}_bytes"] = parse_bytes(value, f"{path}: capacity.{tier}")
+    hs = data.get("histate", {})
+    if not isinstance(hs, dict):
+        raise ConfigError(f"{path}: histate: expected a mapping")
+    for key, value in hs.items():
+        if key not in _HISTATE_KEYS:
+            raise ConfigError(f"{path}: histate: unknown key {key!r}")
+        kind = int if key == "max_interval_multiple" else float
+        kw[key] = _number(hs, key, f"{path}: histate.", kind) if value is not None else value
+    try:
+        return SimSetup(**kw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
