@@ -181,7 +181,7 @@ class LMCacheServer:
     # -- HTTP admin API --------------------------------------------------------------------
 
     def http(self, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
-        """Call the admin API and return the decoded JSON body.
+        """Call the admin API; return the decoded JSON body (text if the body is not JSON).
 
         Raises:
             LMCacheServerError: On a non-2xx answer or a connection failure.
@@ -196,12 +196,15 @@ class LMCacheServer:
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 payload = response.read()
+                is_json = "json" in response.headers.get("Content-Type", "")
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
             raise LMCacheServerError(f"{method} {path} -> {exc.code}: {detail}") from exc
         except OSError as exc:
             raise LMCacheServerError(f"{method} {path} failed: {exc}") from exc
-        return json.loads(payload) if payload else None
+        if not payload:
+            return None
+        return json.loads(payload) if is_json else payload.decode(errors="replace")
 
     def status(self) -> dict[str, Any]:
         """``GET /status``: every component's ``report_status()`` (L1, L2, controllers...)."""
