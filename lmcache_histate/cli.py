@@ -1,0 +1,100 @@
+"""``histate`` command line: argument parsing and printing only.
+
+Subcommands (argparse sub-parsers, so more can be added next to ``simulate``):
+
+* ``histate simulate``: replay a trace through HiState, its ablations and the baselines
+  on the simulated server and print/write the comparison (``lmcache_histate.sim``).
+
+User errors (missing trace, bad config, unknown policy, corrupt trace file) print one
+line on stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "simulate",
+        help="replay a trace through HiState and the baselines on a simulated GPU server",
+        description="Trace-driven simulation of HiState vs baselines (prints a Markdown table; "
+        "writes report.md, report.json and PNG plots to --out).",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--trace", default="weka-sample",
+        help="weka-sample (embedded, default), a Weka folder or .json[.gz] file, a TraceLab "
+        ".csv or a Mooncake .jsonl[.gz]",
+    )
+    src.add_argument("--synthetic", choices=["rewrite"],
+                     help="the paper's rewrite test (16 turns x 8K tokens, 24 sessions)")
+    p.add_argument("--rewrite-share", type=float, default=0.1,
+                   help="share of rewriting requests for --synthetic rewrite (default 0.1)")
+    p.add_argument("--config", help="simulation config YAML (default: configs/sim-paper.yaml "
+                   "values, built in)")
+    p.add_argument("--policies", help="comma-separated policy names or 'all' (default: all)")
+    p.add_argument("--max-input-tokens", type=int, default=None,
+                   help="keep only sessions whose largest input is <= this (e.g. 100000)")
+    p.add_argument("--out", default="out/simulate", help="output folder (default out/simulate)")
+    p.add_argument("--seed", type=int, default=None, help="seed (synthetic traces, baselines)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also sweep CPU/disk capacity for HiState and vLLM CPU+disk offload")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip PNG plots")
+    p.add_argument("--list-policies", action="store_true", help="list policy names and exit")
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .sim.experiment import SimulateOptions, policy_names, run_simulate
+
+    if args.list_policies:
+        print("\n".join(policy_names(args.config)))
+        return 0
+    exp = run_simulate(
+        SimulateOptions(
+            trace=args.trace, synthetic=args.synthetic, rewrite_share=args.rewrite_share,
+            config=args.config, policies=args.policies, max_input_tokens=args.max_input_tokens,
+            out=args.out, seed=args.seed, sweep=args.sweep, plots=args.plots,
+        )
+    )
+    print(f"trace {exp.trace.name}: {len(exp.trace.sessions)} sessions, "
+          f"{exp.trace.num_requests} requests\n")
+    print(exp.table)
+    for kind, path in exp.paths.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="histate", description="HiState: prefix caching for hybrid attention+recurrent LLMs"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_simulate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .core.geometry import GeometryError
+    from .sim.config import ConfigError
+    from .sim.traces import TraceFormatError
+
+    try:
+        return int(args.func(args))
+    except (FileNotFoundError, ConfigError, TraceFormatError, GeometryError, ValueError) as e:
+        print(f"histate {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

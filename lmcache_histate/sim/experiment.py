@@ -1,0 +1,131 @@
+"""One ``histate simulate`` invocation as a function: set-up, trace, runs, report.
+
+Kept apart from the CLI so that benchmarks and tests call the same path the command
+does, and the CLI stays parsing plus printing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from .config import SimSetup, load_setup
+from .report import (
+    HISTATE,
+    OFFLOAD,
+    REFERENCE,
+    PolicySummary,
+    markdown,
+    reuse_sensitive,
+    summarize,
+    write_report,
+)
+from .runner import (
+    SweepPoint,
+    load_sim_trace,
+    policy_factories,
+    rewrite_trace,
+    run_policies,
+    select_policies,
+    sweep_capacity,
+)
+from .server import RunResult
+from .traces import Trace
+
+__all__ = ["Experiment", "SimulateOptions", "run_simulate"]
+
+SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
+
+
+@dataclass(slots=True)
+class SimulateOptions:
+    trace: str = "weka-sample"
+    synthetic: str | None = None
+    rewrite_share: float = 0.1
+    config: str | None = None
+    policies: str | None = None
+    max_input_tokens: int | None = None
+    out: str = "out/simulate"
+    seed: int | None = None
+    sweep: bool = False
+    plots: bool = True
+
+
+@dataclass(slots=True)
+class Experiment:
+    setup: SimSetup
+    trace: Trace
+    runs: dict[str, RunResult]
+    summaries: list[PolicySummary]
+    sensitive: int | None
+    sweep: list[SweepPoint] = field(default_factory=list)
+    paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def table(self) -> str:
+        return markdown(self.summaries)
+
+
+def _trace(opts: SimulateOptions, setup: SimSetup) -> Trace:
+    if opts.synthetic is None:
+        return load_sim_trace(opts.trace, setup, opts.max_input_tokens)
+    if opts.synthetic != "rewrite":
+        raise ValueError(f"unknown synthetic trace {opts.synthetic!r}; known: rewrite")
+    if not 0.0 <= opts.rewrite_share <= 1.0:
+        raise ValueError(f"--rewrite-share must be in [0, 1], got {opts.rewrite_share}")
+    return rewrite_trace(setup, opts.rewrite_share)
+
+
+def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Experiment:
+    """Run every selected policy on the trace and write the report into ``opts.out``."""
+    setup = load_setup(opts.config) if opts.config else SimSetup.paper()
+    if opts.seed is not None:
+        setup = setup.with_(seed=opts.seed)
+    trace = _trace(opts, setup)
+    if trace.num_requests == 0:
+        raise ValueError(f"trace {trace.name!r} has no requests (after filtering)")
+    factories = select_policies(policy_factories(setup), opts.policies)
+    runs = run_policies(trace, setup, factories, console=console)
+    sensitive = reuse_sensitive(runs)
+    summaries = summarize(runs, sensitive)
+    points: list[SweepPoint] = []
+    if opts.sweep:
+        swept = [n for n in (HISTATE, OFFLOAD) if n in policy_factories(setup)]
+        points = sweep_capacity(trace, setup, swept, SWEEP_FACTORS, console=console)
+    meta: dict[str, Any] = {
+        "trace": trace.name,
+        "sessions": len(trace.sessions),
+        "requests": trace.num_requests,
+        "max_input_tokens": opts.max_input_tokens,
+        "config": opts.config or "built-in paper set-up (configs/sim-paper.yaml)",
+        "model": setup.geometry.name,
+        "chunk_tokens": setup.chunk_tokens,
+        "capacity_gib": {k: v / (1 << 30) for k, v in setup.capacities.items()},
+        "max_sessions": setup.max_sessions,
+        "max_think_s": setup.max_think_s,
+        "session_gap_s": setup.session_gap_s,
+        "tau": setup.tau,
+        "seed": setup.seed,
+        "cost_model": setup.cost.name,
+        "reuse_sensitive_requests": len(sensitive) if sensitive is not None else None,
+        "reuse_sensitive_rows": f"{REFERENCE}, {OFFLOAD}, {HISTATE}",
+        "capped_think_gaps": max((r.capped_gaps for r in runs.values()), default=0),
+    }
+    if opts.synthetic:
+        meta["rewrite_share"] = opts.rewrite_share
+    paths = write_report(
+        Path(opts.out), summaries, meta, runs=runs, sweep=points, plots=opts.plots
+    )
+    return Experiment(
+        setup, trace, runs, summaries, len(sensitive) if sensitive is not None else None,
+        points, paths,
+    )
+
+
+def policy_names(config: str | None = None) -> Sequence[str]:
+    setup = load_setup(config) if config else SimSetup.paper()
+    return list(policy_factories(setup))

@@ -1,0 +1,324 @@
+"""Metrics, tables and plots of a simulation: what the paper reports, per policy.
+
+* **Token hit rate**: Σ hit tokens / Σ input tokens, where a hit token is one the engine
+  did not recompute (it needs a snapshot at or after it, so KV alone does not count).
+* **TTFT** mean / p50 / p95 / p99 over all requests and over the *reuse-sensitive* ones.
+  The paper's definition, applied per request (identified by session and index): a
+  request is reuse-sensitive if its hit rate under vLLM with CPU+disk offload is ≥ 5
+  points below the unlimited cache's, or if HiState's and vLLM CPU+disk offload's hit
+  rates differ by ≥ 5 points. It needs those three rows; without them it is omitted.
+* **Speedups vs HiState**: baseline statistic / HiState statistic (> 1: HiState faster).
+* **Tier traffic**: bytes read per tier (loads on hits) and written per tier (stores,
+  demotions) over the run.
+
+Percentiles interpolate linearly between order statistics (numpy's default), so small
+request sets give stable numbers. Plots need matplotlib (the ``sim`` extra) and are
+drawn with the Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .server import RequestResult, RunResult
+
+__all__ = [
+    "HISTATE",
+    "OFFLOAD",
+    "REFERENCE",
+    "PolicySummary",
+    "TtftStats",
+    "markdown",
+    "percentile",
+    "plot_cdf",
+    "plot_sweep",
+    "reuse_sensitive",
+    "summarize",
+    "token_hit_rate",
+    "write_report",
+]
+
+HISTATE = "histate"
+REFERENCE = "unlimited"
+OFFLOAD = "vllm-cpu-disk"
+SENSITIVE_POINTS = 0.05
+GIB = float(1 << 30)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """``q``-th percentile (0–100) of already sorted values, linear interpolation."""
+    n = len(sorted_values)
+    if n == 0:
+        return math.nan
+    pos = (n - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def token_hit_rate(results: Iterable[RequestResult]) -> float:
+    hit = total = 0
+    for r in results:
+        hit += r.hit_tokens
+        total += r.input_tokens
+    return hit / total if total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TtftStats:
+    n: int
+    mean: float
+    p50: float
+    p95: float
+    p99: float
+
+    @classmethod
+    def of(cls, ttfts: Iterable[float]) -> TtftStats | None:
+        values = sorted(ttfts)
+        if not values:
+            return None
+        return cls(
+            len(values), sum(values) / len(values), percentile(values, 50),
+            percentile(values, 95), percentile(values, 99),
+        )
+
+    def ratio(self, base: TtftStats) -> dict[str, float]:
+        """self / base per statistic (how many times slower than ``base``)."""
+        out = {}
+        for key in ("mean", "p50", "p95", "p99"):
+            b = getattr(base, key)
+            out[key] = getattr(self, key) / b if b > 0 else math.nan
+        return out
+
+
+@dataclass(slots=True)
+class PolicySummary:
+    name: str
+    requests: int
+    token_hit_rate: float
+    ttft: TtftStats
+    sensitive: TtftStats | None = None
+    rewriting: TtftStats | None = None
+    speedup: dict[str, float] = field(default_factory=dict)
+    speedup_sensitive: dict[str, float] = field(default_factory=dict)
+    read_bytes: dict[str, int] = field(default_factory=dict)
+    written_bytes: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+    makespan_s: float = 0.0
+    wall_s: float = 0.0
+    capped_gaps: int = 0
+
+
+def reuse_sensitive(
+    runs: Mapping[str, RunResult],
+    histate: str = HISTATE,
+    offload: str = OFFLOAD,
+    reference: str = REFERENCE,
+    points: float = SENSITIVE_POINTS,
+) -> set[tuple[str, int]] | None:
+    """Keys (session, index) of the reuse-sensitive requests; None without the three rows."""
+    if not all(n in runs for n in (histate, offload, reference)):
+        return None
+    rate = {n: {r.key: r.hit_rate for r in runs[n].results} for n in (histate, offload, reference)}
+    out = set()
+    eps = 1e-9  # hit rates are ratios of ints: "≥ 5 points" must not miss 0.05 on rounding
+    for key, off in rate[offload].items():
+        below_reference = rate[reference][key] - off >= points - eps
+        differs = abs(rate[histate][key] - off) >= points - eps
+        if below_reference or differs:
+            out.add(key)
+    return out
+
+
+def summarize(
+    runs: Mapping[str, RunResult],
+    sensitive: set[tuple[str, int]] | None,
+    histate: str = HISTATE,
+) -> list[PolicySummary]:
+    """One summary per run, in the runs' order, with speedups against ``histate``."""
+    out = []
+    for name, run in runs.items():
+        res = run.results
+        read: Counter[str] = Counter()
+        written: Counter[str] = Counter()
+        for r in res:
+            read.update(r.load_bytes)
+            written.update(r.written_bytes)
+        ttft = TtftStats.of(r.ttft for r in res)
+        if ttft is None:
+            raise ValueError(f"policy {name!r} completed no request")
+        out.append(
+            PolicySummary(
+                name=name,
+                requests=len(res),
+                token_hit_rate=token_hit_rate(res),
+                ttft=ttft,
+                sensitive=TtftStats.of(r.ttft for r in res if r.key in sensitive)
+                if sensitive is not None else None,
+                rewriting=TtftStats.of(r.ttft for r in res if r.rewrite),
+                read_bytes=dict(sorted(read.items())),
+                written_bytes=dict(sorted(written.items())),
+                stats=dict(run.stats),
+                makespan_s=run.makespan,
+                wall_s=run.wall_s,
+                capped_gaps=run.capped_gaps,
+            )
+        )
+    base = next((s for s in out if s.name == histate), None)
+    if base is not None:
+        for s in out:
+            s.speedup = s.ttft.ratio(base.ttft)
+            if s.sensitive is not None and base.sensitive is not None:
+                s.speedup_sensitive = s.sensitive.ratio(base.sensitive)
+    return out
+
+
+# ---------------------------------------------------------------- output
+def _f(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(summaries: Sequence[PolicySummary]) -> str:
+    """The results as Markdown: TTFT table, reuse-sensitive/rewrite table, traffic table."""
+    lines = [
+        "| policy | token hit % | TTFT mean (s) | p50 | p95 | p99 | p99 ×HiState | mean ×HiState |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        t = s.ttft
+        lines.append(
+            f"| {s.name} | {100 * s.token_hit_rate:.2f} | {_f(t.mean)} | {_f(t.p50)} | "
+            f"{_f(t.p95)} | {_f(t.p99)} | {_f(s.speedup.get('p99'), 2)} | "
+            f"{_f(s.speedup.get('mean'), 2)} |"
+        )
+    if any(s.sensitive for s in summaries):
+        n = next(s.sensitive.n for s in summaries if s.sensitive)
+        lines += [
+            "",
+            f"Reuse-sensitive requests ({n}):",
+            "",
+            "| policy | mean (s) | p50 | p95 | p99 | p99 ×HiState | mean ×HiState |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for s in summaries:
+            t = s.sensitive
+            if t is None:
+                continue
+            lines.append(
+                f"| {s.name} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p95)} | {_f(t.p99)} | "
+                f"{_f(s.speedup_sensitive.get('p99'), 2)} | "
+                f"{_f(s.speedup_sensitive.get('mean'), 2)} |"
+            )
+    if any(s.rewriting for s in summaries):
+        lines += ["", "Rewriting requests:", "", "| policy | n | mean TTFT (s) | p50 | p99 |",
+                  "|---|---:|---:|---:|---:|"]
+        for s in summaries:
+            if s.rewriting is not None:
+                t = s.rewriting
+                lines.append(f"| {s.name} | {t.n} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p99)} |")
+    tiers = ("gpu", "cpu", "disk")
+    lines += [
+        "",
+        "Tier traffic (GiB):",
+        "",
+        "| policy | read cpu | read disk | written gpu | written cpu | written disk |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        r = [s.read_bytes.get(t, 0) / GIB for t in tiers[1:]]
+        w = [s.written_bytes.get(t, 0) / GIB for t in tiers]
+        lines.append(f"| {s.name} | " + " | ".join(f"{v:.1f}" for v in (*r, *w)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_report(
+    out_dir: Path,
+    summaries: Sequence[PolicySummary],
+    meta: Mapping[str, Any],
+    *,
+    runs: Mapping[str, RunResult] | None = None,
+    sweep: Sequence[Any] = (),
+    plots: bool = True,
+) -> dict[str, Path]:
+    """Write ``report.md``, ``report.json`` and (``plots``) PNGs into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out_dir / "report.md", "json": out_dir / "report.json"}
+    head = [f"# Simulation: {meta.get('trace', '?')}", ""]
+    head += [f"* {k}: {v}" for k, v in meta.items() if k != "trace"]
+    paths["markdown"].write_text("\n".join(head) + "\n\n" + markdown(summaries))
+    doc = {
+        "meta": dict(meta),
+        "policies": [asdict(s) for s in summaries],
+        "sweep": [asdict(p) for p in sweep],
+    }
+    paths["json"].write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
+    if plots and runs is not None:
+        paths["cdf"] = plot_cdf(runs, out_dir / "ttft_cdf.png")
+    if plots and sweep:
+        paths["sweep"] = plot_sweep(sweep, out_dir / "hit_rate_vs_capacity.png")
+    return paths
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
+    """TTFT CDF per policy (log x axis: TTFTs span milliseconds to minutes)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in runs.items():
+        xs = sorted(max(r.ttft, 1e-4) for r in run.results)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=name, lw=2.2 if name == HISTATE else 1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(points: Sequence[Any], path: Path) -> Path:
+    """Token hit rate and p99 TTFT vs CPU+disk capacity, one line per policy."""
+    plt = _pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(p.policy for p in points):
+        pts = sorted((p for p in points if p.policy == name), key=lambda p: p.factor)
+        xs = [(p.cpu_bytes + p.disk_bytes) / GIB for p in pts]
+        a1.plot(xs, [100 * p.token_hit_rate for p in pts], marker="o", label=name)
+        a2.plot(xs, [p.ttft_p99 for p in pts], marker="o", label=name)
+    for ax, label in ((a1, "token hit rate (%)"), (a2, "p99 TTFT (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CPU + disk capacity (GiB, scaled together)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,98 @@
+"""HiState and its ablations: configurations of the REAL policy core (``HiStateCache``).
+
+Every variant is ``HiStatePolicy`` over the same three tiers and differs only in the
+knobs the paper ablates, so a difference between two rows is the effect of that knob:
+
+=================  ==========================================================================
+``histate``        the full design: unified H-queue (``tau`` from the set-up), refresh-all,
+                   online interval controller.
+``histate-lru``    the paper's "file-level LRU eviction" ablation: ``tau = 0`` (the H-queue
+                   degenerates to LRU over units) and no refresh-all (a hit refreshes only
+                   the unit it loaded). Interval control and tiering unchanged.
+``histate-align``  snapshots only where vLLM's align mode keeps them
+                   (``prefix_cache_retention_interval = 0``): each segment's final one,
+                   i.e. ``fixed_interval = 0``.
+``histate-every32`` a snapshot every 32 chunks (the paper's "every 32 blocks").
+=================  ==========================================================================
+
+**The tiers and the GPU's role** (the same model must be used by the vLLM offload
+baselines for a fair comparison; see ``TIER_MODEL``). Tiers are ``gpu`` → ``cpu`` →
+``disk``, exclusive, with demotion:
+
+* KV chunks are computed on the GPU and stay in its pool (vLLM's prefix cache) first;
+  when the pool is full the lowest-ranked units are demoted to CPU memory (LMCache L1),
+  and from there to disk when CPU memory is full; a unit leaving the disk leaves the
+  cache. Each byte is resident on exactly one tier, so the cache holds up to
+  gpu + cpu + disk bytes.
+* A session's final snapshot stays with its KV in fast memory (GPU, then CPU when
+  demoted with its bundle); intermediate snapshots and retired final ones go to disk.
+* A hit reads the KV of every hit chunk and one snapshot from wherever they are; reads
+  from the GPU are free, CPU reads cross PCIe, disk reads are SSD-bound.
+
+Why demotion rather than "LMCache holds a write-through copy of everything": with a
+write-through copy the GPU pool adds no capacity and only saves the PCIe transfer of
+recently used prefixes; with demotion it adds capacity. Both are defensible; what
+matters is that HiState and the vLLM-offload baselines get the same one. The vLLM
+GPU-only baseline gets only the ``gpu`` tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..core.interval import supported_intervals
+from ..core.placement import PlacementRules
+from .config import SimSetup
+from .policy import HiStatePolicy, Policy
+
+__all__ = ["TIER_MODEL", "VARIANTS", "histate_policy", "histate_variants"]
+
+TIER_MODEL = "exclusive gpu→cpu→disk with demotion; GPU reads free, CPU over PCIe, disk over SSD"
+
+# The three tiers' indices in HiState's placement.
+_GPU, _CPU, _DISK = 0, 1, 2
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "histate": {},
+    "histate-lru": {"tau": 0.0, "refresh_all": False},
+    "histate-align": {"fixed_interval": 0},
+    "histate-every32": {"fixed_interval_chunks": 32},
+}
+
+
+def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> HiStatePolicy:
+    """HiState over the set-up's gpu/cpu/disk tiers, with knob ``overrides``.
+
+    ``fixed_interval_chunks`` (chunks) is accepted as a convenience for
+    ``fixed_interval`` (tokens).
+    """
+    knobs: dict[str, Any] = {
+        "tau": setup.tau,
+        "refresh_all": True,
+        "ema_alpha": setup.ema_alpha,
+        "supported_intervals": supported_intervals(
+            setup.chunk_tokens, setup.max_interval_multiple
+        ),
+    }
+    chunks = overrides.pop("fixed_interval_chunks", None)
+    if chunks is not None:
+        overrides["fixed_interval"] = chunks * setup.chunk_tokens
+    knobs.update(overrides)
+    return HiStatePolicy.build(
+        name,
+        chunk_tokens=setup.chunk_tokens,
+        kv_bytes_per_token=setup.kv_bytes_per_token,
+        snapshot_bytes=setup.snapshot_bytes,
+        tiers=[("gpu", setup.gpu_bytes), ("cpu", setup.cpu_bytes), ("disk", setup.disk_bytes)],
+        rules=PlacementRules(kv_tier=_GPU, snapshot_tier=_DISK, final_tier=_GPU),
+        **knobs,
+    )
+
+
+def histate_variants(setup: SimSetup) -> dict[str, Callable[[], Policy]]:
+    """Factories for every HiState row, in report order (same shape as baselines')."""
+    return {
+        name: (lambda name=name, kw=kw: histate_policy(setup, name, **dict(kw)))
+        for name, kw in VARIANTS.items()
+    }

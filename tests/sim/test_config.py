@@ -1,0 +1,78 @@
+"""Simulation config and cost-model loading: defaults, validation naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_histate.sim.config import (
+    GIB,
+    ConfigError,
+    SimSetup,
+    load_cost_model,
+    load_setup,
+    parse_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_paper_config_file_is_the_built_in_default() -> None:
+    s = load_setup(REPO / "configs" / "sim-paper.yaml")
+    assert s == SimSetup.paper()
+    assert (s.chunk_tokens, s.max_sessions) == (528, 24)
+    assert (s.gpu_bytes, s.cpu_bytes, s.disk_bytes) == (45 * GIB, 96 * GIB, 150 * GIB)
+    assert s.kv_chunk_bytes == 528 * 32768 and s.snapshot_bytes == 51_511_296
+
+
+def test_cost_model_numbers() -> None:
+    c = load_cost_model()
+    assert c.pcie_bytes_per_s == 50e9 and c.ssd_bytes_per_s == 5e9
+    # DESIGN.md §1: KV of 100K tokens over PCIe 5 ≈ 65 ms; a snapshot from SSD ≈ 10 ms.
+    assert c.load_time({"cpu": 100_000 * 32768}) == pytest.approx(0.0655, abs=1e-3)
+    assert c.load_time({"disk": 51_511_296, "gpu": 10**12}) == pytest.approx(0.0103, abs=1e-3)
+    assert 8.0 < c.prefill_time(0, 100_000) < 12.0
+    with pytest.raises(ValueError, match="unknown tier"):
+        c.load_time({"nvme": 1})
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("capacity: {cpu: lots}", r"capacity\.cpu"),
+        ("capacity: {hbm: 1GiB}", "unknown tier 'hbm'"),
+        ("histate: {tau: -1}", "tau"),
+        ("histate: {bogus: 1}", "bogus"),
+        ("chunk_tokens: 0", "chunk_tokens"),
+        ("model: no-such-model", "model"),
+        ("cost_model: nowhere.yaml", "cost_model"),
+        ("max_sessions: many", "max_sessions"),
+        ("colour: blue", "colour"),
+        ("[1, 2]", "mapping"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, match: str) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_setup(p)
+
+
+def test_bad_cost_model_names_the_key(tmp_path: Path) -> None:
+    src = load_cost_model.__globals__["_data_path"]("cost_model_qwen35_9b_h100.yaml")
+    text = Path(src).read_text().replace("ssd_bytes_per_s: 5.0e+9", "ssd_bytes_per_s: 0")
+    (tmp_path / "cm.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="ssd_bytes_per_s"):
+        load_cost_model("cm.yaml", base=tmp_path)
+    (tmp_path / "cm.yaml").write_text(text.replace("ssd_bytes_per_s: 0\n", ""))
+    with pytest.raises(ConfigError, match="missing key 'ssd_bytes_per_s'"):
+        load_cost_model("cm.yaml", base=tmp_path)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("45GiB", "k") == 45 * GIB
+    assert parse_bytes("1.5 GB", "k") == 1_500_000_000
+    assert parse_bytes(1024, "k") == 1024
+    with pytest.raises(ConfigError, match="k:"):
+        parse_bytes("-3 GiB", "k")

@@ -1,0 +1,62 @@
+"""Report metrics: the reuse-sensitive definition, percentiles, hit rate, speedups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lmcache_histate.sim.report import (
+    TtftStats,
+    markdown,
+    percentile,
+    reuse_sensitive,
+    summarize,
+    token_hit_rate,
+)
+from lmcache_histate.sim.server import RequestResult, RunResult
+
+
+def res(sid: str, i: int, hit: int, tokens: int = 100, ttft: float = 1.0) -> RequestResult:
+    return RequestResult(sid, i, tokens, 1, hit, 0.0, 0.0, 0.0, 0.0, 0.0, ttft,
+                         {"disk": hit}, {"gpu": tokens - hit})
+
+
+def run(name: str, hits: list[int], ttfts: list[float] | None = None) -> RunResult:
+    ttfts = ttfts or [1.0] * len(hits)
+    return RunResult(name, "t", [res("s", i, h, ttft=t) for i, (h, t) in
+                                 enumerate(zip(hits, ttfts, strict=True))], {}, 0.0, 0.0, 0)
+
+
+def test_reuse_sensitive_by_hand() -> None:
+    # Per request (hit % of 100 tokens):   0    1    2    3    4    5
+    unlimited = run("unlimited", [90, 90, 90, 90, 50, 0])
+    offload = run("vllm-cpu-disk", [90, 86, 85, 90, 50, 0])
+    histate = run("histate", [90, 86, 85, 95, 46, 0])
+    # 0: equal everywhere -> no. 1: 4 points below unlimited, same as HiState -> no.
+    # 2: exactly 5 points below unlimited -> yes. 3: HiState 5 points above -> yes.
+    # 4: HiState 4 points below offload, offload = unlimited -> no. 5: all miss -> no.
+    runs = {"histate": histate, "vllm-cpu-disk": offload, "unlimited": unlimited}
+    assert reuse_sensitive(runs) == {("s", 2), ("s", 3)}
+    # Without one of the three rows there is no definition.
+    assert reuse_sensitive({"histate": histate, "unlimited": unlimited}) is None
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert math.isnan(percentile([], 50))
+
+
+def test_hit_rate_and_speedups() -> None:
+    h = run("histate", [50, 100], [1.0, 2.0])
+    b = run("base", [0, 100], [2.0, 4.0])
+    assert token_hit_rate(h.results) == 0.75
+    sums = summarize({"histate": h, "base": b}, {("s", 1)})
+    assert sums[0].speedup["mean"] == 1.0
+    assert sums[1].speedup["mean"] == pytest.approx(2.0)
+    assert sums[1].speedup_sensitive["p99"] == pytest.approx(2.0)
+    assert sums[1].sensitive == TtftStats(1, 4.0, 4.0, 4.0, 4.0)
+    assert sums[0].read_bytes == {"disk": 150}
+    table = markdown(sums)
+    assert "| histate | 75.00 |" in table and "Reuse-sensitive requests (1)" in table
