@@ -201,7 +201,52 @@ class HiStateCache:
     def release(self, handle: RequestHandle) -> None:
         for node in handle.pinned:
             node.pins -= 1
+        # A pinned node whose content was lost meanwhile (``lose``) was kept only for
+        # the pin; deepest first, so each prune sees its children already gone.
+        for node in reversed(handle.pinned):
+            if not node.pins and not node.kv_tiers and node.key in self.index.nodes:
+                self.index.prune(node)
         handle.pinned = []
+
+    # ------------------------------------------------------- live-server hooks
+    def attach(self, session_id: str, keys: Sequence[int]) -> RequestHandle:
+        """A handle to ``complete`` a request whose ``begin`` was never seen.
+
+        The live server sees stores that no lookup announced (an engine storing a
+        prefix it computed from scratch, or the later stores of a chunked prefill).
+        Such a handle refreshes nothing, samples nothing for the hit model and pins
+        nothing: the access, if any, was already accounted for by its lookup.
+        """
+        keys = tuple(keys)
+        return RequestHandle(session_id, keys, self.index.match(keys), [], None)
+
+    def lose(self, key: int, part: str, tier: int) -> None:
+        """An object vanished from ``tier`` without the policy deciding it.
+
+        See ``TieredStore.lose``: dependents that can no longer be hit are dropped
+        (reported to the listener); unknown keys are ignored.
+        """
+        node = self.index.get(key)
+        if node is not None:
+            self.store.lose(node, part, tier)
+
+    def adopt(
+        self, keys: Sequence[int], part: str, tier: int, nbytes: int, now: float
+    ) -> bool:
+        """Register an object found resident on ``tier`` at the end of chain ``keys``.
+
+        Restart recovery: the backend rebuilds the index from what survived on disk,
+        parents before children. ``now`` becomes the object's last access. Refused
+        (False, nothing changed) where ``TieredStore.adopt`` refuses.
+        """
+        if not keys:
+            return False
+        nodes = self.index.insert_chain(keys)
+        node = nodes[-1]
+        ok = self.store.adopt(node, part, tier, nbytes, now)
+        if not ok:
+            self.index.prune(node)
+        return ok
 
     def _move_session(
         self, sid: str, nodes: list[Node], stored: int, input_tokens: int, now: float

@@ -292,6 +292,96 @@ class TieredStore:
         else:
             node.snap_tiers = mask
 
+    # ------------------------------------------------------ outside changes
+    def adopt(self, node: Node, part: str, tier: int, nbytes: int, now: float) -> bool:
+        """Register an object that is already resident on ``tier`` (restart recovery).
+
+        No placement decision, no eviction and no listener call: the object exists, the
+        store only learns about it. Refused (False) when it would break an index
+        invariant (KV past a gap, a snapshot without its KV) or overfill ``tier``; the
+        caller then discards the object.
+        """
+        bit = 1 << tier
+        mask = node.kv_tiers if part == KV else node.snap_tiers
+        if mask & bit:
+            return True
+        if self.free(tier) < nbytes:
+            return False
+        if part == KV:
+            parent = node.parent
+            assert parent is not None
+            if parent.depth >= 0 and not parent.kv_tiers:
+                return False
+            if mask and nbytes != node.kv_bytes:
+                return False
+            self.index.set_kv(node, mask | bit, nbytes, now)
+        else:
+            if not node.kv_tiers or (mask and nbytes != node.snap_bytes):
+                return False
+            self.index.set_snapshot(node, mask | bit, nbytes, now)
+        self.used[tier] += nbytes
+        self.queue.update_around(node)
+        return True
+
+    def lose(self, node: Node, part: str, tier: int) -> None:
+        """``part`` of ``node`` vanished from ``tier`` outside the policy's control.
+
+        The live backend calls this when an object is gone without the policy having
+        decided it (an operator cleared the CPU tier, a file turned out corrupted, a
+        write to disk failed). The lost copy is forgotten without a listener call; if it
+        was the last copy, whatever can no longer be hit goes too, and *those* removals
+        are reported as ``dropped``: losing the last copy of a chunk's KV takes every KV
+        chunk below it (KV is prefix-closed) and every snapshot on them. Residence times
+        are not sampled (this is not an eviction). Idempotent.
+        """
+        bit = 1 << tier
+        if part == SNAPSHOT:
+            if not node.snap_tiers & bit:
+                return
+            self.used[tier] -= node.snap_bytes
+            if node.snap_tiers & ~bit:
+                node.snap_tiers &= ~bit
+                self.queue.update_around(node)
+            else:
+                self.index.clear_snapshot(node)
+                self.queue.update_around(node)
+            return
+        if not node.kv_tiers & bit:
+            return
+        if node.kv_tiers & ~bit:
+            self.used[tier] -= node.kv_bytes
+            node.kv_tiers &= ~bit
+            self.queue.update_around(node)
+            return
+        doomed: list[Node] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.kv_tiers:
+                doomed.append(n)
+                if n.children:
+                    stack.extend(c for c in n.children.values() if c.kv_tiers)
+        doomed.sort(key=lambda n: n.depth, reverse=True)  # leaves first: KV stays prefix-closed
+        for n in doomed:
+            if n.snap_tiers:
+                for t in _bits(n.snap_tiers):
+                    self.used[t] -= n.snap_bytes
+                self.listener.dropped(n, SNAPSHOT, n.snap_tiers)
+                self.index.clear_snapshot(n)
+            for t in _bits(n.kv_tiers):
+                self.used[t] -= n.kv_bytes
+            report = n.kv_tiers & ~bit if n is node else n.kv_tiers
+            if report:
+                self.listener.dropped(n, KV, report)
+            self.index.clear_kv(n)
+            self.queue.remove(n)
+        parent = node.parent
+        for n in doomed:
+            if n.key in self.index.nodes:
+                self.index.prune(n)
+        if parent is not None and parent.depth >= 0 and parent.key in self.index.nodes:
+            self.queue.update_around(parent)
+
     # ----------------------------------------------------------------- checks
     def check(self) -> None:
         """Recount bytes per tier from the index and assert capacities (O(n); tests)."""
