@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from ..core.cache import CacheConfig, HiStateCache, RequestHandle
 from ..core.index import Node
-from ..core.placement import SNAPSHOT, PlacementRules, TierSpec
+from ..core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
 from .traces import Request
 
 __all__ = ["HiStatePolicy", "Lookup", "Policy", "TierCounter"]
@@ -78,13 +78,26 @@ def _fastest(mask: int) -> int:
 
 
 class HiStatePolicy:
-    """The policy core itself, driven by the simulator (HiState and its ablations)."""
+    """The policy core itself, driven by the simulator (HiState and its ablations).
 
-    def __init__(self, name: str, config: CacheConfig) -> None:
+    ``promote_tier`` models the engine's side of a hit: what a request reads (or
+    recomputes over cached KV) ends up in the GPU's block pool and stays there, as in
+    vLLM, whose prefix cache keeps the blocks LMCache loaded into it. With the GPU as
+    tier 0 of an exclusive hierarchy (``sim/variants.py``), that is a move of the
+    prompt's cached KV and the resumed snapshot to tier 0 when the request completes,
+    making room there through the core's own eviction (``TieredStore.make_room``: the
+    lowest-H units are demoted). The baselines model the same engine behaviour
+    (``baselines/tiered_lru.py``), so rows differ by policy, not by engine. ``None``
+    (default) leaves placement to the core alone.
+    """
+
+    def __init__(self, name: str, config: CacheConfig, promote_tier: int | None = None) -> None:
         self.name = name
         self.tier_names = [t.name for t in config.tiers]
         self.counter = TierCounter(self.tier_names)
         self.cache = HiStateCache(config, listener=self.counter)
+        self.promote_tier = promote_tier
+        self.promoted_bytes = 0
 
     @classmethod
     def build(
@@ -96,6 +109,7 @@ class HiStatePolicy:
         snapshot_bytes: int,
         tiers: list[tuple[str, int]],
         rules: PlacementRules,
+        promote_tier: int | None = None,
         **knobs: Any,
     ) -> HiStatePolicy:
         return cls(
@@ -108,6 +122,7 @@ class HiStatePolicy:
                 rules=rules,
                 **knobs,
             ),
+            promote_tier=promote_tier,
         )
 
     def begin(self, request: Request, now: float) -> Lookup:
@@ -115,19 +130,66 @@ class HiStatePolicy:
         loads: Counter[str] = Counter()
         hit = handle.match.hit_chunks
         if hit:
-            for node in self.cache.index.walk(request.chunk_hashes[:hit]):
-                loads[self.tier_names[_fastest(node.kv_tiers)]] += node.kv_bytes
+            # ``pinned`` is the matched KV path (hit ≤ KV match): no second walk.
+            names = self.tier_names
+            for node in handle.pinned[:hit]:
+                loads[names[_fastest(node.kv_tiers)]] += node.kv_bytes
             snap = handle.match.hit_node
             assert snap is not None
-            loads[self.tier_names[_fastest(snap.snap_tiers)]] += snap.snap_bytes
+            loads[names[_fastest(snap.snap_tiers)]] += snap.snap_bytes
         return Lookup(hit * self.cache.config.chunk_tokens, dict(loads), handle)
 
     def complete(self, request: Request, lookup: Lookup, now: float) -> dict[str, int]:
         handle: RequestHandle = lookup.handle
         before = Counter(self.counter.written_bytes)
+        if self.promote_tier is not None:
+            self._promote(handle, self.promote_tier, now)
         self.cache.complete(handle, request.input_tokens, now)
         after = self.counter.written_bytes
         return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+    def _promote(self, handle: RequestHandle, tier: int, now: float) -> None:
+        """Move the prompt's cached KV (prefix first) and its resumed snapshot to ``tier``.
+
+        Runs while the request still pins its path, so making room cannot evict what is
+        being promoted; stops at the first object that does not fit.
+        """
+        store, queue = self.cache.store, self.cache.queue
+        bit = 1 << tier
+        hit = handle.match.hit_node
+        moved: list[Node] = []
+        for node in handle.pinned:
+            if not node.kv_tiers:
+                break  # evicted since begin: complete() stores it again
+            if node.kv_tiers & bit:
+                continue
+            if not store.make_room(tier, node.kv_bytes, now):
+                break
+            self._move(node, KV, tier)
+            moved.append(node)
+        if (
+            hit is not None
+            and hit.snap_tiers
+            and not hit.snap_tiers & bit
+            and hit.kv_tiers & bit
+            and store.make_room(tier, hit.snap_bytes, now)
+        ):
+            self._move(hit, SNAPSHOT, tier)
+            moved.append(hit)
+        if moved:
+            # Units whose per-tier bytes changed: anchors on the path, and the zone
+            # below its deepest promoted node (tails running through it).
+            for node in handle.pinned:
+                if node.snap_tiers or not node.kv_children:
+                    queue.update(node)
+            queue.update_around(moved[-1])
+
+    def _move(self, node: Node, part: str, tier: int) -> None:
+        mask = node.kv_tiers if part == KV else node.snap_tiers
+        nbytes = node.kv_bytes if part == KV else node.snap_bytes
+        # The core's own relocation keeps byte accounting and the listener in step.
+        self.cache.store._relocate(node, part, _fastest(mask), tier)
+        self.promoted_bytes += nbytes
 
     def stats(self) -> dict[str, float]:
         cache = self.cache
@@ -136,6 +198,7 @@ class HiStatePolicy:
             "end_probability": cache.hit_model.end_probability,
             "dropped_units": float(cache.store.dropped_units),
             "snapshots_dropped": float(self.counter.snapshots_dropped),
+            "promoted_bytes": float(self.promoted_bytes),
         }
         for name, used in zip(self.tier_names, cache.store.used, strict=True):
             out[f"used_{name}"] = float(used)

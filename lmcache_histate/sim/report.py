@@ -46,7 +46,7 @@ __all__ = [
 
 HISTATE = "histate"
 REFERENCE = "unlimited"
-OFFLOAD = "vllm-cpu-disk"
+OFFLOAD = "vllm-cpu-disk-offload"
 SENSITIVE_POINTS = 0.05
 GIB = float(1 << 30)
 

@@ -9,6 +9,7 @@ runs never share state, so the order policies run in cannot change a result.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,11 +92,30 @@ def policy_factories(setup: SimSetup) -> dict[str, Factory]:
     registry = getattr(module, "baseline_policies", None)
     if registry is None:
         return out
-    for name, factory in registry(setup).items():
+    for name, factory in _call_registry(registry, setup).items():
         if name in out:
             raise ValueError(f"baseline {name!r} clashes with a HiState variant name")
         out[name] = factory
     return out
+
+
+def _call_registry(
+    registry: Callable[..., dict[str, Factory]], setup: SimSetup
+) -> dict[str, Factory]:
+    """``registry(setup)``; registries that take the set-up's fields by name also work."""
+    params = inspect.signature(registry).parameters
+    if "setup" in params or len(params) == 1:
+        return registry(setup)
+    fields = {
+        "chunk_tokens": setup.chunk_tokens,
+        "kv_bytes_per_token": setup.kv_bytes_per_token,
+        "snapshot_bytes": setup.snapshot_bytes,
+        "gpu_bytes": setup.gpu_bytes,
+        "cpu_bytes": setup.cpu_bytes,
+        "disk_bytes": setup.disk_bytes,
+        "seed": setup.seed,
+    }
+    return registry(**{k: v for k, v in fields.items() if k in params})
 
 
 def select_policies(available: dict[str, Factory], names: str | None) -> dict[str, Factory]:

@@ -27,7 +27,11 @@ baselines for a fair comparison; see ``TIER_MODEL``). Tiers are ``gpu`` → ``cp
 * A session's final snapshot stays with its KV in fast memory (GPU, then CPU when
   demoted with its bundle); intermediate snapshots and retired final ones go to disk.
 * A hit reads the KV of every hit chunk and one snapshot from wherever they are; reads
-  from the GPU are free, CPU reads cross PCIe, disk reads are SSD-bound.
+  from the GPU are free, CPU reads cross PCIe, disk reads are SSD-bound. What a request
+  read or recomputed is in the GPU pool afterwards (the engine loaded it there), so the
+  prompt's cached KV and the resumed snapshot are promoted to the GPU tier when the
+  request completes (``HiStatePolicy.promote_tier``), room being made by the core's own
+  eviction (lowest-H units demoted). The baselines promote the same way.
 
 Why demotion rather than "LMCache holds a write-through copy of everything": with a
 write-through copy the GPU pool adds no capacity and only saves the PCIe transfer of
@@ -86,6 +90,7 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
         snapshot_bytes=setup.snapshot_bytes,
         tiers=[("gpu", setup.gpu_bytes), ("cpu", setup.cpu_bytes), ("disk", setup.disk_bytes)],
         rules=PlacementRules(kv_tier=_GPU, snapshot_tier=_DISK, final_tier=_GPU),
+        promote_tier=_GPU,
         **knobs,
     )
 
