@@ -38,7 +38,7 @@ from .traces import Trace
 
 __all__ = ["Experiment", "SimulateOptions", "run_simulate"]
 
-SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
+SWEEP_FACTORS = (1 / 32, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)
 
 
 @dataclass(slots=True)

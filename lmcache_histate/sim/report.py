@@ -288,10 +288,16 @@ def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
     """TTFT CDF per policy (log x axis: TTFTs span milliseconds to minutes)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, run in runs.items():
+    colours = plt.get_cmap("tab20").colors
+    styles = ("-", "--", "-.", ":")
+    for i, (name, run) in enumerate(runs.items()):
         xs = sorted(max(r.ttft, 1e-4) for r in run.results)
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", label=name, lw=2.2 if name == HISTATE else 1.2)
+        ys = [(k + 1) / len(xs) for k in range(len(xs))]
+        if name == HISTATE:
+            ax.step(xs, ys, where="post", label=name, color="black", lw=2.4, zorder=5)
+        else:
+            ax.step(xs, ys, where="post", label=name, lw=1.2, color=colours[(2 * i) % 20],
+                    ls=styles[i % len(styles)])
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")

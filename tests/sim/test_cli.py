@@ -58,3 +58,15 @@ def test_corrupt_trace_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     bad.write_bytes(b"\x1f\x8b not really gzip")
     assert main(["simulate", "--trace", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert str(bad) in capsys.readouterr().err
+
+
+def test_sweep_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sw"
+    argv = ["simulate", "--sweep", "--policies", "histate", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads((out / "report.json").read_text())
+    swept = {p["policy"] for p in doc["sweep"]}
+    assert "histate" in swept and len(doc["sweep"]) >= 2 * len(swept) + 1
+    assert (out / "ttft_cdf.png").stat().st_size > 0
+    assert (out / "hit_rate_vs_capacity.png").stat().st_size > 0
