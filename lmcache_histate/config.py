@@ -1,0 +1,325 @@
+"""The HiState server configuration: one YAML file, validated before anything starts.
+
+Pure (no lmcache/vllm imports) so that the schema can be unit-tested and reused by the
+CLI. ``backends/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
+flags and the vLLM ``--kv-transfer-config``.
+
+Every error names the key and what is allowed, e.g.
+``cpu_gib: must be a positive number, got 'abc'``; unknown keys are rejected with the
+list of allowed ones (a typo must not silently fall back to a default). All problems in
+a file are reported at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .core.geometry import GeometryError, ModelGeometry, load_geometry
+
+__all__ = ["PLATFORMS", "POLICIES", "ConfigError", "HiStateConfig", "load_config", "parse_config"]
+
+POLICIES = ("histate", "lru")
+"""``histate``: HiState placement + unified H eviction; ``lru``: stock LMCache LRU (baseline)."""
+PLATFORMS = ("auto", "cpu", "cuda")
+DISK_IO = ("thread",)
+"""Disk I/O engines (benchmarks/README.md "disk_io": a thread pool beat aiofiles)."""
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names every offending key."""
+
+
+@dataclass(frozen=True)
+class HiStateConfig:
+    """A validated single-instance HiState server configuration (see configs/histate.yaml)."""
+
+    model: str
+    chunk_size: int
+    cpu_gib: float
+    disk_path: str
+    disk_gib: float
+    policy: str = "histate"
+    tau: float = 600.0
+    supported_intervals: tuple[int, ...] | None = None
+    max_interval_chunks: int = 64
+    cpu_fill: float = 0.75
+    refresh_all: bool = True
+    end_probability_prior: float = 0.9
+    ema_alpha: float = 0.05
+    host: str = "127.0.0.1"
+    port: int = 5555
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    platform: str = "auto"
+    disk_io: str = "thread"
+    disk_io_workers: int = 4
+    disk_fsync: bool = True
+    l1_eviction_watermark: float = 0.9
+    session_ttl_s: float = 3600.0
+    request_ttl_s: float = 600.0
+    kv_connector: str = "LMCacheMPConnector"
+    kv_connector_module_path: str | None = None
+    extra_server_args: tuple[str, ...] = field(default_factory=tuple)
+
+    # ------------------------------------------------------------ derived
+    @property
+    def geometry(self) -> ModelGeometry:
+        return load_geometry(self.model)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return int(self.cpu_gib * 2**30)
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.disk_gib * 2**30)
+
+    @property
+    def intervals(self) -> tuple[int, ...]:
+        """Supported snapshot intervals in tokens (multiples of ``chunk_size``)."""
+        if self.supported_intervals:
+            return self.supported_intervals
+        return tuple(self.chunk_size * k for k in range(1, self.max_interval_chunks + 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def with_overrides(self, **changes: Any) -> HiStateConfig:
+        """A copy with some values replaced (re-validated)."""
+        return parse_config({**self.to_dict(), **changes})
+
+
+REQUIRED = ("model", "chunk_size", "cpu_gib", "disk_path", "disk_gib")
+ALLOWED = tuple(f.name for f in fields(HiStateConfig))
+
+
+# ---------------------------------------------------------------- validators
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_number(key: str, value: Any, errors: list[str]) -> float | None:
+    if not _is_number(value) or value <= 0:
+        errors.append(f"{key}: must be a positive number, got {_show(value)}")
+        return None
+    return float(value)
+
+
+def _number_in(key: str, value: Any, lo: float, hi: float, errors: list[str]) -> float | None:
+    if not _is_number(value) or not lo <= value <= hi:
+        errors.append(f"{key}: must be a number in [{lo}, {hi}], got {_show(value)}")
+        return None
+    return float(value)
+
+
+def _positive_int(key: str, value: Any, errors: list[str]) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        errors.append(f"{key}: must be a positive integer, got {_show(value)}")
+        return None
+    return value
+
+
+def _port(key: str, value: Any, errors: list[str]) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        errors.append(f"{key}: must be a TCP port (an integer in 1..65535), got {_show(value)}")
+        return None
+    return value
+
+
+def _choice(key: str, value: Any, allowed: Sequence[str], errors: list[str]) -> str | None:
+    if value not in allowed:
+        errors.append(f"{key}: must be one of {', '.join(allowed)}; got {_show(value)}")
+        return None
+    return str(value)
+
+
+def _text(key: str, value: Any, errors: list[str]) -> str | None:
+    if not isinstance(value, str) or not value.strip():
+        errors.append(f"{key}: must be a non-empty string, got {_show(value)}")
+        return None
+    return value
+
+
+def _boolean(key: str, value: Any, errors: list[str]) -> bool | None:
+    if not isinstance(value, bool):
+        errors.append(f"{key}: must be true or false, got {_show(value)}")
+        return None
+    return value
+
+
+def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
+    """Validate a mapping (the parsed YAML) into a ``HiStateConfig``.
+
+    Relative ``disk_path`` and model config paths are resolved against ``base_dir``
+    (the YAML file's folder) when given.
+
+    Raises:
+        ConfigError: listing every problem, one per line, each naming its key.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"the configuration must be a mapping of keys to values, got {type(data).__name__}"
+        )
+    errors: list[str] = []
+    unknown = sorted(str(k) for k in data if k not in ALLOWED)
+    for key in unknown:
+        errors.append(f"{key}: unknown key; allowed keys: {', '.join(ALLOWED)}")
+    for key in REQUIRED:
+        if key not in data or data[key] is None:
+            errors.append(f"{key}: required key is missing")
+    values: dict[str, Any] = {}
+    get = data.get
+
+    if get("chunk_size") is not None:
+        values["chunk_size"] = _positive_int("chunk_size", get("chunk_size"), errors)
+    for key in ("cpu_gib", "disk_gib"):
+        if get(key) is not None:
+            values[key] = _positive_number(key, get(key), errors)
+    if get("disk_path") is not None:
+        path = _text("disk_path", get("disk_path"), errors)
+        if path is not None:
+            p = Path(path).expanduser()
+            if not p.is_absolute() and base_dir is not None:
+                p = base_dir / p
+            if p.exists() and not p.is_dir():
+                errors.append(f"disk_path: {str(p)!r} exists and is not a directory")
+            values["disk_path"] = str(p)
+    if get("model") is not None:
+        model = _text("model", get("model"), errors)
+        if model is not None:
+            candidate = Path(model).expanduser()
+            if base_dir is not None and not candidate.is_absolute():
+                local = base_dir / candidate
+                if local.exists():
+                    model = str(local)
+            try:
+                load_geometry(model)
+                values["model"] = model
+            except GeometryError as exc:
+                errors.append(f"model: {exc}")
+    if "policy" in data:
+        values["policy"] = _choice("policy", get("policy"), POLICIES, errors)
+    if "platform" in data:
+        values["platform"] = _choice("platform", get("platform"), PLATFORMS, errors)
+    if "disk_io" in data:
+        values["disk_io"] = _choice("disk_io", get("disk_io"), DISK_IO, errors)
+    for key in ("session_ttl_s", "request_ttl_s"):
+        if key in data:
+            values[key] = _positive_number(key, get(key), errors)
+    if "tau" in data:
+        tau = get("tau")
+        if not _is_number(tau) or tau < 0:
+            errors.append(f"tau: must be a number ≥ 0 (seconds), got {_show(tau)}")
+        else:
+            values["tau"] = float(tau)
+    if "cpu_fill" in data:
+        fill = get("cpu_fill")
+        if not _is_number(fill) or not 0 < fill <= 1:
+            errors.append(f"cpu_fill: must be a number in (0, 1], got {_show(fill)}")
+        else:
+            values["cpu_fill"] = float(fill)
+    for key, lo, hi in (
+        ("end_probability_prior", 0.0, 1.0),
+        ("ema_alpha", 0.001, 1.0),
+        ("l1_eviction_watermark", 0.1, 1.0),
+    ):
+        if key in data:
+            values[key] = _number_in(key, get(key), lo, hi, errors)
+    for key in ("max_interval_chunks", "disk_io_workers"):
+        if key in data:
+            values[key] = _positive_int(key, get(key), errors)
+    for key in ("port", "http_port"):
+        if key in data:
+            values[key] = _port(key, get(key), errors)
+    for key in ("host", "http_host", "kv_connector"):
+        if key in data:
+            values[key] = _text(key, get(key), errors)
+    for key in ("refresh_all", "disk_fsync"):
+        if key in data:
+            values[key] = _boolean(key, get(key), errors)
+    if get("kv_connector_module_path") is not None:
+        values["kv_connector_module_path"] = _text(
+            "kv_connector_module_path", get("kv_connector_module_path"), errors
+        )
+    if get("extra_server_args") is not None:
+        extra = get("extra_server_args")
+        if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+            errors.append(
+                f"extra_server_args: must be a list of strings (lmcache server flags), "
+                f"got {_show(extra)}"
+            )
+        else:
+            values["extra_server_args"] = tuple(extra)
+    if get("supported_intervals") is not None:
+        values["supported_intervals"] = _intervals(
+            get("supported_intervals"), values.get("chunk_size"), errors
+        )
+    port, http_port = values.get("port", 5555), values.get("http_port", 8080)
+    if port is not None and port == http_port:
+        errors.append("http_port: must differ from port (both are opened by the server)")
+
+    if errors:
+        raise ConfigError("invalid HiState configuration:\n  " + "\n  ".join(errors))
+    clean = {k: v for k, v in values.items() if v is not None}
+    return HiStateConfig(**clean)
+
+
+def _intervals(value: Any, chunk: int | None, errors: list[str]) -> tuple[int, ...] | None:
+    key = "supported_intervals"
+    if not isinstance(value, list) or not value:
+        errors.append(
+            f"{key}: must be a non-empty list of token counts (multiples of chunk_size), "
+            f"got {_show(value)}"
+        )
+        return None
+    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+    if bad:
+        errors.append(f"{key}: every entry must be a positive integer (tokens), got {bad}")
+        return None
+    if chunk:
+        off = [v for v in value if v % chunk]
+        if off:
+            errors.append(
+                f"{key}: every entry must be a multiple of chunk_size ({chunk}): "
+                f"snapshots exist only at chunk ends; got {off}"
+            )
+            return None
+    return tuple(sorted(set(value)))
+
+
+def load_config(path: str | Path) -> HiStateConfig:
+    """Read and validate a YAML configuration file.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or invalid (message names the key).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the configuration: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    try:
+        return parse_config(data, base_dir=p.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+

@@ -1,0 +1,132 @@
+"""The HiState YAML configuration validator (pure: no server involved)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_histate.config import ALLOWED, ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+VALID = {
+    "model": "tiny-qwen3-next",
+    "chunk_size": 16,
+    "cpu_gib": 0.05,
+    "disk_path": "/tmp/histate-test-disk",
+    "disk_gib": 1,
+}
+
+
+def test_minimal_config_gets_defaults() -> None:
+    cfg = parse_config(VALID)
+    assert cfg.policy == "histate"
+    assert cfg.tau == 600.0
+    assert cfg.intervals[:3] == (16, 32, 48)
+    assert len(cfg.intervals) == cfg.max_interval_chunks
+    assert cfg.cpu_bytes == int(0.05 * 2**30)
+    assert cfg.geometry.recurrent_layers == 3
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("cpu_gib", "abc", "cpu_gib: must be a positive number, got 'abc'"),
+        ("cpu_gib", -1, "cpu_gib: must be a positive number, got -1"),
+        ("disk_gib", 0, "disk_gib: must be a positive number, got 0"),
+        ("chunk_size", 16.5, "chunk_size: must be a positive integer, got 16.5"),
+        ("chunk_size", True, "chunk_size: must be a positive integer, got True"),
+        ("tau", -3, "tau: must be a number ≥ 0 (seconds), got -3"),
+        ("policy", "fifo", "policy: must be one of histate, lru; got 'fifo'"),
+        ("platform", "tpu", "platform: must be one of auto, cpu, cuda; got 'tpu'"),
+        ("port", 70000, "port: must be a TCP port (an integer in 1..65535), got 70000"),
+        ("http_port", 5555, "http_port: must differ from port"),
+        ("cpu_fill", 2, "cpu_fill: must be a number in (0, 1], got 2"),
+        ("cpu_fill", 0, "cpu_fill: must be a number in (0, 1], got 0"),
+        ("session_ttl_s", -1, "session_ttl_s: must be a positive number, got -1"),
+        ("refresh_all", "yes", "refresh_all: must be true or false, got 'yes'"),
+        ("model", "no-such-model", "model: 'no-such-model' is neither a model preset"),
+        ("supported_intervals", [16, 40], "must be a multiple of chunk_size (16)"),
+        ("supported_intervals", [], "supported_intervals: must be a non-empty list"),
+        ("extra_server_args", "--foo", "extra_server_args: must be a list of strings"),
+        ("disk_io", "aiofiles", "disk_io: must be one of thread; got 'aiofiles'"),
+    ],
+)
+def test_bad_values_name_the_key(key: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({**VALID, key: value})
+    assert message in str(info.value)
+
+
+def test_unknown_keys_are_rejected_with_the_allowed_list() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({**VALID, "cpu_gb": 4})
+    text = str(info.value)
+    assert "cpu_gb: unknown key; allowed keys:" in text
+    for key in ("cpu_gib", "disk_path", "tau", "supported_intervals"):
+        assert key in text
+    assert set(ALLOWED) >= {"model", "chunk_size", "cpu_gib", "disk_path", "disk_gib"}
+
+
+def test_missing_required_keys_and_all_errors_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"chunk_size": "x", "tau": "soon"})
+    text = str(info.value)
+    for key in ("model", "cpu_gib", "disk_path", "disk_gib"):
+        assert f"{key}: required key is missing" in text
+    assert "chunk_size: must be a positive integer" in text
+    assert "tau: must be a number" in text
+
+
+def test_supported_intervals_are_sorted_and_deduplicated() -> None:
+    cfg = parse_config({**VALID, "supported_intervals": [64, 16, 64, 32]})
+    assert cfg.intervals == (16, 32, 64)
+
+
+def test_load_config_resolves_paths_against_the_file(tmp_path: Path) -> None:
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "c.yaml").write_text(
+        "model: tiny-qwen3-next\nchunk_size: 16\ncpu_gib: 1\ndisk_path: disk\ndisk_gib: 2\n"
+    )
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.disk_path == str(tmp_path / "disk")
+
+
+def test_load_config_reports_file_and_yaml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(scalar)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model: tiny-qwen3-next\nchunk_size: 16\ncpu_gib: abc\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(wrong)
+    assert str(wrong) in str(info.value)
+    assert "cpu_gib: must be a positive number, got 'abc'" in str(info.value)
+
+
+def test_disk_path_that_is_a_file_is_rejected(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"disk_path: .* is not a directory"):
+        parse_config({**VALID, "disk_path": str(f)})
+
+
+@pytest.mark.parametrize("name", ["histate.yaml", "lru-baseline.yaml"])
+def test_shipped_configs_are_valid(name: str) -> None:
+    cfg = load_config(REPO / "configs" / name)
+    assert cfg.chunk_size > 0
+
+
+def test_with_overrides_revalidates() -> None:
+    cfg = parse_config(VALID)
+    assert cfg.with_overrides(cpu_gib=2).cpu_gib == 2
+    with pytest.raises(ConfigError, match="cpu_gib"):
+        cfg.with_overrides(cpu_gib="lots")
