@@ -1,0 +1,349 @@
+"""On-disk format of the HiState disk tier: one self-describing file per object.
+
+Layout (little-endian)::
+
+    fixed header  <4s H B B i Q I H H I   magic "HSD1", version, kind, flags, depth,
+                                          payload length, payload crc32, key length,
+                                          parent length, header crc32
+    key           key length bytes        the object's identity (see ``ObjectId``)
+    parent        parent length bytes     chunk hash of the previous chunk (b"" at depth 0)
+    payload       payload length bytes    the raw object bytes, exactly as held in L1
+
+``kind`` and ``depth``/``parent`` let a restarted server rebuild the prefix tree from the
+files alone (a chunk hash is a rolling prefix hash: it names a prefix but does not say
+which chunk precedes it). The header crc covers the fixed header (with the field zeroed),
+key and parent, so a torn or overwritten header is detected before any payload is read;
+the payload crc32 is checked on every load. A file is written under a temporary name,
+fsynced and renamed into place, so a reader (or a restart) never sees a partial file
+under a final name; leftover temporary files are removed by ``scan``.
+
+Pure Python (no lmcache import): the adapter converts ``ObjectKey`` to ``ObjectId``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import itertools
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+MAGIC = b"HSD1"
+VERSION = 1
+SUFFIX = ".hsf"
+TMP_SUFFIX = ".tmp"
+_FIXED = struct.Struct("<4sHBBiQIHHI")
+_KEY = struct.Struct("<IIH")  # kv_rank, object_group_id, chunk hash length
+_READ_BLOCK = 8 << 20
+
+KIND_KV = 0
+KIND_SNAPSHOT = 1
+KIND_OTHER = 2
+
+
+class ObjectId(NamedTuple):
+    """Identity of a stored object (mirrors lmcache's ``ObjectKey`` fields)."""
+
+    model_name: str
+    kv_rank: int
+    object_group_id: int
+    chunk_hash: bytes
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    oid: ObjectId
+    kind: int
+    depth: int
+    parent: bytes
+    payload_len: int
+    payload_crc: int
+
+    @property
+    def size(self) -> int:
+        return header_size(self.oid, self.parent)
+
+    @property
+    def file_size(self) -> int:
+        return self.size + self.payload_len
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+class FormatError(ValueError):
+    """A file is not a valid HiState disk-tier object (torn, corrupted, foreign)."""
+
+
+# -------------------------------------------------------------------- encoding
+def encode_id(oid: ObjectId) -> bytes:
+    model = oid.model_name.encode()
+    salt = oid.cache_salt.encode()
+    return b"".join(
+        (
+            struct.pack("<H", len(model)),
+            model,
+            _KEY.pack(oid.kv_rank, oid.object_group_id, len(oid.chunk_hash)),
+            oid.chunk_hash,
+            struct.pack("<H", len(salt)),
+            salt,
+        )
+    )
+
+
+def decode_id(data: bytes) -> ObjectId:
+    try:
+        (n,) = struct.unpack_from("<H", data, 0)
+        pos = 2
+        model = data[pos : pos + n].decode()
+        pos += n
+        rank, group, hlen = _KEY.unpack_from(data, pos)
+        pos += _KEY.size
+        chunk_hash = bytes(data[pos : pos + hlen])
+        pos += hlen
+        (s,) = struct.unpack_from("<H", data, pos)
+        pos += 2
+        salt = data[pos : pos + s].decode()
+        pos += s
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise FormatError(f"bad object key: {exc}") from exc
+    if pos != len(data) or len(chunk_hash) != hlen:
+        raise FormatError("bad object key length")
+    return ObjectId(model, rank, group, chunk_hash, salt)
+
+
+def header_size(oid: ObjectId, parent: bytes) -> int:
+    return _FIXED.size + len(encode_id(oid)) + len(parent)
+
+
+def encode_header(
+    oid: ObjectId, kind: int, depth: int, parent: bytes, payload_len: int, payload_crc: int
+) -> bytes:
+    key = encode_id(oid)
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, kind, 0, depth, payload_len, payload_crc, len(key), len(parent), 0
+    )
+    crc = zlib.crc32(parent, zlib.crc32(key, zlib.crc32(fixed)))
+    fixed = fixed[:-4] + struct.pack("<I", crc)
+    return fixed + key + parent
+
+
+def parse_header(fixed_and_rest: bytes) -> tuple[Header, int]:
+    """Parse a header from the first bytes of a file; returns (header, header length)."""
+    if len(fixed_and_rest) < _FIXED.size:
+        raise FormatError("file shorter than the header")
+    magic, version, kind, _flags, depth, plen, pcrc, klen, parlen, hcrc = _FIXED.unpack_from(
+        fixed_and_rest, 0
+    )
+    if magic != MAGIC:
+        raise FormatError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise FormatError(f"unsupported version {version}")
+    end = _FIXED.size + klen + parlen
+    if len(fixed_and_rest) < end:
+        raise FormatError("file shorter than its header")
+    zeroed = fixed_and_rest[: _FIXED.size - 4] + b"\0\0\0\0"
+    key = fixed_and_rest[_FIXED.size : _FIXED.size + klen]
+    parent = bytes(fixed_and_rest[_FIXED.size + klen : end])
+    if zlib.crc32(parent, zlib.crc32(key, zlib.crc32(zeroed))) != hcrc:
+        raise FormatError("header checksum mismatch")
+    return Header(decode_id(bytes(key)), kind, depth, parent, plen, pcrc), end
+
+
+# ---------------------------------------------------------------------- paths
+_SAFE = str.maketrans({"/": "-SEP-", "\\": "-BSL-"})
+_tmp_counter = itertools.count()
+
+
+def file_name(oid: ObjectId) -> str:
+    """Readable, reversible-enough name (the header is authoritative)."""
+    base = (
+        f"{oid.model_name.translate(_SAFE)}@{oid.kv_rank:#010x}@{oid.object_group_id:x}"
+        f"@{oid.chunk_hash.hex()}"
+    )
+    if oid.cache_salt:
+        base += f"@{oid.cache_salt.translate(_SAFE)}"
+    return base + SUFFIX
+
+
+def object_path(root: Path, oid: ObjectId) -> Path:
+    """``root/<first byte of the chunk hash>/<name>``: 256 shards keep folders small."""
+    shard = oid.chunk_hash[:1].hex() or "00"
+    return root / shard / file_name(oid)
+
+
+# ---------------------------------------------------------------------- write
+def write_object(
+    path: Path,
+    oid: ObjectId,
+    payload: memoryview | bytes,
+    *,
+    kind: int,
+    depth: int,
+    parent: bytes,
+    fsync: bool = True,
+) -> int:
+    """Atomically create ``path``: temporary file, (fsync), rename. Returns file size.
+
+    Raises ``OSError`` (e.g. ENOSPC) after removing the temporary file.
+    """
+    view = memoryview(payload).cast("B")
+    header = encode_header(oid, kind, depth, parent, len(view), zlib.crc32(view))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{next(_tmp_counter)}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            _write_all(fd, header)
+            _write_all(fd, view)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return len(header) + len(view)
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------- read
+def read_header(path: Path) -> Header:
+    """The header of ``path``, checked against the file size. Raises FormatError/OSError."""
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(4096)
+        header, end = _parse_growing(f, head)
+        size = os.fstat(f.fileno()).st_size
+    if size != end + header.payload_len:
+        raise FormatError(f"file is {size} bytes, header says {end + header.payload_len}")
+    return header
+
+
+def _parse_growing(f, head: bytes) -> tuple[Header, int]:  # type: ignore[no-untyped-def]
+    try:
+        return parse_header(head)
+    except FormatError:
+        if len(head) < 4096:
+            raise
+    # Very long keys: read the exact header length and retry once.
+    _m, _v, _k, _f, _d, _pl, _pc, klen, parlen, _hc = _FIXED.unpack_from(head, 0)
+    more = f.read(_FIXED.size + klen + parlen - len(head))
+    return parse_header(head + more)
+
+
+def read_object(path: Path, oid: ObjectId, dst: memoryview) -> tuple[ReadStatus, str]:
+    """Read the payload of ``path`` into ``dst`` (exact size) and verify everything.
+
+    Returns (OK, "") or (MISSING | CORRUPT, reason). Never raises for bad content.
+    """
+    view = memoryview(dst).cast("B")
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115
+    except FileNotFoundError:
+        return ReadStatus.MISSING, "no such file"
+    except OSError as exc:
+        return ReadStatus.MISSING, str(exc)
+    with f:
+        try:
+            head = f.read(4096)
+            header, end = _parse_growing(f, head)
+        except FormatError as exc:
+            return ReadStatus.CORRUPT, str(exc)
+        if header.oid != oid:
+            return ReadStatus.CORRUPT, "file holds another object"
+        if header.payload_len != len(view):
+            return ReadStatus.CORRUPT, (
+                f"payload is {header.payload_len} bytes, the buffer {len(view)}"
+            )
+        # The first read may already hold the start of the payload.
+        have = head[end : end + len(view)]
+        view[: len(have)] = have
+        pos = len(have)
+        while pos < len(view):
+            n = f.readinto(view[pos : pos + _READ_BLOCK])
+            if not n:
+                return ReadStatus.CORRUPT, f"truncated payload ({pos} of {len(view)} bytes)"
+            pos += n
+        if f.read(1):
+            return ReadStatus.CORRUPT, "trailing bytes after the payload"
+    if zlib.crc32(view) != header.payload_crc:
+        return ReadStatus.CORRUPT, "payload checksum mismatch"
+    return ReadStatus.OK, ""
+
+
+# ----------------------------------------------------------------------- scan
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    objects: list[tuple[Path, Header, float]]  # path, header, mtime
+    removed_tmp: int
+    removed_corrupt: int
+
+
+def iter_files(root: Path) -> Iterator[Path]:
+    if not root.is_dir():
+        return
+    for shard in sorted(root.iterdir()):
+        if shard.is_dir():
+            yield from sorted(shard.iterdir())
+
+
+def scan(root: Path) -> ScanResult:
+    """Index what survived in ``root``: remove temporaries and invalid files.
+
+    Only headers are read (and checked against the file size): payload checksums are
+    verified on load. Files that are not ours (other suffixes) are left alone.
+    """
+    objects: list[tuple[Path, Header, float]] = []
+    tmp = corrupt = 0
+    for path in iter_files(root):
+        name = path.name
+        if name.endswith(TMP_SUFFIX):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                tmp += 1
+            continue
+        if not name.endswith(SUFFIX):
+            continue
+        try:
+            header = read_header(path)
+            st = path.stat()
+        except (FormatError, OSError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                corrupt += 1
+            continue
+        if path.name != file_name(header.oid):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                corrupt += 1
+            continue
+        objects.append((path, header, st.st_mtime))
+    return ScanResult(objects, tmp, corrupt)

@@ -1,0 +1,200 @@
+"""The HiState disk tier (L2 adapter plugin) driven directly through LMCache's adapter API.
+
+No server: these pin down the file format, atomic writes, restart recovery, capacity,
+corruption handling and lookup locks. The server-level behaviour is in
+``test_backend_server.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from pathlib import Path
+
+import pytest
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache_histate.backends import diskfile as df
+from lmcache_histate.backends.disk_tier import HiStateDiskAdapter
+
+MODEL = "org/model"
+
+
+class Obj:
+    """Stands in for LMCache's MemoryObj: the adapter only touches ``byte_array``."""
+
+    def __init__(self, data: bytes | int) -> None:
+        self.byte_array = bytearray(data)
+
+
+def key(i: int, group: int = 1) -> ObjectKey:
+    return ObjectKey(
+        chunk_hash=i.to_bytes(4, "little") * 8, model_name=MODEL, kv_rank=0x01000100,
+        object_group_id=group,
+    )
+
+
+def adapter(path: Path, capacity: int = 1 << 20, **kw: object) -> HiStateDiskAdapter:
+    return HiStateDiskAdapter({"path": str(path), "capacity_bytes": capacity, **kw})
+
+
+def wait(fd: int, timeout: float = 10.0) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(timeout * 1000), "adapter did not signal completion"
+    os.read(fd, 8)
+
+
+def store(a: HiStateDiskAdapter, keys: list[ObjectKey], payloads: list[bytes]) -> bool:
+    tid = a.submit_store_task(keys, [Obj(p) for p in payloads])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done = a.pop_completed_store_tasks()
+        if tid in done:
+            return done[tid].is_successful()
+        time.sleep(0.01)
+    raise TimeoutError("store task did not complete")
+
+
+def lookup(a: HiStateDiskAdapter, keys: list[ObjectKey]) -> list[int]:
+    tid = a.submit_lookup_and_lock_task(keys, {})
+    wait(a.get_lookup_and_lock_event_fd())
+    bitmap = a.query_lookup_and_lock_result(tid)
+    assert bitmap is not None
+    return bitmap.get_indices_list()
+
+
+def load(a: HiStateDiskAdapter, keys: list[ObjectKey], sizes: list[int]) -> tuple[list[int], list]:
+    objs = [Obj(n) for n in sizes]
+    tid = a.submit_load_task(keys, objs)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        bitmap = a.query_load_result(tid)
+        if bitmap is not None:
+            return bitmap.get_indices_list(), [bytes(o.byte_array) for o in objs]
+        time.sleep(0.01)
+    raise TimeoutError("load task did not complete")
+
+
+def test_round_trip_files_and_accounting(tmp_path: Path) -> None:
+    a = adapter(tmp_path)
+    try:
+        payloads = [os.urandom(3000), os.urandom(5000)]
+        assert store(a, [key(1), key(2)], payloads)
+        files = sorted(p.name for p in tmp_path.rglob("*.hsf"))
+        assert len(files) == 2 and all("@1@" in f for f in files)
+        usage = a.get_usage()
+        assert usage.total_bytes_used == sum(p.stat().st_size for p in tmp_path.rglob("*.hsf"))
+        assert usage.total_capacity_bytes == 1 << 20
+        assert lookup(a, [key(1), key(3), key(2)]) == [0, 2]
+        hits, data = load(a, [key(1), key(2)], [3000, 5000])
+        assert hits == [0, 1] and data == payloads
+        a.submit_unlock([key(1), key(2)])
+        a.delete([key(1)])
+        assert lookup(a, [key(1)]) == []
+        assert len(list(tmp_path.rglob("*.hsf"))) == 1
+        assert a.get_usage().total_bytes_used == sum(
+            p.stat().st_size for p in tmp_path.rglob("*.hsf")
+        )
+        # A second store of an existing object is a success that writes nothing.
+        assert store(a, [key(2)], [b"x" * 5000])
+        assert load(a, [key(2)], [5000])[1] == [payloads[1]]
+    finally:
+        a.close()
+
+
+def test_restart_rebuilds_index_and_removes_leftovers(tmp_path: Path) -> None:
+    a = adapter(tmp_path)
+    assert store(a, [key(1), key(2)], [b"a" * 100, b"b" * 200])
+    used = a.get_usage().total_bytes_used
+    a.close()
+    shard = next(p for p in tmp_path.iterdir() if p.is_dir())
+    (shard / ("leftover" + df.SUFFIX + ".1.2" + df.TMP_SUFFIX)).write_bytes(b"partial")
+    (shard / df.file_name(df.ObjectId(MODEL, 1, 1, b"z" * 32))).write_bytes(b"HSD1garbage")
+    (tmp_path / "README").write_text("not ours")  # foreign files are left alone
+    b = adapter(tmp_path)
+    try:
+        assert b.stats["restart_objects"] == 2
+        assert b.stats["restart_tmp_removed"] == 1
+        assert b.stats["restart_invalid_removed"] == 1
+        assert b.get_usage().total_bytes_used == used
+        assert lookup(b, [key(1), key(2)]) == [0, 1]
+        assert (tmp_path / "README").exists()
+        assert not list(tmp_path.rglob("*" + df.TMP_SUFFIX))
+    finally:
+        b.close()
+
+
+def test_corrupted_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
+    a = adapter(tmp_path)
+    lost: list[ObjectKey] = []
+    a.loss_listener = lost.extend
+    try:
+        assert store(a, [key(1), key(2)], [b"a" * 4000, b"b" * 4000])
+        path = a.path_of(key(1))
+        raw = bytearray(path.read_bytes())
+        raw[-10] ^= 0xFF  # flip a payload bit: header intact, checksum wrong
+        path.write_bytes(raw)
+        torn = a.path_of(key(2))
+        torn.write_bytes(torn.read_bytes()[:-100])  # a torn write under the final name
+        assert lookup(a, [key(1), key(2)]) == [0, 1]  # the index does not read payloads
+        hits, _ = load(a, [key(1), key(2)], [4000, 4000])
+        assert hits == []  # neither is served
+        assert not path.exists() and not torn.exists()
+        assert sorted(lost, key=lambda k: k.chunk_hash) == [key(1), key(2)]
+        assert a.stats["corrupt_files"] == 2
+        assert lookup(a, [key(1), key(2)]) == []
+        assert a.get_usage().total_bytes_used == 0
+    finally:
+        a.close()
+
+
+def test_capacity_full_is_not_persisted(tmp_path: Path) -> None:
+    a = adapter(tmp_path, capacity=2 * 4300)
+    written: list[tuple[list, list]] = []
+    a.write_listener = lambda ok, failed: written.append((ok, failed))
+    try:
+        assert store(a, [key(1), key(2)], [b"a" * 4000, b"b" * 4000])
+        assert not store(a, [key(3)], [b"c" * 4000])  # the task reports the failure
+        assert written[-1] == ([], [key(3)])
+        assert a.stats["not_persisted_capacity"] == 1
+        assert lookup(a, [key(3)]) == []
+        a.delete([key(1)])
+        assert store(a, [key(3)], [b"c" * 4000])
+    finally:
+        a.close()
+
+
+def test_delete_waits_for_unlock(tmp_path: Path) -> None:
+    a = adapter(tmp_path)
+    try:
+        assert store(a, [key(1)], [b"a" * 100])
+        assert lookup(a, [key(1)]) == [0]
+        a.delete([key(1)])
+        assert a.path_of(key(1)).exists()  # locked by the lookup: still loadable
+        assert load(a, [key(1)], [100])[0] == [0]
+        assert lookup(a, [key(1)]) == []  # but no new lookup finds it
+        a.submit_unlock([key(1)])
+        a.submit_unlock([key(1)])
+        assert not a.path_of(key(1)).exists()
+    finally:
+        a.close()
+
+
+def test_header_carries_prefix_structure(tmp_path: Path) -> None:
+    a = adapter(tmp_path, fsync=False)
+    a.meta_provider = lambda k: (df.KIND_SNAPSHOT, 7, b"p" * 32)
+    try:
+        assert store(a, [key(1)], [b"a" * 10])
+        header = df.read_header(a.path_of(key(1)))
+        assert (header.kind, header.depth, header.parent) == (df.KIND_SNAPSHOT, 7, b"p" * 32)
+        assert header.oid == df.ObjectId(MODEL, 0x01000100, 1, key(1).chunk_hash)
+    finally:
+        a.close()
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="capacity_bytes must be a positive integer"):
+        HiStateDiskAdapter({"path": str(tmp_path), "capacity_bytes": 0})
+    with pytest.raises(ValueError, match="unknown adapter_params"):
+        HiStateDiskAdapter({"path": str(tmp_path), "capacity_bytes": 1, "size": 2})
