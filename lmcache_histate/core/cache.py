@@ -169,7 +169,7 @@ class HiStateCache:
             start += 1
         stored_kv = start
         for node in nodes[start:]:
-            if not self.store.store_kv(node, self.config.kv_chunk_bytes, now):
+            if not self.store.store_kv(node, self.config.kv_chunk_bytes, now, rerank=False):
                 break
             stored_kv += 1
         if stored_kv < len(nodes):
@@ -195,6 +195,13 @@ class HiStateCache:
                         )
             finally:
                 leaf.pins -= 1
+        if stored_kv > start:
+            # One re-ranking pass for the chain stored without it: the parent side of the
+            # first new chunk (its old tail changed), then every new chunk once (evictions
+            # during the stores may have queued some of them as leaves they no longer are).
+            self.queue.update_around(nodes[start])
+            for node in nodes[start:stored_kv]:
+                self.queue.update(node)
         self._move_session(handle.session_id, nodes, stored_kv, input_tokens, now)
         return stored_kv - start, snaps
 

@@ -129,6 +129,10 @@ class EvictionQueue:
         stack = list(start.children.values()) if start.children else []
         while stack:
             q = stack.pop()
+            if not q.kv_tiers:
+                # KV is prefix-closed: nothing below a chunk without KV holds a unit.
+                self.remove(q)
+                continue
             if q.snap_tiers or not q.kv_children:
                 self.update(q)
             # Below ``node`` itself too: its own snapshot bounds the tails under it.

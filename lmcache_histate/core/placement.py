@@ -107,8 +107,15 @@ class TieredStore:
         return self.tiers[tier].capacity - self.used[tier]
 
     # ------------------------------------------------------------------ stores
-    def store_kv(self, node: Node, nbytes: int, now: float) -> bool:
-        """Cache the KV of ``node``'s chunk; False if it could not be placed."""
+    def store_kv(self, node: Node, nbytes: int, now: float, *, rerank: bool = True) -> bool:
+        """Cache the KV of ``node``'s chunk; False if it could not be placed.
+
+        ``rerank=False`` is for a caller storing a whole new chain in one go: re-ranking
+        after every chunk would walk the growing tail each time (quadratic in the
+        segment), so the caller re-ranks once at the end (``HiStateCache.complete``).
+        Until then the new chunks are not eviction candidates, which is what a request
+        storing its own prefix wants anyway.
+        """
         if node.kv_tiers:
             return True
         parent = node.parent
@@ -121,7 +128,8 @@ class TieredStore:
         self.index.set_kv(node, 1 << tier, nbytes, now)
         self.used[tier] += nbytes
         self.listener.stored(node, KV, tier)
-        self.queue.update_around(node)
+        if rerank:
+            self.queue.update_around(node)
         return True
 
     def store_snapshot(self, node: Node, nbytes: int, now: float, *, final: bool) -> bool:
