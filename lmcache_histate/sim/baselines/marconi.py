@@ -200,8 +200,11 @@ class MarconiCache:
         while start < len(path) and path[start].kv_tiers:
             start += 1
         stored = start
+        # Room for the whole new segment at once (the victims are the same as chunk by
+        # chunk: the new chunks are locked); chunk by chunk only if it does not all fit.
+        whole = self._make_room((len(path) - start) * self.kv_chunk_bytes)
         for node in path[start:]:
-            if not self._make_room(self.kv_chunk_bytes):
+            if not whole and not self._make_room(self.kv_chunk_bytes):
                 break
             self.index.set_kv(node, _GPU, self.kv_chunk_bytes, now)
             self.used += self.kv_chunk_bytes
@@ -229,8 +232,11 @@ class MarconiCache:
             self._refresh_around(path[start - 1])
         for node in saved:
             self._refresh_around(node)
-        for node in path[start:stored]:
-            self._refresh(node)
+        cands = self.candidates
+        for node in path[start : stored - 1]:  # single-child, stateless: not candidates
+            cands.discard(node)
+        if stored:
+            self._refresh(path[stored - 1])
         return written
 
     # --------------------------------------------------------------- structure
@@ -247,7 +253,10 @@ class MarconiCache:
         if not self._is_candidate(node):
             self.candidates.discard(node)
             return
-        memory = node.snap_bytes + sum(n.kv_bytes for n in tail_chain(node))
+        edge = 0
+        for _ in tail_chain(node):
+            edge += 1
+        memory = node.snap_bytes + edge * self.kv_chunk_bytes  # every chunk: same KV size
         saved = self.flops.flops(self.index.end_tokens(node)) if node.snap_tiers else 0.0
         self.candidates.set(node, node.access, saved / memory)
 
@@ -315,10 +324,9 @@ class MarconiCache:
         if node.snap_tiers:
             self.used -= node.snap_bytes
             self.index.clear_snapshot(node)
-        for n in chain:  # leaf first: KV stays prefix-closed
+        for n in chain:  # leaf first: KV stays prefix-closed; none of them is a candidate
             self.used -= n.kv_bytes
             self.index.clear_kv(n)
-            self.candidates.discard(n)
         parent = chain[-1].parent
         self.index.prune(node)
         if parent is not None:
