@@ -1,0 +1,129 @@
+"""Baselines: every row of the report that is not HiState, each a ``sim.policy.Policy``.
+
+=========================  ==============================================================
+``unlimited``              never evicts, a state at every chunk end: the reference
+                           (``unlimited``).
+``marconi``                Marconi on vLLM, GPU only: sequence-end + branch-point states,
+                           recency + α·FLOP-efficiency eviction, α tuned online
+                           (``marconi``, ``marconi_policy``).
+``vllm-align-gpu``         vLLM align mode: one state per request at the prompt's last
+                           full block, LRU over blocks, GPU only (``vllm``).
+``vllm-cpu-offload``       the same + a CPU tier (LRU, cascading).
+``vllm-cpu-disk-offload``  the same + CPU and disk tiers.
+``sglang-hicache``         SGLang HiCache + MambaRadixCache: separate KV / Mamba pools on
+                           GPU and host (host split by ratio), LRU per pool, states at
+                           request ends (``sglang``).
+``lru``                    the paper's generic LRU: the REAL HiState core (same tiers,
+                           placement, GPU promotion and interval-driven snapshots as the
+                           ``histate`` row, ``sim/variants.py``) with ``tau = 0`` and no
+                           refresh-all (the same policy as the ``histate-lru`` ablation).
+``lru-refresh-all``        the same with refresh-all.
+=========================  ==============================================================
+
+The vLLM and SGLang rows share one engine (``tiered_lru``: exclusive tiers, LRU per
+pool) and one adapter (``end_state``). Every row reports ``load_bytes`` per tier name
+(``gpu``/``cpu``/``disk``) for hits and the bytes written per tier name on completion.
+None of them is randomised; ``seed`` is accepted so that callers can treat every row
+alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...core.interval import supported_intervals
+from ...core.placement import PlacementRules
+from ..policy import HiStatePolicy, Policy
+from .marconi import DEFAULT_FLOPS, FlopModel
+from .marconi_policy import MarconiPolicy
+from .sglang import DEFAULT_HOST_KV_FRACTION, sglang_hicache_policy
+from .unlimited import UnlimitedPolicy
+from .vllm import vllm_align_policy
+
+__all__ = ["BASELINES", "baseline_policies", "lru_policy"]
+
+BASELINES: tuple[str, ...] = (
+    "unlimited",
+    "marconi",
+    "vllm-align-gpu",
+    "vllm-cpu-offload",
+    "vllm-cpu-disk-offload",
+    "sglang-hicache",
+    "lru",
+    "lru-refresh-all",
+)
+
+# HiState's placement over gpu/cpu/disk (tier indices), as in ``sim/variants.py``:
+# KV and final snapshots on the GPU first, intermediate snapshots on disk.
+LRU_RULES = PlacementRules(kv_tier=0, snapshot_tier=2, final_tier=0)
+
+
+def lru_policy(
+    name: str,
+    *,
+    refresh_all: bool,
+    chunk_tokens: int,
+    kv_bytes_per_token: int,
+    snapshot_bytes: int,
+    gpu_bytes: int,
+    cpu_bytes: int,
+    disk_bytes: int,
+) -> HiStatePolicy:
+    """The HiState core with plain-recency eviction (``tau = 0``): no second implementation."""
+    return HiStatePolicy.build(
+        name,
+        chunk_tokens=chunk_tokens,
+        kv_bytes_per_token=kv_bytes_per_token,
+        snapshot_bytes=snapshot_bytes,
+        tiers=[("gpu", gpu_bytes), ("cpu", cpu_bytes), ("disk", disk_bytes)],
+        rules=LRU_RULES,
+        promote_tier=0,  # hits end up on the GPU, as in the histate row and every baseline
+        tau=0.0,
+        refresh_all=refresh_all,
+        supported_intervals=supported_intervals(chunk_tokens),
+    )
+
+
+def baseline_policies(
+    chunk_tokens: int,
+    kv_bytes_per_token: int,
+    snapshot_bytes: int,
+    gpu_bytes: int,
+    cpu_bytes: int,
+    disk_bytes: int,
+    seed: int = 0,
+    *,
+    flops: FlopModel = DEFAULT_FLOPS,
+    host_kv_fraction: float = DEFAULT_HOST_KV_FRACTION,
+) -> dict[str, Callable[[], Policy]]:
+    """Row name → factory of a fresh policy, in report order (``BASELINES``).
+
+    ``flops``: Marconi's FLOP model (only the linear : attention ratio matters);
+    ``host_kv_fraction``: SGLang's host KV share (the "half-and-half split" = 0.5).
+    """
+    del seed  # no baseline is randomised
+    geo = {
+        "chunk_tokens": chunk_tokens,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "snapshot_bytes": snapshot_bytes,
+    }
+    caps = {"gpu_bytes": gpu_bytes, "cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes}
+    gpu, cpu, disk = ("gpu", gpu_bytes), ("cpu", cpu_bytes), ("disk", disk_bytes)
+    return {
+        "unlimited": lambda: UnlimitedPolicy(**geo),
+        "marconi": lambda: MarconiPolicy(**geo, gpu_bytes=gpu_bytes, flops=flops),
+        "vllm-align-gpu": lambda: vllm_align_policy("vllm-align-gpu", **geo, tiers=[gpu]),
+        "vllm-cpu-offload": lambda: vllm_align_policy("vllm-cpu-offload", **geo, tiers=[gpu, cpu]),
+        "vllm-cpu-disk-offload": lambda: vllm_align_policy(
+            "vllm-cpu-disk-offload", **geo, tiers=[gpu, cpu, disk]
+        ),
+        "sglang-hicache": lambda: sglang_hicache_policy(
+            "sglang-hicache",
+            **geo,
+            gpu_bytes=gpu_bytes,
+            cpu_bytes=cpu_bytes,
+            host_kv_fraction=host_kv_fraction,
+        ),
+        "lru": lambda: lru_policy("lru", refresh_all=False, **geo, **caps),
+        "lru-refresh-all": lambda: lru_policy("lru-refresh-all", refresh_all=True, **geo, **caps),
+    }

@@ -1,0 +1,426 @@
+"""Baseline rows: hand-derived hit sequences, pool splits, LRU cascade properties.
+
+Conventions of the hand-built traces: chunk = 100 tokens, KV = 1 byte per token (a chunk
+is 100 B), a state is 50 B. ``chunks(p, n)`` is the chain of the first ``n`` chunks of
+prefix family ``p``; ``fork(base, at, q)`` shares ``base``'s first ``at`` chunks then
+continues with family ``q``. Requests are driven one at a time (begin, then complete),
+as the server model does.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache_histate.sim.baselines import BASELINES, baseline_policies
+from lmcache_histate.sim.baselines.end_state import EndStatePolicy
+from lmcache_histate.sim.baselines.marconi import FlopModel
+from lmcache_histate.sim.baselines.marconi_policy import MarconiPolicy
+from lmcache_histate.sim.baselines.sglang import sglang_hicache_policy
+from lmcache_histate.sim.baselines.tiered_lru import KV, STATE, TieredLRU
+from lmcache_histate.sim.baselines.unlimited import UnlimitedPolicy
+from lmcache_histate.sim.baselines.vllm import vllm_align_policy
+from lmcache_histate.sim.policy import HiStatePolicy, Policy
+from lmcache_histate.sim.traces import Request, load_trace
+
+C = 100  # chunk tokens
+KVT = 1  # KV bytes per token
+SNAP = 50  # state bytes
+GEO = {"chunk_tokens": C, "kv_bytes_per_token": KVT, "snapshot_bytes": SNAP}
+BIG = 10**9
+
+
+def chunks(p: int, n: int) -> list[int]:
+    return [p * 1000 + i for i in range(n)]
+
+
+def fork(base: list[int], at: int, q: int, n: int) -> list[int]:
+    return base[:at] + [q * 1000 + i for i in range(at, n)]
+
+
+def variant(fam: int, var: int, n: int) -> list[int]:
+    """Chained keys: variant ``var`` of family ``fam`` leaves variant 0 at chunk 3·var."""
+    return [fam * 10**6 + (var if i >= 3 * var else 0) * 1000 + i for i in range(n)]
+
+
+def req(keys: list[int], tokens: int, sid: str = "s") -> Request:
+    return Request(sid, 0, 0.0, 0.0, tokens, 1, tuple(keys))
+
+
+def drive(policy: Policy, steps: list[tuple[list[int], int]], t0: float = 1.0) -> list[int]:
+    """Serve ``(keys, input tokens)`` requests one at a time; returns their hit tokens."""
+    hits = []
+    for i, (keys, tokens) in enumerate(steps):
+        r = req(keys, tokens)
+        lookup = policy.begin(r, t0 + i)
+        hits.append(lookup.hit_tokens)
+        policy.complete(r, lookup, t0 + i + 0.5)
+        check = getattr(policy, "engine", None) or getattr(policy, "cache", None)
+        if check is not None:
+            check.check()
+    return hits
+
+
+# ------------------------------------------------------------------ unlimited
+def test_unlimited_hits_every_seen_chunk() -> None:
+    a = chunks(1, 9)
+    steps = [
+        (a[:5], 530),  # nothing seen: 0
+        (a[:9], 930),  # a0..a4 seen: 500 (no need for a state there: one at every chunk end)
+        (fork(a, 7, 2, 9), 900),  # rewrite after chunk 7: a0..a6 seen: 700
+        (fork(a, 3, 3, 6), 600),  # rewrite after chunk 3: 300
+        (a[:9], 900),  # everything seen: all 9 full chunks
+    ]
+    p = UnlimitedPolicy(**GEO)
+    assert drive(p, steps) == [0, 500, 700, 300, 900]
+    lookup = p.begin(req(a[:9], 950), 99.0)
+    assert lookup.load_bytes == {"gpu": 9 * C * KVT + SNAP}
+
+
+# ------------------------------------------------------------------ Marconi
+def test_marconi_hits_by_hand() -> None:
+    """Sequence ends + branch points (speculative insertion), no eviction.
+
+    S = s0 s1 s2 is a system prompt shared by sessions A, B, C (chunk = 100 tokens).
+    States are written as @k = after k chunks.
+
+    A1  S a3 a4, 530 tok (5 full chunks). Empty tree: hit 0. Path is new from the root:
+        no branch. Sequence end @5.                                      -> states @5
+    A2  S a3..a6, 720 tok (7). KV match 5, state @5: hit 500. The match ends at A1's
+        leaf (extension, not a split): no branch. End @7.                -> @5 @7
+    A3  S a3..a8, 900 tok (9). KV match 7, deepest state @7: hit 700. End @9.
+    B1  S b3 b4, 500 tok (5). KV match 3 (S); no state within: hit 0. The match ends
+        inside A's edge (s2 has a child a3 and no state): branch point @3 checkpointed,
+        plus the end @5 of B. (2 states: the most Marconi saves per request.)
+    B2  S b3 b4 b5, 640 tok (6). KV match 5, state @5 (B's end): hit 500. End @6.
+    C1  S c3, 420 tok (4). KV match 3, state @3 (B1's branch point): hit 300. s2 is a
+        branch point that already has its state: nothing new there. End @4.
+    A4  S a3 a4 a5 x6 x7, 800 tok (8): a rewrite of A after chunk 6. KV match 6; states
+        on it @3 and @5 (A1's end); a5 (@6) has none (A2 ended @7): hit 500. The match
+        ends inside A's edge (a5 has child a6, no state): branch point @6. End @8.
+    A5  S a3 a4 a5 y6, 700 tok (7): another rewrite after chunk 6. KV match 6, state @6
+        (A4's branch point): hit 600.
+    """
+    s = chunks(1, 3)
+    a = s + [2000 + i for i in range(3, 9)]
+    b = s + [3000 + i for i in range(3, 6)]
+    c = [*s, 4003]
+    x = [*a[:6], 5006, 5007]
+    y = [*a[:6], 6006]
+    steps = [
+        (a[:5], 530),
+        (a[:7], 720),
+        (a[:9], 900),
+        (b[:5], 500),
+        (b[:6], 640),
+        (c, 420),
+        (x, 800),
+        (y, 700),
+    ]
+    p = MarconiPolicy(**GEO, gpu_bytes=BIG, tune=False)
+    assert drive(p, steps) == [0, 500, 700, 0, 500, 300, 500, 600]
+    assert p.cache.evictions == 0
+    # States exist exactly at sequence ends and branch points.
+    with_state = sorted((n.depth + 1, n.key) for n in p.cache.index.nodes.values() if n.snap_tiers)
+    assert with_state == sorted(
+        [
+            (5, a[4]),
+            (7, a[6]),
+            (9, a[8]),
+            (3, s[2]),
+            (5, b[4]),
+            (6, b[5]),
+            (4, c[3]),
+            (6, a[5]),
+            (8, x[7]),
+            (7, y[6]),
+        ]
+    )
+
+
+def test_marconi_written_bytes_at_most_two_states() -> None:
+    s = chunks(1, 3)
+    p = MarconiPolicy(**GEO, gpu_bytes=BIG, tune=False)
+    r1 = req([*s, 2003, 2004], 500)
+    p.complete(r1, p.begin(r1, 1.0), 1.5)
+    r2 = req([*s, 3003, 3004], 500)  # branch @3 + end @5 + 2 new chunks
+    assert p.complete(r2, p.begin(r2, 2.0), 2.5) == {"gpu": 2 * C * KVT + 2 * SNAP}
+    lookup = p.begin(req([*s, 3003, 3004], 500), 3.0)
+    assert lookup.load_bytes == {"gpu": 5 * C * KVT + SNAP}
+
+
+@pytest.mark.parametrize(("alpha", "victim"), [(0.0, "X"), (0.5, "X"), (4.0, "Y")])
+def test_marconi_flop_aware_victim(alpha: float, victim: str) -> None:
+    """Recency + α·FLOP efficiency, min-max normalised over the candidates.
+
+    FLOPs linear in tokens (pair = 0). X: 10 chunks + state at t=1, efficiency
+    1000/(1000+50) ≈ 0.95; Y: 1 chunk + state at t=2, 100/(100+50) ≈ 0.67. Normalised:
+    X (recency 0, efficiency 1), Y (1, 0). Scores X = α, Y = 1: α < 1 evicts the older X,
+    α > 1 the less efficient Y. Z (1 chunk + state = 150 B) does not fit in 1200 B.
+    """
+    p = MarconiPolicy(
+        **GEO, gpu_bytes=1200, flops=FlopModel(linear=1.0, pair=0.0), alpha=alpha, tune=False
+    )
+    x, y, z = chunks(1, 10), chunks(2, 1), chunks(3, 1)
+    drive(p, [(x, 1000), (y, 100), (z, 100)])
+    assert p.cache.evictions == 1
+    gone = "X" if x[9] not in p.cache.index else "Y"
+    assert gone == victim
+    assert (y[0] in p.cache.index) == (victim == "X")
+
+
+def test_marconi_single_child_state_is_a_candidate() -> None:
+    """A state with one child below it is evicted alone: its KV stays for the child.
+
+    A1 saves @2 (t=1), A2 extends to @4 (starts t=2: hits @2, refreshing it to t=2;
+    completes t=2.5, saving @4). The 600 B pool holds 400 KV + 100 state. B (t=3): its
+    KV chunk fits (600 B used), its state needs 50 B more. Candidates: @2 (single
+    child, t=2) and @4 (leaf, t=2.5; B's own leaf is locked). Pure recency (α = 0)
+    evicts @2's state only (50 B).
+    """
+    p = MarconiPolicy(**GEO, gpu_bytes=600, alpha=0.0, tune=False)
+    a = chunks(1, 4)
+    drive(p, [(a[:2], 200), (a, 400), (chunks(2, 1), 100)])
+    node2 = p.cache.index.get(a[1])
+    assert node2 is not None and node2.has_kv and not node2.has_snapshot
+    assert p.cache.index.get(a[3]).has_snapshot  # type: ignore[union-attr]
+    assert p.begin(req(a, 400), 9.0).hit_tokens == 400
+
+
+def test_marconi_alpha_tuning_runs_and_stays_on_grid() -> None:
+    rng = random.Random(7)
+    p = MarconiPolicy(
+        **GEO, gpu_bytes=2000, min_window=10, max_window=30, window_factor=2, min_retune=20
+    )
+    steps = []
+    for _ in range(150):
+        fam, var, n = rng.randrange(6), rng.randrange(4), rng.randrange(1, 12)
+        steps.append((variant(fam, var, n), n * C))
+    drive(p, steps)
+    assert p.tunings >= 3
+    assert p.cache.alpha in p.alpha_grid
+    assert p.window is not None and 10 <= p.window <= 30
+
+
+# ------------------------------------------------------------------ vLLM
+def test_vllm_align_keeps_only_prompt_end_states() -> None:
+    """One state per request, after the prompt's last full chunk.
+
+    R1 a0..a4, 550 tok: hit 0, state @5. R2 a0..a7, 830 tok: hit 500 (@5), state @8.
+    R3 rewrite after chunk 7 (a0..a6 + r7 r8): KV match 7, states @5 and @8: only @5
+    lies within, hit 500 (Marconi / unlimited would get 700 there). R4 rewrite after
+    chunk 4: KV match 4, no state within: hit 0.
+    """
+    a = chunks(1, 9)
+    steps = [(a[:5], 550), (a[:8], 830), (fork(a, 7, 2, 9), 900), (fork(a, 4, 3, 6), 600)]
+    p = vllm_align_policy("v", **GEO, tiers=[("gpu", BIG)])
+    assert drive(p, steps) == [0, 500, 500, 0]
+    assert drive(UnlimitedPolicy(**GEO), steps) == [0, 500, 700, 400]
+
+
+def test_vllm_gpu_lru_over_blocks_keeps_dead_tails() -> None:
+    """GPU 700 B. A (3 chunks + state = 350 B, t=1), B (350 B, t=2) fill it. C needs
+    100 + 50: the least recent block is A's leaf a2 (t=1; on a tie the KV leaf goes
+    first and takes its state): 150 B freed. A's a0 a1 stay (vLLM has no early free of
+    blocks without a state) but cannot be hit: A again gets 0."""
+    p = vllm_align_policy("v", **GEO, tiers=[("gpu", 700)])
+    a, b, c = chunks(1, 3), chunks(2, 3), chunks(3, 1)
+    drive(p, [(a, 300), (b, 300), (c, 100)])
+    assert a[2] not in p.engine.index
+    assert p.resident(p.engine.index.get(a[1])) == ("gpu", None)  # type: ignore[arg-type]
+    assert p.begin(req(a, 300), 9.0).hit_tokens == 0
+
+
+def test_vllm_cpu_offload_cascade_and_loads() -> None:
+    """Same as above with a 1000 B CPU tier: C's KV chunk needs 100 B: the LRU block a2
+    (KV) is demoted to CPU; C's state needs 50 B: a1 (KV, t=1) ties with a2's state
+    (t=1) and KV goes first: a1 demoted too. A again: KV match 3 (a0 GPU, a1 a2 CPU),
+    state @3 on the GPU: hit 300, reading 100 + 50 B from GPU and 200 B from CPU."""
+    p = vllm_align_policy("v", **GEO, tiers=[("gpu", 700), ("cpu", 1000)])
+    a, b, c = chunks(1, 3), chunks(2, 3), chunks(3, 1)
+    drive(p, [(a, 300), (b, 300), (c, 100)])
+    idx = p.engine.index
+    assert [p.resident(idx.get(k))[0] for k in a] == ["gpu", "cpu", "cpu"]  # type: ignore[arg-type]
+    assert p.resident(idx.get(a[2])) == ("cpu", "gpu")  # type: ignore[arg-type]
+    lookup = p.begin(req(a, 300), 9.0)
+    assert lookup.hit_tokens == 300
+    assert lookup.load_bytes == {"gpu": 100 + 50, "cpu": 200}
+    # The hit brings A back to the GPU (B's older blocks make room and go to CPU).
+    written = p.complete(req(a, 300), lookup, 9.5)
+    assert written["gpu"] == 200
+    assert [p.resident(idx.get(k))[0] for k in a] == ["gpu"] * 3  # type: ignore[arg-type]
+    p.engine.check()
+
+
+# ------------------------------------------------------------------ SGLang
+def test_sglang_small_state_pool_evicts_states_while_kv_stays() -> None:
+    """GPU 1600 B split 1/16 for states: a Mamba pool of 100 B (2 states) and a KV pool of
+    1500 B (15 chunks); no host memory (cpu 0). Times t = 1..6.
+
+    1 A1  a0..a3, 400 tok: hit 0; KV 4 chunks; states {@4 a3: t1}.
+    2 B1  b0, 100 tok: hit 0; KV 5; states {a3: t1, b0: t2}.
+    3 A2  a0..a5, 600 tok: hit 400 (a3, in use). New state a5: the pool is full, the
+          LRU state not in use is b0 (t2): dropped (no host room); b0 is then a KV leaf
+          without state, deleted as a tombstone leaf. States {a3: t3, a5: t3}; KV 6.
+    4 A3  a0..a5 again: hit 600 (a5 refreshed to t4; a3 not touched: t3).
+    5 B2  b0 b1, 200 tok: b0 is gone: hit 0. KV 8 (the KV pool has room). New state
+          b1: the LRU state is a3 (t3) → dropped; a3 has a child (a4): its KV stays.
+    6 A4  rewrite a0..a3 z4, 500 tok: KV match 4 (a0..a3 kept) but no state within:
+          hit falls back to 0.
+    vLLM with the same 1600 B as one pool never fills (8 chunks + 4 states): b0's state
+    survives (B2 hits 100) and so does a3's (A4 hits 400).
+    """
+    a = chunks(1, 6)
+    b = chunks(2, 2)
+    steps = [
+        (a[:4], 400),
+        (b[:1], 100),
+        (a, 600),
+        (a, 600),
+        (b, 200),
+        (fork(a, 4, 3, 5), 500),
+    ]
+    p = sglang_hicache_policy("s", **GEO, gpu_bytes=1600, cpu_bytes=0, gpu_state_fraction=1 / 16)
+    assert [pool.capacity for pool in p.engine.pools] == [1500, 100, 0, 0]
+    assert drive(p, steps) == [0, 0, 400, 600, 0, 0]
+    assert all(p.engine.index.get(k).has_kv for k in a[:4])  # type: ignore[union-attr]
+    v = vllm_align_policy("v", **GEO, tiers=[("gpu", 1600)])
+    assert drive(v, steps) == [0, 0, 400, 600, 100, 400]
+
+
+def test_sglang_host_pools_split_by_ratio() -> None:
+    p = sglang_hicache_policy("s", **GEO, gpu_bytes=1900, cpu_bytes=1000)
+    kv_gpu, st_gpu, kv_cpu, st_cpu = (pool.capacity for pool in p.engine.pools)
+    assert (kv_gpu, st_gpu) == (1000, 900)  # --mamba-full-memory-ratio 0.9 (state : KV)
+    assert (kv_cpu, st_cpu) == (500, 500)  # the half-and-half host split
+    assert [pool.kinds for pool in p.engine.pools] == [(KV,), (STATE,), (KV,), (STATE,)]
+
+
+# ------------------------------------------------------------------ tiered LRU properties
+def _queued_priorities(engine: TieredLRU, tier: int, pool: int) -> list[float]:
+    out = []
+    for kind in (KV, STATE):
+        if engine._pool[tier][kind] == pool:
+            heap = engine.heaps[tier][kind]
+            out += [heap.priority(n) for n in heap]
+    return out
+
+
+def _engines(gpu: int, cpu: int, disk: int) -> list[EndStatePolicy]:
+    return [
+        vllm_align_policy("g", **GEO, tiers=[("gpu", gpu)]),
+        vllm_align_policy("gc", **GEO, tiers=[("gpu", gpu), ("cpu", cpu)]),
+        vllm_align_policy("gcd", **GEO, tiers=[("gpu", gpu), ("cpu", cpu), ("disk", disk)]),
+        sglang_hicache_policy(
+            "s", **GEO, gpu_bytes=gpu + 400, cpu_bytes=cpu, gpu_state_fraction=400 / (gpu + 400)
+        ),
+    ]
+
+
+request_st = st.tuples(
+    st.integers(0, 3),  # family
+    st.integers(0, 3),  # variant: diverges from variant 0 at chunk 3·v
+    st.integers(1, 12),  # full chunks
+    st.integers(0, C - 1),  # partial tail
+)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
+@given(
+    gpu=st.integers(1300, 2500),
+    cpu=st.integers(0, 1500),
+    disk=st.integers(0, 2000),
+    requests=st.lists(request_st, min_size=1, max_size=40),
+)
+def test_tiered_lru_capacity_and_cascade_order(
+    gpu: int, cpu: int, disk: int, requests: list[tuple[int, int, int, int]]
+) -> None:
+    """After every request: exact byte accounting within every pool's capacity, each
+    object on one tier, the tree tier-monotone (``check``); and the cascade keeps ONE
+    recency order: every queued object of a pool on tier t is at least as recent as
+    every one of the same pool kind on tier t + 1 (gpu → cpu → disk). The GPU always
+    fits a whole prompt (12 chunks + state), so promotions never fail."""
+    for policy in _engines(gpu, cpu, disk):
+        engine = policy.engine
+        for i, (fam, var, n, tail) in enumerate(requests):
+            keys = variant(fam, var, n)
+            r = req(keys, n * C + tail)
+            lookup = policy.begin(r, float(i))
+            assert set(lookup.load_bytes) <= {"gpu", "cpu", "disk"}
+            assert lookup.hit_tokens <= r.input_tokens
+            written = policy.complete(r, lookup, i + 0.5)
+            assert all(v > 0 for v in written.values())
+            engine.check()
+            for t in range(len(engine.tier_names) - 1):
+                for kind in (KV, STATE):
+                    upper = _queued_priorities(engine, t, engine._pool[t][kind])
+                    lower = _queued_priorities(engine, t + 1, engine._pool[t + 1][kind])
+                    if upper and lower:
+                        assert min(upper) >= max(lower), (policy.name, t, kind)
+
+
+# ------------------------------------------------------------------ all rows
+def test_baseline_rows_and_factories() -> None:
+    rows = baseline_policies(**GEO, gpu_bytes=5000, cpu_bytes=5000, disk_bytes=5000)
+    assert tuple(rows) == BASELINES
+    for name, make in rows.items():
+        first, second = make(), make()
+        assert first.name == name and first is not second
+    lru, lra = rows["lru"](), rows["lru-refresh-all"]()
+    assert isinstance(lru, HiStatePolicy) and isinstance(lra, HiStatePolicy)
+    assert lru.cache.config.tau == 0 and not lru.cache.config.refresh_all
+    assert lra.cache.config.tau == 0 and lra.cache.config.refresh_all
+    assert lru.tier_names == ["gpu", "cpu", "disk"]
+
+
+@pytest.mark.parametrize("refresh_all", [False, True])
+def test_lru_rows_share_the_histate_rows_object_model(refresh_all: bool) -> None:
+    """Same tiers, placement, promotion and interval control as ``sim/variants.py``'s
+    ``histate`` row: only ``tau`` (and refresh-all) differ."""
+    from lmcache_histate.sim.config import GIB, SimSetup
+    from lmcache_histate.sim.variants import histate_policy
+
+    setup = SimSetup.paper(gpu_bytes=2 * GIB, cpu_bytes=3 * GIB, disk_bytes=5 * GIB)
+    ref = histate_policy(setup, "ref", tau=0.0, refresh_all=refresh_all)
+    name = "lru-refresh-all" if refresh_all else "lru"
+    ours = baseline_policies(
+        setup.chunk_tokens,
+        setup.kv_bytes_per_token,
+        setup.snapshot_bytes,
+        setup.gpu_bytes,
+        setup.cpu_bytes,
+        setup.disk_bytes,
+    )[name]()
+    assert isinstance(ours, HiStatePolicy)
+    assert ours.cache.config == ref.cache.config
+    assert ours.promote_tier == ref.promote_tier
+
+
+def test_every_row_at_most_unlimited_on_the_weka_sample() -> None:
+    """Driven one request at a time over the embedded Weka sample at a tight capacity:
+    no row hits more than the unlimited reference on any request, tier names are the
+    cost model's, and hits fit in the prompt."""
+    trace = load_trace("weka-sample", 528)
+    requests = trace.requests()[:400]
+    kv_tok, snap = 32_768, 51_511_296
+    rows = baseline_policies(528, kv_tok, snap, 2 << 30, 2 << 30, 4 << 30)
+    hits: dict[str, list[int]] = {}
+    for name, make in rows.items():
+        policy = make()
+        out = hits[name] = []
+        for i, r in enumerate(requests):
+            lookup = policy.begin(r, float(i))
+            assert set(lookup.load_bytes) <= {"gpu", "cpu", "disk"}, name
+            out.append(lookup.hit_tokens)
+            written = policy.complete(r, lookup, i + 0.5)
+            assert set(written) <= {"gpu", "cpu", "disk"}, name
+        check = getattr(policy, "engine", None) or getattr(policy, "cache", None)
+        if check is not None:
+            check.check()
+    ref = hits["unlimited"]
+    for name, out in hits.items():
+        assert all(h <= u for h, u in zip(out, ref, strict=True)), name
+    assert sum(ref) > 0
