@@ -455,7 +455,7 @@ _PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=256,
         num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-        linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, torch_dtype="bfloat16",
     ),
 }

@@ -34,8 +34,8 @@ def _tiny_next(**overrides: Any) -> dict[str, Any]:
         "head_dim": 64,
         "linear_num_key_heads": 4,
         "linear_num_value_heads": 8,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
         "linear_conv_kernel_dim": 4,
         "torch_dtype": "bfloat16",
     }
@@ -122,8 +122,9 @@ def test_tiny_preset_matches_live_test_config() -> None:
     g = preset("tiny-qwen3-next")
     assert g == from_hf_config(_tiny_next(), name="tiny-qwen3-next")
     assert (g.num_layers, g.attention_layers, g.recurrent_layers) == (4, 1, 3)
-    assert g.state_tensors[0].shape == (3, 2 * 4 * 32 + 8 * 32)
-    assert g.state_tensors[1].shape == (8, 32, 32)
+    assert g.state_tensors[0].shape == (3, 2 * 4 * 64 + 8 * 64)
+    assert g.state_tensors[1].shape == (8, 64, 64)
+    assert g.snapshot_bytes == 411_648  # what vLLM allocates for the generated model
     assert g.kv_bytes_per_token == 1 * 2 * 2 * 64 * 2
 
 
@@ -323,3 +324,10 @@ def test_unknown_preset_lists_names() -> None:
         assert name in str(info.value)
     with pytest.raises(GeometryError, match=r"qwen3\.5-9b"):
         load_geometry("no/such/path")
+
+
+def test_tiny_preset_is_the_generated_live_model() -> None:
+    """The preset and the model the live tests generate must not drift apart."""
+    from lmcache_histate.backends.tiny_model import tiny_config
+
+    assert from_hf_config(tiny_config(), name="tiny-qwen3-next") == preset("tiny-qwen3-next")
