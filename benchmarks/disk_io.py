@@ -27,7 +27,6 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
-
 from lmcache_histate.backends import diskfile as df
 
 

@@ -1,0 +1,256 @@
+"""``histate-server``: validate a HiState YAML config and run ``lmcache server`` with HiState.
+
+    histate-server --config configs/histate.yaml [--dry-run | --print-config] [lmcache flags]
+
+1. Validates the YAML (``lmcache_histate.config``); a bad value fails here, before any
+   import of lmcache, with a message naming the key (exit status 2).
+2. Translates it into ``lmcache server`` flags: ``--separate-object-groups`` (one object
+   group per attention/recurrent bucket: required for hybrid models), ``--chunk-size``,
+   ``--l1-size-gb``, the disk tier as an ``--l2-adapter`` plugin, ``--l2-store-policy
+   histate``, the HiState ``--server-module`` (plus the vLLM-CPU fix-up module on CPU),
+   ``--eviction-policy LRU`` (a name the CLI accepts; see below), host and ports.
+   Further flags on the command line are passed through; ``--host``, ``--port``,
+   ``--http-host``, ``--http-port``, ``--chunk-size`` and ``--l1-size-gb`` there override
+   the file (so test harnesses can pick free ports).
+3. Prints the vLLM ``--kv-transfer-config`` JSON (``kv_transfer_config(cfg)``) and flags.
+4. With ``policy: histate``: installs the HiState runtime, registers the ``histate`` store
+   policy (LMCache validates ``--l2-store-policy`` against its registry when the CLI
+   parser is built, so this must happen first, in this process) and hooks L1 eviction
+   (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). Then runs
+   ``lmcache.cli.main.main(["server", ...])`` in this process.
+
+``--dry-run`` stops after printing the command line; ``--print-config`` prints the
+validated configuration (defaults filled in) as YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmcache_histate.config import ConfigError, HiStateConfig, load_config
+
+__all__ = ["kv_transfer_config", "main", "server_argv", "vllm_flags"]
+
+CPU_SERVER_MODULE = "lmcache_histate.backends.cpu_server_module"
+HISTATE_SERVER_MODULE = "lmcache_histate.backends.server_module"
+DISK_ADAPTER_MODULE = "lmcache_histate.backends.disk_tier"
+
+# lmcache server flags that map onto configuration keys: on the command line they win.
+_OVERRIDES = {
+    "--host": ("host", str),
+    "--port": ("port", int),
+    "--http-host": ("http_host", str),
+    "--http-port": ("http_port", int),
+    "--chunk-size": ("chunk_size", int),
+    "--l1-size-gb": ("cpu_gib", float),
+}
+
+
+def kv_transfer_config(cfg: HiStateConfig) -> dict[str, Any]:
+    """The vLLM ``--kv-transfer-config`` for a server started from ``cfg``."""
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    out: dict[str, Any] = {
+        "kv_connector": cfg.kv_connector,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": f"tcp://{host}",
+            "lmcache.mp.port": cfg.port,
+        },
+    }
+    if cfg.kv_connector_module_path:
+        out["kv_connector_module_path"] = cfg.kv_connector_module_path
+    return out
+
+
+def vllm_flags(cfg: HiStateConfig) -> list[str]:
+    """vLLM flags to pair with this server.
+
+    ``chunk_size`` must be vLLM's block size N (vLLM chooses it for hybrid models; it
+    prints it at start) or a multiple of it.
+    """
+    n = cfg.chunk_size
+    return [
+        "--enable-prefix-caching",
+        # A state exists at every block boundary only if each step ends on one:
+        # N <= max_num_batched_tokens < 2N (DESIGN.md §4).
+        "--max-num-batched-tokens", str(n),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(cfg), separators=(",", ":")),
+    ]
+
+
+def _platform_is_cpu(cfg: HiStateConfig) -> bool:
+    if cfg.platform != "auto":
+        return cfg.platform == "cpu"
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:
+        return True
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "type": "plugin",
+        "module_path": DISK_ADAPTER_MODULE,
+        "class_name": "HiStateDiskAdapter",
+        "adapter_params": {
+            "path": str(cfg.disk_path),
+            "capacity_bytes": cfg.disk_bytes,
+            "io_workers": cfg.disk_io_workers,
+            "fsync": cfg.disk_fsync,
+        },
+    }
+    if cfg.policy == "lru":
+        # Baseline: LMCache's own LRU evicts the disk tier when it is full.
+        spec["eviction"] = {"eviction_policy": "LRU", "trigger_watermark": 0.9,
+                            "eviction_ratio": 0.1}
+    return spec
+
+
+def server_argv(cfg: HiStateConfig, passthrough: Sequence[str] = ()) -> list[str]:
+    """``lmcache`` CLI arguments (starting with ``server``) for ``cfg``."""
+    argv = [
+        "server",
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        "--http-host", cfg.http_host,
+        "--http-port", str(cfg.http_port),
+        "--chunk-size", str(cfg.chunk_size),
+        "--separate-object-groups",
+        "--supported-transfer-mode", "lmcache_driven",
+        "--l1-size-gb", f"{cfg.cpu_gib:g}",
+        "--eviction-policy", "LRU",
+        "--eviction-trigger-watermark", f"{cfg.l1_eviction_watermark:g}",
+        "--l2-adapter", json.dumps(disk_adapter_spec(cfg), separators=(",", ":")),
+    ]
+    if cfg.policy == "histate":
+        argv += [
+            "--l2-store-policy", "histate",
+            "--server-module", json.dumps({"module_path": HISTATE_SERVER_MODULE,
+                                           "factory_name": "build_server_modules",
+                                           "config": {}}, separators=(",", ":")),
+        ]
+    if _platform_is_cpu(cfg):
+        if _module_available(CPU_SERVER_MODULE):
+            argv += ["--server-module", json.dumps({"module_path": CPU_SERVER_MODULE,
+                                                    "factory_name": "build_server_modules",
+                                                    "config": {}}, separators=(",", ":"))]
+        else:
+            print(f"histate-server: {CPU_SERVER_MODULE} not installed; CPU server module "
+                  "skipped", file=sys.stderr)
+    return [*argv, *cfg.extra_server_args, *passthrough]
+
+
+def apply_overrides(
+    cfg: HiStateConfig, passthrough: Sequence[str]
+) -> tuple[HiStateConfig, list[str]]:
+    """Fold overriding ``lmcache server`` flags into ``cfg``; return the remaining flags."""
+    rest: list[str] = []
+    changes: dict[str, Any] = {}
+    args = list(passthrough)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        flag, eq, inline = arg.partition("=")
+        if flag in _OVERRIDES or flag == "--eviction-policy":
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise ConfigError(f"{flag}: missing value on the command line")
+            if flag == "--eviction-policy":
+                if cfg.policy == "histate" and value != "LRU":
+                    raise ConfigError(
+                        f"--eviction-policy {value}: policy histate replaces L1 eviction "
+                        "with its H queue; remove the flag or use policy: lru"
+                    )
+                if cfg.policy == "lru":
+                    rest += [flag, value]
+            else:
+                key, kind = _OVERRIDES[flag]
+                try:
+                    changes[key] = kind(value)
+                except ValueError:
+                    raise ConfigError(
+                        f"{flag} (overrides {key}): not a valid {kind.__name__}: {value!r}"
+                    ) from None
+        else:
+            rest.append(arg)
+        i += 1
+    if changes:
+        cfg = cfg.with_overrides(**changes)
+    return cfg, rest
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="histate-server",
+        description="Run lmcache server with HiState (disk tier, placement, unified eviction).",
+        epilog="Other arguments are passed to `lmcache server`.",
+    )
+    p.add_argument("--config", required=True, help="HiState YAML configuration")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the lmcache command line and vLLM flags, exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration (defaults filled in) and exit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, passthrough = _parser().parse_known_args(argv)
+    try:
+        cfg = load_config(args.config)
+        cfg, rest = apply_overrides(cfg, passthrough)
+    except ConfigError as exc:
+        print(f"histate-server: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    lmcache_args = server_argv(cfg, rest)
+    print("lmcache " + shlex.join(lmcache_args), flush=True)
+    print("vLLM --kv-transfer-config: "
+          + json.dumps(kv_transfer_config(cfg), separators=(",", ":")), flush=True)
+    print("vLLM flags: " + shlex.join(vllm_flags(cfg)), flush=True)
+    if args.dry_run:
+        return 0
+    return run(cfg, lmcache_args)
+
+
+def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
+    """Install HiState into this process and run ``lmcache server`` (blocks)."""
+    Path(cfg.disk_path).mkdir(parents=True, exist_ok=True)
+    if cfg.policy == "histate":
+        from . import policies
+        from .runtime import HiStateRuntime, install_runtime
+
+        runtime = HiStateRuntime(cfg)
+        install_runtime(runtime)
+        policies.install(runtime)
+    from lmcache.cli.main import main as lmcache_main
+
+    lmcache_main(lmcache_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""HiState counters and gauges as OpenTelemetry instruments (served on ``GET /metrics``).
+
+``lmcache server`` exports every OTel instrument of the process through its Prometheus
+reader on the HTTP port. Counters are observable (read from the runtime at scrape time)
+and appear with a ``_total`` suffix, e.g.::
+
+    histate_snapshots_stored_total{tier="disk"}   snapshots placed on a tier
+    histate_snapshots_evicted_total{tier="cpu"}   copies that left a tier by policy
+                                                  (H-queue eviction, demotion, a final
+                                                  snapshot's CPU copy released on retire)
+    histate_snapshots_dropped_total{reason=...}   never kept / lost: not_placed (no room),
+                                                  not_persisted (disk write failed or disk
+                                                  full), lost_cpu / lost_disk (cleared,
+                                                  corrupted or missing file)
+    histate_kv_chunks_{stored,evicted}_total{tier}, histate_kv_chunks_demoted_total
+    histate_hits_total{kind="end"|"internal"}     lookups resuming at a session's end /
+                                                  inside a context
+    histate_recompute_tokens_avoided_total        tokens of those hits
+    histate_snapshot_interval_tokens              interval chosen for the latest segment
+    histate_pressure_factor                       T_KV / T_state
+    histate_tier_used_bytes{tier}, histate_tier_capacity_bytes{tier}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .runtime import HiStateRuntime
+
+logger = logging.getLogger("lmcache_histate.metrics")
+
+_registered = False
+
+
+def _series(runtime: HiStateRuntime) -> dict[str, Callable[[], list[tuple[float, dict]]]]:
+    def counter(prefix: str, label: str, values: tuple[str, ...]) -> Callable:
+        def read() -> list[tuple[float, dict]]:
+            stats = runtime.stats
+            return [(float(stats.get(f"{prefix}.{v}", 0)), {label: v}) for v in values]
+
+        return read
+
+    def single(name: str) -> Callable:
+        return lambda: [(float(runtime.stats.get(name, 0)), {})]
+
+    def dropped(part: str) -> Callable:
+        def read() -> list[tuple[float, dict]]:
+            s = runtime.stats
+            return [
+                (float(s.get(f"{part}_not_placed", 0)), {"reason": "not_placed"}),
+                (float(s.get(f"{part}_not_persisted", 0)), {"reason": "not_persisted"}),
+                (float(s.get(f"{part}_lost.cpu", 0)), {"reason": "lost_cpu"}),
+                (float(s.get(f"{part}_lost.disk", 0)), {"reason": "lost_disk"}),
+            ]
+
+        return read
+
+    tiers = ("cpu", "disk")
+    return {
+        "histate_snapshots_stored": counter("snapshot_stored", "tier", tiers),
+        "histate_snapshots_evicted": counter("snapshot_evicted", "tier", tiers),
+        "histate_snapshots_dropped": dropped("snapshot"),
+        "histate_kv_chunks_stored": counter("kv_stored", "tier", tiers),
+        "histate_kv_chunks_evicted": counter("kv_evicted", "tier", tiers),
+        "histate_kv_chunks_dropped": dropped("kv"),
+        "histate_kv_chunks_demoted": single("kv_demoted"),
+        "histate_hits": counter("hits", "kind", ("end", "internal")),
+        "histate_recompute_tokens_avoided": single("hit_tokens"),
+        "histate_lookups": single("lookups"),
+        "histate_objects_rejected": counter(
+            "objects_rejected", "reason", ("gap", "unknown_chain")
+        ),
+    }
+
+
+def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
+    def status_value(key: str) -> Callable:
+        def read() -> list[tuple[float, dict]]:
+            value = runtime.status().get(key)
+            return [] if value is None else [(float(value), {})]
+
+        return read
+
+    def tier(field: str) -> Callable:
+        def read() -> list[tuple[float, dict]]:
+            tiers = runtime.status().get("tiers") or {}
+            return [(float(t[field]), {"tier": name}) for name, t in tiers.items()]
+
+        return read
+
+    return {
+        "histate_snapshot_interval_tokens": (
+            "Snapshot interval (tokens) chosen for the latest segment", status_value(
+                "interval_tokens"
+            )
+        ),
+        "histate_pressure_factor": (
+            "Interval controller pressure factor T_KV / T_state", status_value("pressure_factor")
+        ),
+        "histate_end_probability": (
+            "Estimated probability that an access continues a session from its end",
+            status_value("end_probability"),
+        ),
+        "histate_sessions": ("Live sessions tracked by the policy core", status_value("sessions")),
+        "histate_tier_used_bytes": ("Bytes the policy core holds per tier", tier("used_bytes")),
+        "histate_tier_capacity_bytes": (
+            "Bytes the policy core may hold per tier", tier("capacity_bytes")
+        ),
+    }
+
+
+def register_metrics(runtime: HiStateRuntime) -> None:
+    """Create the instruments once per process (OTel keeps the first registration)."""
+    global _registered
+    if _registered:
+        return
+    try:
+        from opentelemetry import metrics as otel
+    except ImportError:
+        logger.info("opentelemetry not installed: HiState metrics only in /status")
+        return
+    meter = otel.get_meter("lmcache_histate")
+
+    def callback(read: Callable) -> Callable:
+        def cb(_options: object) -> list:
+            try:
+                return [otel.Observation(v, attrs) for v, attrs in read()]
+            except Exception:
+                logger.exception("HiState metric callback failed")
+                return []
+
+        return cb
+
+    for name, read in _series(runtime).items():
+        meter.create_observable_counter(name, callbacks=[callback(read)])
+    for name, (description, read) in _gauges(runtime).items():
+        meter.create_observable_gauge(name, callbacks=[callback(read)], description=description)
+    _registered = True

@@ -1,0 +1,179 @@
+"""HiState's store policy and L1 eviction policy for ``lmcache server``, and their wiring.
+
+* ``HiStateStorePolicy`` (``--l2-store-policy histate``; LMCache's store-policy registry):
+  LMCache calls ``select_store_targets`` with every batch of objects just committed to
+  L1. The runtime places them with the core and answers which go to the disk tier now
+  (every snapshot whose home is disk — intermediate ones, and a durable copy of each
+  session's final one —, and KV the CPU tier could not keep). After a successful write,
+  ``select_l1_deletions`` lets go of the L1 copies the core does not keep on the CPU tier
+  (intermediate snapshots leave L1 once persisted; final snapshots stay).
+* ``HiStateL1EvictionPolicy``: LMCache's L1 eviction loop (1 s tick, when L1 usage is
+  above the watermark) asks it for victims. Objects HiState does not manage (other
+  models, auxiliary groups, copies already released) go first, oldest first; then the
+  runtime evicts from the core's CPU tier by lowest ``H`` (demoting to disk or dropping,
+  exactly as the core decides when it makes room for new objects). It also reports L1
+  removals to the runtime, so objects removed behind HiState's back (``/cache/clear``)
+  are known to be gone.
+
+LMCache 0.5.6 has no registry for L1 eviction policies: ``CreateEvictionPolicy`` is an
+if/elif over four names, also hard-coded in the CLI's ``choices``. ``install`` therefore
+replaces the name ``CreateEvictionPolicy`` bound in
+``lmcache.v1.distributed.storage_controllers.eviction_controller`` with a wrapper that
+returns the HiState policy when (and only when) it is called from
+``L1EvictionController.__init__`` — L2 adapters configured with LMCache eviction keep
+LMCache's policies — and the launcher passes ``--eviction-policy LRU`` to satisfy the CLI.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from lmcache.logging import init_logger
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.eviction import EvictionPolicy
+from lmcache.v1.distributed.internal_api import EvictionAction, EvictionDestination
+from lmcache.v1.distributed.storage_controllers import eviction_controller
+from lmcache.v1.distributed.storage_controllers.store_policy import (
+    StorePolicy,
+    get_registered_store_policies,
+    register_store_policy,
+)
+from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
+
+from .runtime import HiStateRuntime, get_runtime
+
+logger = init_logger(__name__)
+
+__all__ = ["STORE_POLICY_NAME", "HiStateL1EvictionPolicy", "HiStateStorePolicy", "install"]
+
+STORE_POLICY_NAME = "histate"
+DISK_ADAPTER_CLASS = "HiStateDiskAdapter"
+
+
+def _is_disk_tier(desc: L2AdapterDescriptor) -> bool:
+    return getattr(desc.config, "class_name", None) == DISK_ADAPTER_CLASS
+
+
+class HiStateStorePolicy(StorePolicy):
+    """Which committed objects go to the disk tier, and which then leave L1."""
+
+    def __init__(self) -> None:
+        self.runtime = get_runtime()
+
+    def select_store_targets(
+        self, keys: list[ObjectKey], adapters: list[L2AdapterDescriptor]
+    ) -> dict[int, list[ObjectKey]]:
+        runtime = self.runtime
+        if runtime is None:
+            return {}
+        route = runtime.on_committed(keys)
+        if not route:
+            return {}
+        disk = [d.index for d in adapters if _is_disk_tier(d)]
+        if not disk:
+            return {}
+        return {disk[0]: [k for k in keys if k in route]}
+
+    def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
+        runtime = self.runtime
+        if runtime is None:
+            return []
+        return runtime.after_persisted(keys)
+
+
+class HiStateL1EvictionPolicy(EvictionPolicy):
+    """L1 victims: unmanaged objects first (LRU), then the core's CPU tier by lowest H."""
+
+    def __init__(self, runtime: HiStateRuntime) -> None:
+        self.runtime = runtime
+        self._lock = threading.Lock()
+        self._order: OrderedDict[ObjectKey, None] = OrderedDict()
+        self._destinations: list[EvictionDestination] = []
+
+    @property
+    def name(self) -> str:
+        return "histate_eviction_policy"
+
+    def register_eviction_destination(self, destination: EvictionDestination) -> None:
+        with self._lock:
+            if destination not in self._destinations:
+                self._destinations.append(destination)
+
+    # The four callbacks below run under LMCache's L1 lock: bookkeeping only.
+    def on_keys_created(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._order[key] = None
+                self._order.move_to_end(key)
+
+    def on_keys_touched(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._order:
+                    self._order.move_to_end(key)
+
+    def on_keys_removed(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._order.pop(key, None)
+        self.runtime.note_l1_removed(keys)
+
+    def get_eviction_actions(
+        self,
+        expected_ratio: float,
+        key_eligible_filter: Callable[[ObjectKey], bool] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[EvictionAction]:
+        ratio = max(0.0, min(1.0, expected_ratio))
+        with self._lock:
+            tracked = list(self._order)
+        target = max(1, int(len(tracked) * ratio)) if tracked and ratio > 0 else 0
+        runtime = self.runtime
+        unmanaged = [
+            k
+            for k in tracked
+            if not runtime.is_cpu_tracked(k)
+            and (key_eligible_filter is None or key_eligible_filter(k))
+        ][:target]
+        if len(unmanaged) < target and runtime.core is not None:
+            # The rest comes out of the core's CPU tier, by H (demote or drop).
+            share = (target - len(unmanaged)) / max(1, target)
+            used = runtime.core.store.used[0]
+            runtime.evict_cpu(int(used * ratio * share) or 1)
+        if not unmanaged:
+            return []
+        destination = self._destinations[0] if self._destinations else EvictionDestination.DISCARD
+        return [EvictionAction(keys=unmanaged, destination=destination)]
+
+    def get_num_tracked_keys(self) -> int:
+        with self._lock:
+            return len(self._order)
+
+
+_ORIGINAL_FACTORY: Callable[..., Any] | None = None
+
+
+def _factory(eviction_config: Any) -> EvictionPolicy:
+    """``CreateEvictionPolicy`` replacement: HiState's policy for the L1 controller only."""
+    assert _ORIGINAL_FACTORY is not None
+    runtime = get_runtime()
+    caller = sys._getframe(1).f_code
+    l1_init = eviction_controller.L1EvictionController.__init__.__code__
+    if runtime is not None and runtime.cfg.policy == "histate" and caller is l1_init:
+        logger.info("HiState L1 eviction policy installed (unified H queue)")
+        return HiStateL1EvictionPolicy(runtime)
+    return _ORIGINAL_FACTORY(eviction_config)
+
+
+def install(runtime: HiStateRuntime) -> None:
+    """Register the store policy and the L1 eviction hook (before the CLI parser is built)."""
+    global _ORIGINAL_FACTORY
+    if STORE_POLICY_NAME not in get_registered_store_policies():
+        register_store_policy(STORE_POLICY_NAME, HiStateStorePolicy)
+    if _ORIGINAL_FACTORY is None:
+        _ORIGINAL_FACTORY = eviction_controller.CreateEvictionPolicy
+        eviction_controller.CreateEvictionPolicy = _factory  # type: ignore[assignment]

@@ -1,0 +1,254 @@
+"""The HiState runtime's bookkeeping against a stand-in L1 (no server, no sockets).
+
+The server tests (``test_backend_server.py``) cover the normal paths end to end; these pin
+down the cases that are hard to provoke through a real server: tensor-parallel workers
+storing the shards of one chunk separately, stores whose prefix is not cached, commits
+without a recorded STORE, objects removed from L1 behind HiState's back, session inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey, ipc_key_to_object_keys
+from lmcache.v1.distributed.error import L1Error
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.token_hasher import TokenHasher
+from lmcache_histate.backends.runtime import CPU, DISK, HiStateRuntime
+
+from lmcache_histate.config import parse_config
+from lmcache_histate.core.placement import KV, SNAPSHOT
+
+CHUNK = 16
+MODEL = "m"
+KV_BYTES = 2 * 16 * 2 * 8 * 2  # [2, 16, 2, 8] bf16
+SNAP_BYTES = 2 * 16 * 32 * 4  # [2, 16, 32] fp32
+
+
+@dataclass
+class AttnDesc:
+    group_kinds: tuple[str, ...] = ("attention", "recurrent")
+
+
+class Registry:
+    def find_attn_desc(self, model: str, world_size: int) -> AttnDesc:
+        return AttnDesc()
+
+    def find_group_layout_descs(self, model: str, world_size: int) -> dict:
+        return {
+            0: MemoryLayoutDesc(shapes=[torch.Size([2, 16, 2, 8])], dtypes=[torch.bfloat16]),
+            1: MemoryLayoutDesc(shapes=[torch.Size([2, 16, 32])], dtypes=[torch.float32]),
+        }
+
+
+@dataclass
+class FakeL1:
+    runtime: HiStateRuntime | None = None
+    resident: set[ObjectKey] = field(default_factory=set)
+    locked: set[ObjectKey] = field(default_factory=set)
+
+    def delete(self, keys: list[ObjectKey], force: bool = False) -> dict[ObjectKey, L1Error]:
+        out, gone = {}, []
+        for k in keys:
+            if k not in self.resident:
+                out[k] = L1Error.KEY_NOT_EXIST
+            elif k in self.locked:
+                out[k] = L1Error.KEY_IS_LOCKED
+            else:
+                self.resident.discard(k)
+                gone.append(k)
+                out[k] = L1Error.SUCCESS
+        if gone and self.runtime is not None:
+            self.runtime.note_l1_removed(gone)  # what the L1 eviction-policy bridge does
+        return out
+
+    def clear(self) -> None:
+        gone = [k for k in self.resident if k not in self.locked]
+        self.resident -= set(gone)
+        assert self.runtime is not None
+        self.runtime.note_l1_removed(gone)
+
+
+@dataclass
+class StorageManager:
+    _l1_manager: FakeL1
+
+
+@dataclass
+class Ctx:
+    storage_manager: StorageManager
+    layout_desc_registry: Registry = field(default_factory=Registry)
+    token_hasher: TokenHasher = field(default_factory=lambda: TokenHasher(CHUNK, "blake3"))
+    chunk_size: int = CHUNK
+
+
+@pytest.fixture
+def rt(tmp_path: Path) -> Any:
+    cfg = parse_config(
+        {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
+         "disk_path": str(tmp_path), "disk_gib": 1}
+    )
+    clock = iter(float(t) for t in range(1, 10_000))
+    runtime = HiStateRuntime(cfg, clock=lambda: next(clock))
+    l1 = FakeL1()
+    runtime.ctx = Ctx(StorageManager(l1))  # attach_server without the janitor thread
+    runtime.l1 = l1
+    l1.runtime = runtime
+    return runtime
+
+
+def ipc(tokens: list[int], start: int, end: int, rid: str, ws: int = 1, worker: int | None = 0,
+        configs: dict | None = None) -> IPCCacheServerKey:
+    return IPCCacheServerKey(
+        model_name=MODEL, world_size=ws, worker_id=worker, token_ids=tuple(tokens), start=start,
+        end=end, request_id=rid, num_kv_readers=1, request_configs=configs,
+    )
+
+
+def objects(rt: Any, key: IPCCacheServerKey, chunks: list[int], group: int) -> list[ObjectKey]:
+    hashes = [TokenHasher.hash_to_bytes(h)
+              for h in rt.ctx.token_hasher.compute_chunk_hashes(list(key.token_ids), end=key.end)]
+    keys = ipc_key_to_object_keys(key, hashes, [group])[0]
+    return [keys[i] for i in chunks]
+
+
+def commit(rt: Any, key: IPCCacheServerKey, kv: list[int], snaps: list[int]) -> set[ObjectKey]:
+    """STORE then commit: what LMCache does for one request."""
+    rt.note_store(key)
+    keys = objects(rt, key, kv, 0) + objects(rt, key, snaps, 1)
+    rt.l1.resident.update(keys)
+    return rt.on_committed(keys)
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n * CHUNK)]
+
+
+def test_store_routes_snapshots_and_keeps_finals(rt: Any) -> None:
+    t = toks(4, 1)
+    key = ipc(t, 0, len(t), "r1")
+    route = commit(rt, key, [0, 1, 2, 3], [1, 3])
+    assert route == set(objects(rt, key, [1, 3], 1))  # both snapshots go to disk
+    # After persisting, the intermediate snapshot leaves L1, the final stays.
+    leave = rt.after_persisted(sorted(route, key=str))
+    assert leave == objects(rt, key, [1], 1)
+    rt.check()
+
+
+def test_tensor_parallel_shards_join_their_chunk(rt: Any) -> None:
+    t = toks(2, 2)
+    k0 = ipc(t, 0, len(t), "r", ws=2, worker=0)
+    k1 = ipc(t, 0, len(t), "r", ws=2, worker=1)
+    commit(rt, k0, [0, 1], [1])
+    route = commit(rt, k1, [0, 1], [1])
+    assert route == set(objects(rt, k1, [1], 1))  # the second shard follows the first
+    nk = rt.part_of[objects(rt, k0, [0], 0)[0]][0]
+    assert len(rt.objects[nk][KV]) == 2
+    # One shard vanishing from L1 makes the chunk unusable: the other shard goes too.
+    shard0, shard1 = objects(rt, k0, [1], 0)[0], objects(rt, k1, [1], 0)[0]
+    rt.l1.resident.discard(shard0)
+    rt.note_l1_removed([shard0])
+    with rt.lock:
+        rt._drain_locked()
+        actions = rt._take_actions()
+    assert shard1 in actions.l1_delete
+    rt._run(actions)
+    assert shard1 not in rt.l1.resident
+    assert objects(rt, k0, [0], 0)[0] in rt.l1.resident  # chunk 0 is intact
+    rt.check()
+
+
+def test_a_store_past_a_gap_is_rejected_and_deleted(rt: Any) -> None:
+    t = toks(8, 3)
+    key = ipc(t, 4 * CHUNK, len(t), "gap")  # chunks 0-3 were never cached
+    keys = objects(rt, key, [4, 5, 6, 7], 0)
+    rt.note_store(key)
+    rt.l1.resident.update(keys)
+    assert rt.on_committed(keys) == set()
+    assert not rt.l1.resident  # deleted from L1
+    assert rt.stats["objects_rejected.gap"] == 4
+
+
+def test_objects_without_a_recorded_store_are_deleted(rt: Any) -> None:
+    t = toks(2, 4)
+    commit(rt, ipc(t, 0, len(t), "warm"), [0, 1], [1])  # creates the core
+    other = toks(1, 5)
+    keys = objects(rt, ipc(other, 0, len(other), "x"), [0], 0)
+    rt.l1.resident.update(keys)
+    assert rt.on_committed(keys) == set()
+    assert not set(keys) & rt.l1.resident
+    assert rt.stats["objects_rejected.unknown_chain"] == 1
+
+
+def test_l1_removal_behind_our_back_drops_what_depends_on_it(rt: Any) -> None:
+    t = toks(4, 6)
+    key = ipc(t, 0, len(t), "p")
+    commit(rt, key, [0, 1, 2, 3], [3])
+    first = objects(rt, key, [0], 0)
+    rt.l1.resident -= set(first)
+    rt.note_l1_removed(first)  # e.g. POST /cache/clear
+    actions = None
+    with rt.lock:
+        rt._drain_locked()
+        actions = rt._take_actions()
+    rest = set(objects(rt, key, [1, 2, 3], 0) + objects(rt, key, [3], 1))
+    assert rest <= set(actions.l1_delete)
+    assert set(objects(rt, key, [3], 1)) <= set(actions.disk_delete)  # its disk copy too
+    assert first[0] not in rt.part_of and not rt.core.index.nodes
+    rt.check()
+
+
+def test_own_deletes_are_not_mistaken_for_losses(rt: Any) -> None:
+    t = toks(2, 7)
+    key = ipc(t, 0, len(t), "own")
+    commit(rt, key, [0, 1], [0, 1])
+    snap0, snap1 = objects(rt, key, [0, 1], 1)
+    leave = rt.after_persisted([snap0, snap1])  # the store controller deletes these
+    assert leave == [snap0]
+    rt.l1.delete(leave)
+    with rt.lock:
+        rt._drain_locked()
+    assert rt.stats.get("snapshot_lost.cpu", 0) == 0
+    assert rt._tiers(rt.part_of[snap0][0], SNAPSHOT) == 1 << DISK  # still cached, on disk
+    rt.check()
+
+
+def test_sessions_continue_through_their_end_and_internal_accesses_count(rt: Any) -> None:
+    t = toks(6, 8)
+    commit(rt, ipc(t[: 4 * CHUNK], 0, 4 * CHUNK, "turn1"), [0, 1, 2, 3], [1, 3])
+    samples = rt.core.hit_model.samples
+    rt.on_lookup(ipc(t, 0, len(t), "turn2", worker=None))  # continues from the end
+    assert rt.core.hit_model.samples == samples + 1
+    p_end = rt.core.hit_model.end_probability
+    rewrite = t[: 2 * CHUNK] + toks(3, 9)
+    rt.on_lookup(ipc(rewrite, 0, len(rewrite), "edit", worker=None))  # diverges inside
+    assert rt.core.hit_model.end_probability < p_end
+    assert rt.stats["hits.internal"] == 1 and rt.stats["hits.end"] == 1
+    commit(rt, ipc(t, 0, len(t), "turn2"), [4, 5], [5])
+    assert len(rt.core.index.sessions) == 1  # turn 2 extended turn 1's session
+    rt.on_end_session("turn2")
+    rt.on_end_session("edit")
+    assert all(n.pins == 0 for n in rt.core.index.nodes.values())
+    hint = ipc(toks(2, 10), 0, 2 * CHUNK, "h", configs={"histate.session_id": "agent-7"})
+    commit(rt, hint, [0, 1], [1])
+    assert "agent-7" in rt.core.index.sessions
+    rt.check()
+
+
+def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
+    t = toks(4, 11)
+    key = ipc(t, 0, len(t), "w")
+    commit(rt, key, [0, 1, 2, 3], [1, 3])
+    inter, final = objects(rt, key, [1], 1)[0], objects(rt, key, [3], 1)[0]
+    rt.on_disk_written([], [inter, final])
+    assert rt.stats["snapshot_not_persisted"] == 2
+    assert inter not in rt.part_of  # it only had the disk copy: gone, and out of L1
+    assert inter not in rt.l1.resident
+    nk = rt.part_of[final][0]
+    assert rt._tiers(nk, SNAPSHOT) == 1 << CPU  # the final keeps its CPU copy
+    assert not rt._tiers(nk, SNAPSHOT) & (1 << DISK)
+    rt.check()
