@@ -423,7 +423,11 @@ class HiStateRuntime:
         end -= end % self.chunk
         if end <= 0:
             return
-        hashes = self._hashes(key.token_ids, end)
+        # LMCache resolves the STORE's keys through the request's session right after this
+        # (engine_context.resolve_obj_keys); hashing through it computes each hash once.
+        session = self.ctx.session_manager.get_or_create(key.request_id)
+        session.set_tokens(list(key.token_ids))
+        hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
         configs = key.request_configs or {}
         hint = configs.get(SESSION_HINT) if isinstance(configs, dict) else None
         with self.lock:

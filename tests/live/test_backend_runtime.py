@@ -17,6 +17,7 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey, ipc_key_to_object_keys
 from lmcache.v1.distributed.error import L1Error
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.runtime import CPU, DISK, HiStateRuntime
 
@@ -34,15 +35,20 @@ class AttnDesc:
     group_kinds: tuple[str, ...] = ("attention", "recurrent")
 
 
+ATTN_LAYOUT = MemoryLayoutDesc(shapes=[torch.Size([2, 16, 2, 8])], dtypes=[torch.bfloat16])
+REC_LAYOUT = MemoryLayoutDesc(shapes=[torch.Size([2, 16, 32])], dtypes=[torch.float32])
+
+
+@dataclass
 class Registry:
+    kinds: tuple[str, ...] = ("attention", "recurrent")
+
     def find_attn_desc(self, model: str, world_size: int) -> AttnDesc:
-        return AttnDesc()
+        return AttnDesc(self.kinds)
 
     def find_group_layout_descs(self, model: str, world_size: int) -> dict:
-        return {
-            0: MemoryLayoutDesc(shapes=[torch.Size([2, 16, 2, 8])], dtypes=[torch.bfloat16]),
-            1: MemoryLayoutDesc(shapes=[torch.Size([2, 16, 32])], dtypes=[torch.float32]),
-        }
+        return {g: ATTN_LAYOUT if k == "attention" else REC_LAYOUT
+                for g, k in enumerate(self.kinds)}
 
 
 @dataclass
@@ -84,6 +90,9 @@ class Ctx:
     layout_desc_registry: Registry = field(default_factory=Registry)
     token_hasher: TokenHasher = field(default_factory=lambda: TokenHasher(CHUNK, "blake3"))
     chunk_size: int = CHUNK
+
+    def __post_init__(self) -> None:
+        self.session_manager = SessionManager(self.token_hasher)
 
 
 @pytest.fixture
@@ -251,4 +260,20 @@ def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
     nk = rt.part_of[final][0]
     assert rt._tiers(nk, SNAPSHOT) == 1 << CPU  # the final keeps its CPU copy
     assert not rt._tiers(nk, SNAPSHOT) & (1 << DISK)
+    rt.check()
+
+
+def test_group_kinds_come_from_the_registration_not_the_ids(rt: Any) -> None:
+    """A model whose first layer is recurrent (Qwen3-Next) registers the recurrent group
+    as object group 0: snapshots must still be recognised as snapshots."""
+    rt.ctx.layout_desc_registry = Registry(("recurrent", "attention"))
+    t = toks(2, 12)
+    key = ipc(t, 0, len(t), "rev")
+    rt.note_store(key)
+    kv, snaps = objects(rt, key, [0, 1], 1), objects(rt, key, [0, 1], 0)
+    rt.l1.resident.update(kv + snaps)
+    route = rt.on_committed(kv + snaps)
+    assert route == set(snaps)  # both snapshots to disk, no KV
+    assert rt.kv_chunk_bytes == KV_BYTES and rt.snapshot_bytes == SNAP_BYTES
+    assert rt.after_persisted(snaps) == snaps[:1]  # chunk 1's is the final: stays in L1
     rt.check()
