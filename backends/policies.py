@@ -6,7 +6,8 @@
   (every snapshot whose home is disk — intermediate ones, and a durable copy of each
   session's final one —, and KV the CPU tier could not keep). After a successful write,
   ``select_l1_deletions`` lets go of the L1 copies the core does not keep on the CPU tier
-  (intermediate snapshots leave L1 once persisted; final snapshots stay).
+  (intermediate snapshots leave L1 once persisted — the runtime deletes them itself,
+  retrying a delete a reader's lock refused; final snapshots stay).
 * ``HiStateL1EvictionPolicy``: LMCache's L1 eviction loop (1 s tick, when L1 usage is
   above the watermark) asks it for victims. Objects HiState does not manage (other
   models, auxiliary groups, copies already released) go first, oldest first; then the
@@ -80,9 +81,9 @@ class HiStateStorePolicy(StorePolicy):
 
     def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
         runtime = self.runtime
-        if runtime is None:
-            return []
-        return runtime.after_persisted(keys)
+        if runtime is not None:
+            runtime.after_persisted(keys)  # deletes itself, retrying keys a reader locked
+        return []
 
 
 class HiStateL1EvictionPolicy(EvictionPolicy):

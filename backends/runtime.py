@@ -624,12 +624,14 @@ class HiStateRuntime:
         return rejected
 
     def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        """Objects written to disk by the store controller: which leave L1 now.
+        """Objects written to disk by the store controller: those not kept on the CPU tier
+        leave L1 now. Deleted here rather than by the store controller, which ignores a
+        delete refused because a lookup holds a read lock; here it is retried.
 
-        The caller deletes them (the removals are expected, not losses).
+        Returns the keys deleted or queued for deletion.
         """
         out = self._leaving_l1(keys)
-        self._expect_removals(out)
+        self._l1_delete(out)
         return out
 
     def _leaving_l1(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
