@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 from lmcache_histate.backends import diskfile as df
 from support.lmcache_mp import (
     ATTN_GROUP,
@@ -193,6 +194,20 @@ def test_placement_tiers_and_hits_across_them(tmp_path: Path, tokens: TokenSourc
             assert name in metrics, name
         assert "HiStateDiskAdapter" in json.dumps(server.status()["storage_manager"])
 
+        # The extension RPCs the vLLM connector uses (server_module_call).
+        def rpc(method: str, payload: dict[str, Any]) -> dict[str, Any]:
+            request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
+            response = engine.client.server_module_call(request).result(timeout=10)
+            assert response.success, response.error
+            return json.loads(response.payload)
+
+        assert rpc("histate.status", {})["active"] is True
+        plan = rpc("histate.plan", {"start_tokens": 0, "input_tokens": 20 * CHUNK + 5})
+        boundaries = plan["boundaries"]
+        assert boundaries[-1] == 20 * CHUNK  # the segment's final snapshot, on the chunk grid
+        assert all(b % CHUNK == 0 for b in boundaries) and boundaries == sorted(boundaries)
+        assert len(boundaries) < 20  # an interval wider than one chunk (N_s = 64 tokens)
+
 
 def test_clear_l1_then_hit_from_disk_and_restart(tmp_path: Path, tokens: TokenSource) -> None:
     """After ``POST /cache/clear`` a demoted session is still served, byte-exact, from disk;
@@ -354,10 +369,13 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 64 KiB filesystem (tmpfs; needs root). Skips where it cannot be mounted."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "histate-test", str(mount)],
-        capture_output=True, text=True, check=False,
-    )
+    try:
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "histate-test", str(mount)],
+            capture_output=True, text=True, check=False, timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount here: {exc}")
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip() or result.stdout}")
     try:
