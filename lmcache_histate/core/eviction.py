@@ -71,15 +71,17 @@ class EvictionQueue:
         )
 
     def _tier_bytes(self, anchor: Node) -> list[int]:
-        snap, chain = unit_nodes(anchor)
+        last = len(self.heaps) - 1
         out = [0] * len(self.heaps)
-        for t in range(len(out)):
-            bit = 1 << t
-            total = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
-            for node in chain:
-                if node.kv_tiers & bit:
-                    total += node.kv_bytes
-            out[t] = total
+        for demote in (True, False) if last else (False,):
+            snap, chain = unit_nodes(anchor, demote=demote)
+            for t in range(last) if demote else (last,):
+                bit = 1 << t
+                total = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
+                for node in chain:
+                    if node.kv_tiers & bit:
+                        total += node.kv_bytes
+                out[t] = total
         return out
 
     def rank(self, anchor: Node, tier: int) -> float | None:
@@ -159,8 +161,10 @@ class EvictionQueue:
             self.update(hit)
 
     # --------------------------------------------------------------- victims
-    def pinned(self, anchor: Node) -> bool:
-        snap, chain = unit_nodes(anchor)
+    def pinned(self, anchor: Node, tier: int | None = None) -> bool:
+        """Whether any part the unit would move out of ``tier`` is pinned."""
+        last = len(self.heaps) - 1
+        snap, chain = unit_nodes(anchor, demote=tier is not None and tier < last)
         if snap is not None and snap.pins:
             return True
         return any(n.pins for n in chain)
@@ -186,7 +190,7 @@ class EvictionQueue:
                     heap.set(anchor, fresh)
                     rounds += 1
                     continue
-            if self.pinned(anchor):
+            if self.pinned(anchor, tier):
                 heap.discard(anchor)
                 skipped.append((anchor, pri))
                 continue

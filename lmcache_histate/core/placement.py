@@ -177,6 +177,24 @@ class TieredStore:
             self._move_snapshot(node, tier, home, now)
             break
 
+    def promote(self, node: Node, part: str, tier: int, now: float, *, rerank: bool = True) -> bool:
+        """Move ``part`` of ``node`` up to ``tier``: an engine read it into fast memory.
+
+        Makes room in ``tier`` like any store; the caller pins what it is promoting so
+        that making room cannot evict it. False (nothing changed) if it does not fit.
+        ``rerank=False`` as in ``store_kv``, for a caller promoting a whole path.
+        """
+        mask = node.kv_tiers if part == KV else node.snap_tiers
+        if not mask or mask & (1 << tier):
+            return bool(mask)
+        nbytes = node.kv_bytes if part == KV else node.snap_bytes
+        if not self.make_room(tier, nbytes, now):
+            return False
+        self._relocate(node, part, (mask & -mask).bit_length() - 1, tier)
+        if rerank:
+            self.queue.update_around(node)
+        return True
+
     def _place(self, tier: int, nbytes: int, now: float, protect: Node) -> int | None:
         """First tier from ``tier`` down that can take ``nbytes`` after evictions."""
         protect.pins += 1
@@ -210,8 +228,8 @@ class TieredStore:
         for _ in range(3):
             # Making room below can reshape this unit (an evicted snapshot above it
             # lengthens its tail), so its extent is re-read after every attempt.
-            snap, chain = unit_nodes(anchor)
-            if self.queue.pinned(anchor) or (snap is None and not chain):
+            snap, chain = unit_nodes(anchor, demote=True)
+            if self.queue.pinned(anchor, tier) or (snap is None and not chain):
                 return
             need = sum(n.kv_bytes for n in chain if _only_on(n.kv_tiers, tier, lower))
             if snap is not None and _only_on(snap.snap_tiers, tier, lower):
@@ -222,7 +240,11 @@ class TieredStore:
                         self._relocate(node, KV, tier, lower)
                 if snap is not None and snap.snap_tiers & (1 << tier):
                     self._relocate(snap, SNAPSHOT, tier, lower)
-                self.queue.update_around(anchor)
+                # The moved segment's top: re-ranking around it reaches every unit whose
+                # bytes per tier changed (this one, and tails sharing the segment).
+                self.queue.update_around(chain[-1] if chain else anchor)
+                if chain:
+                    self.queue.update(anchor)
                 return
             anchor.pins += 1
             try:

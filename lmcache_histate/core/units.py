@@ -13,6 +13,10 @@ something together:
 * **dead tail** — a KV leaf without a snapshot, with the same KV segment: no hit can
   ever land in it (hits need a snapshot), so its expected cost is zero.
 
+On every tier but the last, a snapshot unit also carries the KV segment above it (up
+to the previous snapshot or branch point): moving it down is always safe, and it is the
+only way interior KV can make room in a fast tier (see ``unit_nodes``).
+
 Cold sessions (our choice where the paper is silent): once a session's final bundle is
 evicted, the previous intermediate snapshot becomes the end of a KV leaf, i.e. the anchor
 of a new bundle made of the preceding segment. A cold prefix therefore peels off from
@@ -96,13 +100,20 @@ def tail_chain(leaf: Node) -> Iterator[Node]:
         node = parent
 
 
-def unit_nodes(anchor: Node) -> tuple[Node | None, list[Node]]:
-    """``(snapshot node or None, KV nodes)`` evicted together with the unit at ``anchor``."""
+def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
+    """``(snapshot node or None, KV nodes)`` that leave a tier with the unit at ``anchor``.
+
+    Dropping (leaving the last tier) must keep KV prefix-closed, so an intermediate
+    snapshot is dropped alone. Demoting (moving one tier down) breaks nothing, so there an
+    intermediate snapshot also carries the KV segment above it: otherwise KV lying between
+    two snapshots would belong to no unit until every snapshot below it is gone, and it
+    could never leave a fast tier.
+    """
     kind = unit_kind(anchor)
     if kind is None:
         return None, []
     if kind is UnitKind.SNAPSHOT:
-        return anchor, []
+        return anchor, list(tail_chain(anchor)) if demote else []
     return (anchor if kind is UnitKind.BUNDLE else None), list(tail_chain(anchor))
 
 

@@ -163,18 +163,18 @@ class HiStatePolicy:
                 break  # evicted since begin: complete() stores it again
             if node.kv_tiers & bit:
                 continue
-            if not store.make_room(tier, node.kv_bytes, now):
+            if not store.promote(node, KV, tier, now, rerank=False):
                 break
-            self._move(node, KV, tier)
+            self.promoted_bytes += node.kv_bytes
             moved.append(node)
         if (
             hit is not None
             and hit.snap_tiers
             and not hit.snap_tiers & bit
             and hit.kv_tiers & bit
-            and store.make_room(tier, hit.snap_bytes, now)
+            and store.promote(hit, SNAPSHOT, tier, now, rerank=False)
         ):
-            self._move(hit, SNAPSHOT, tier)
+            self.promoted_bytes += hit.snap_bytes
             moved.append(hit)
         if moved:
             # Units whose per-tier bytes changed: anchors on the path, and the zone
