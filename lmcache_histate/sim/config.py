@@ -193,6 +193,11 @@ def parse_bytes(value: Any, key: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+# How concurrent prefills share the GPU (see ``server``): vLLM V1's chunked prefill
+# (processor sharing) or exclusive FIFO service.
+GPU_SCHEDULING = ("shared", "fifo")
+
+
 @dataclass(frozen=True, slots=True)
 class SimSetup:
     """Everything a policy and the server model are built from.
@@ -221,6 +226,7 @@ class SimSetup:
     ema_alpha: float = 0.05
     max_think_s: float = 600.0
     session_gap_s: float = 60.0
+    gpu_scheduling: str = "shared"
     seed: int = 0
     name: str = "custom"
 
@@ -239,6 +245,11 @@ class SimSetup:
         for key in ("max_think_s", "session_gap_s"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"{key} must be ≥ 0, got {getattr(self, key)!r}")
+        if self.gpu_scheduling not in GPU_SCHEDULING:
+            raise ConfigError(
+                f"gpu_scheduling must be one of {', '.join(GPU_SCHEDULING)}, "
+                f"got {self.gpu_scheduling!r}"
+            )
 
     # Derived sizes every policy needs.
     @property
@@ -271,7 +282,7 @@ class SimSetup:
 
 
 _TOP_KEYS = {"name", "model", "chunk_tokens", "capacity", "max_sessions", "max_think_s",
-             "session_gap_s", "seed", "histate", "cost_model"}
+             "session_gap_s", "gpu_scheduling", "seed", "histate", "cost_model"}
 _HISTATE_KEYS = {"tau", "max_interval_multiple", "ema_alpha"}
 
 
@@ -303,6 +314,8 @@ def load_setup(path: str | Path) -> SimSetup:
                       ("max_think_s", float), ("session_gap_s", float)):
         if key in data:
             kw[key] = _number(data, key, f"{path}: ", kind)
+    if "gpu_scheduling" in data:
+        kw["gpu_scheduling"] = str(data["gpu_scheduling"])
     cap = data.get("capacity", {})
     if not isinstance(cap, dict):
         raise ConfigError(f"{path}: capacity: expected a mapping of tier -> size")

@@ -17,18 +17,22 @@ The model, and why each part is there:
   its decode (``output_tokens × decode_s_per_token``). Think times above
   ``setup.max_think_s`` are capped (the Weka trace has multi-hour pauses that would
   only stretch the replay; the number of capped gaps is reported).
-* **The GPU.** Prefills are served one at a time in FIFO order of arrival. A real engine
-  batches prefills (chunked prefill), but the GPU is work-conserving either way and the
-  total prefill work is the same, so FIFO single-server service preserves throughput
-  and gives every policy the same queueing discipline. Decodes are assumed to overlap
-  with prefills (they are memory-bound, prefills are compute-bound) and only delay the
-  session's next request.
+* **The GPU** (``setup.gpu_scheduling``). ``shared`` (default): vLLM V1 schedules with
+  chunked prefill, every step giving each running prefill a slice of the token budget,
+  so concurrent prefills progress together — modelled as processor sharing: the
+  compute of all prefills in flight shares the GPU equally, a short prompt is not stuck
+  behind a long cold one. ``fifo``: prefills one at a time in arrival order (exclusive
+  head-of-line service, the pessimistic discipline). Either way the GPU is
+  work-conserving. Loads (PCIe/SSD transfers) run before a request's compute and do not
+  take GPU compute from others. Decodes are assumed to overlap with prefills (they are
+  memory-bound, prefills compute-bound) and only delay the session's next request.
 * **Service time** of a request = ``request_overhead_s`` + the time to load what hit
   (bytes per tier over that tier's bandwidth; GPU-resident data is free) + recompute of
   the uncached suffix (linear + attention-quadratic prefill cost). The policy's
   ``begin`` runs when service starts (the cache is consulted when the engine schedules
   the request), ``complete`` when the prefill ends (what it computed is stored).
-* **TTFT** = queueing wait for the GPU + service time.
+* **TTFT** = queueing wait for the GPU (``fifo``) or slow-down from sharing it
+  (``shared``) + service time.
 
 Events live in one ``heapq`` keyed by (time, sequence number): O(log n) per event, no
 scan over sessions, and ties resolve in insertion order, so a replay is deterministic.
@@ -48,7 +52,7 @@ from .traces import Request, Session, Trace
 
 __all__ = ["RequestResult", "RunResult", "simulate"]
 
-_ELIGIBLE, _ARRIVE, _DONE, _SESSION_END = range(4)
+_ELIGIBLE, _ARRIVE, _DONE, _SESSION_END, _LOADED, _SHARED_DONE = range(6)
 
 
 @dataclass(slots=True)
@@ -101,6 +105,45 @@ class RunResult:
 class _Live:
     session: Session
     next_index: int = 0
+
+
+class _SharedGPU:
+    """Processor sharing of prefill compute: ``n`` jobs in flight each progress at 1/n.
+
+    ``O(n)`` per event with ``n`` ≤ the prefills in flight (bounded by the session
+    slots), which keeps the replay linear in the number of requests.
+    """
+
+    __slots__ = ("jobs", "last", "version")
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, list] = {}  # job id -> [remaining work (s), payload]
+        self.last = 0.0
+        self.version = 0
+
+    def advance(self, now: float) -> None:
+        if self.jobs and now > self.last:
+            share = (now - self.last) / len(self.jobs)
+            for job in self.jobs.values():
+                job[0] -= share
+        self.last = now
+
+    def add(self, now: float, job_id: int, work: float, payload: object) -> None:
+        self.advance(now)
+        self.jobs[job_id] = [work, payload]
+        self.version += 1
+
+    def next_done(self) -> tuple[float, int] | None:
+        """(time, job id) of the next completion if nothing else arrives."""
+        if not self.jobs:
+            return None
+        job_id, job = min(self.jobs.items(), key=lambda kv: (kv[1][0], kv[0]))
+        return self.last + max(0.0, job[0]) * len(self.jobs), job_id
+
+    def pop(self, now: float, job_id: int) -> object:
+        self.advance(now)
+        self.version += 1
+        return self.jobs.pop(job_id)[1]
 
 
 def _eligible_order(trace: Trace) -> tuple[list[tuple[float, Session]], dict[str, list[Session]]]:
@@ -186,42 +229,86 @@ def simulate(
         gpu_busy = True
         push(at + service, _DONE, (req, lookup, arrived, at, load, recompute))
 
+    def finish(
+        at: float, req: Request, lookup: Lookup, arrived: float, started: float,
+        load: float, recompute: float,
+    ) -> None:
+        """The request's prefill ended at ``at``: store, record, issue the next request."""
+        nonlocal capped
+        written = policy.complete(req, lookup, at)
+        results.append(
+            RequestResult(
+                req.session_id, req.index, req.input_tokens, req.output_tokens,
+                lookup.hit_tokens, arrived, started, started - arrived,
+                cost.request_overhead_s, load, recompute, dict(lookup.load_bytes),
+                dict(written), req.rewrite,
+            )
+        )
+        if progress is not None:
+            progress(len(results))
+        state = live[req.session_id]
+        state.next_index += 1
+        done_at = at + cost.decode_time(req.output_tokens)
+        reqs = state.session.requests
+        if state.next_index < len(reqs):
+            nxt = reqs[state.next_index]
+            think = nxt.think_time
+            if think > cap:
+                think, capped = cap, capped + 1
+            push(done_at + think, _ARRIVE, nxt)
+        else:
+            push(done_at, _SESSION_END, req.session_id)
+
+    shared = _SharedGPU() if setup.gpu_scheduling == "shared" else None
+    jobs = 0
+
+    def schedule_shared() -> None:
+        assert shared is not None
+        nxt = shared.next_done()
+        if nxt is not None:
+            push(nxt[0], _SHARED_DONE, (shared.version, nxt[1]))
+
     while events:
         now, _, kind, obj = heapq.heappop(events)
-        if kind == _ARRIVE:
+        if kind == _ARRIVE and shared is not None:
+            assert isinstance(obj, Request)
+            # Processor sharing: the engine schedules the request at once; its loads
+            # land, then its compute joins the prefills in flight.
+            lookup = policy.begin(obj, now)
+            if not 0 <= lookup.hit_tokens <= obj.input_tokens:
+                raise ValueError(
+                    f"policy {policy.name!r}: hit_tokens={lookup.hit_tokens} outside "
+                    f"[0, {obj.input_tokens}] for {obj.session_id}#{obj.index}"
+                )
+            load = cost.load_time(lookup.load_bytes)
+            recompute = cost.prefill_time(lookup.hit_tokens, obj.input_tokens)
+            push(now + load, _LOADED, (obj, lookup, now, load, recompute))
+        elif kind == _LOADED:
+            req, lookup, arrived, load, recompute = obj  # type: ignore[misc]
+            assert shared is not None
+            jobs += 1
+            shared.add(now, jobs, cost.request_overhead_s + recompute, obj)
+            schedule_shared()
+        elif kind == _SHARED_DONE:
+            assert shared is not None
+            version, job_id = obj  # type: ignore[misc]
+            if version != shared.version:
+                continue  # superseded by a later arrival or completion
+            req, lookup, arrived, load, recompute = shared.pop(now, job_id)  # type: ignore[misc]
+            schedule_shared()
+            service = cost.request_overhead_s + load + recompute
+            finish(now, req, lookup, arrived, max(arrived, now - service), load, recompute)
+        elif kind == _ARRIVE:
             assert isinstance(obj, Request)
             gpu_queue.append((obj, now))
             if not gpu_busy:
                 start_next(now)
         elif kind == _DONE:
             req, lookup, arrived, started, load, recompute = obj  # type: ignore[misc]
-            assert isinstance(lookup, Lookup)
-            written = policy.complete(req, lookup, now)
-            results.append(
-                RequestResult(
-                    req.session_id, req.index, req.input_tokens, req.output_tokens,
-                    lookup.hit_tokens, arrived, started, started - arrived,
-                    cost.request_overhead_s, load, recompute, dict(lookup.load_bytes),
-                    dict(written), req.rewrite,
-                )
-            )
-            if progress is not None:
-                progress(len(results))
             gpu_busy = False
             if gpu_queue:
                 start_next(now)
-            state = live[req.session_id]
-            state.next_index += 1
-            done_at = now + cost.decode_time(req.output_tokens)
-            reqs = state.session.requests
-            if state.next_index < len(reqs):
-                nxt = reqs[state.next_index]
-                think = nxt.think_time
-                if think > cap:
-                    think, capped = cap, capped + 1
-                push(done_at + think, _ARRIVE, nxt)
-            else:
-                push(done_at, _SESSION_END, req.session_id)
+            finish(now, req, lookup, arrived, started, load, recompute)
         elif kind == _ELIGIBLE:
             assert isinstance(obj, Session)
             eligible_at[obj.id] = now

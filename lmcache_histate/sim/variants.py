@@ -6,14 +6,16 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 =================  ==========================================================================
 ``histate``        the full design: unified H-queue (``tau`` from the set-up), refresh-all,
                    online interval controller.
-``histate-lru``    the paper's "file-level LRU eviction" ablation: ``tau = 0`` (the H-queue
-                   degenerates to LRU over units) and no refresh-all (a hit refreshes only
-                   the unit it loaded). Interval control and tiering unchanged.
 ``histate-align``  snapshots only where vLLM's align mode keeps them
                    (``prefix_cache_retention_interval = 0``): each segment's final one,
                    i.e. ``fixed_interval = 0``.
 ``histate-every32`` a snapshot every 32 chunks (the paper's "every 32 blocks").
 =================  ==========================================================================
+
+The paper's "file-level LRU eviction" ablation (``tau = 0``, no refresh-all, interval
+control and tiering unchanged) is the ``lru`` row of the baselines, and ``lru-refresh-all``
+adds refresh-all back: both are this same core with those knobs, so they are not
+repeated here.
 
 **The tiers and the GPU's role** (the same model must be used by the vLLM offload
 baselines for a fair comparison; see ``TIER_MODEL``). Tiers are ``gpu`` → ``cpu`` →
@@ -59,7 +61,6 @@ _GPU, _CPU, _DISK = 0, 1, 2
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "histate": {},
-    "histate-lru": {"tau": 0.0, "refresh_all": False},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
 }

@@ -79,13 +79,32 @@ def test_ttft_components_add_up() -> None:
 def test_gpu_serves_prefills_fifo() -> None:
     a = Session("a", None, (req("a", 0, 8),))
     b = Session("b", None, (req("b", 0, 8),))
-    run = simulate(trace(a, b), FixedPolicy(), setup(session_gap_s=0.0))
+    run = simulate(trace(a, b), FixedPolicy(), setup(session_gap_s=0.0, gpu_scheduling="fifo"))
     ra, rb = run.results
     service = 0.125 + 0.5 * 8 + 0.01 * 64 / 2
     assert (ra.session_id, rb.session_id) == ("a", "b")
     assert ra.ttft == pytest.approx(service)
     assert rb.queue_s == pytest.approx(service)
     assert rb.ttft == pytest.approx(2 * service)
+
+
+def test_shared_gpu_runs_concurrent_prefills_together() -> None:
+    """Processor sharing: a short prompt is not stuck behind a long one."""
+    long_ = Session("long", None, (req("long", 0, 40),))
+    short = Session("short", None, (req("short", 0, 4, at=1.0),))
+    pol = FixedPolicy(load={"cpu": 100})  # 1 s of PCIe before each compute
+    run = simulate(trace(long_, short), pol, setup(session_gap_s=0.0))
+    by = {r.session_id: r for r in run.results}
+    work_long = 0.125 + 0.5 * 40 + 0.01 * 1600 / 2
+    work_short = 0.125 + 0.5 * 4 + 0.01 * 16 / 2
+    # long computes alone from t=1 to t=2 (the short one is loading), then both share.
+    assert by["short"].ttft == pytest.approx(1.0 + 2 * work_short)
+    assert by["long"].ttft == pytest.approx(1.0 + work_long + work_short)
+    assert by["short"].queue_s == pytest.approx(work_short)  # the slow-down from sharing
+    # Under FIFO the short one waits for the whole long prefill instead.
+    fifo = simulate(trace(long_, short), FixedPolicy(load={"cpu": 100}),
+                    setup(session_gap_s=0.0, gpu_scheduling="fifo"))
+    assert {r.session_id: r for r in fifo.results}["short"].ttft > 1.0 + work_long
 
 
 def test_sessions_beyond_k_wait_for_a_slot() -> None:

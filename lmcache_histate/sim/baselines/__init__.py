@@ -16,7 +16,7 @@
 ``lru``                    the paper's generic LRU: the REAL HiState core (same tiers,
                            placement, GPU promotion and interval-driven snapshots as the
                            ``histate`` row, ``sim/variants.py``) with ``tau = 0`` and no
-                           refresh-all (the same policy as the ``histate-lru`` ablation).
+                           refresh-all (the paper's file-level LRU ablation).
 ``lru-refresh-all``        the same with refresh-all.
 =========================  ==============================================================
 
