@@ -152,21 +152,23 @@ def test_placement_tiers_and_hits_across_them(tmp_path: Path, tokens: TokenSourc
         q = tokens.tokens(4 * CHUNK)
         sq = engine.store_chunks(q, snapshot_chunks=[1, 3])
         status = settle(server)
-        # The CPU tier had to make room: P's colder tail bundle (KV of chunks 2-3 and the
-        # final snapshot, whose disk copy already exists) moved to disk.
-        assert on_disk(disk, engine, p, ATTN_GROUP) == [2, 3]
+        # The CPU tier had to make room: P's colder units moved to disk by lowest H (its
+        # tail bundle: KV of chunks 2-3 and the final snapshot, whose disk copy exists;
+        # possibly also the segment above the chunk-1 snapshot), none of Q's.
+        demoted = on_disk(disk, engine, p, ATTN_GROUP)
+        assert demoted in ([2, 3], [0, 1, 2, 3]), demoted
         assert on_disk(disk, engine, q, ATTN_GROUP) == []
         assert on_disk(disk, engine, q, REC_GROUP) == [1, 3]
-        assert status["counters"]["kv_demoted"] == 2
-        assert server.l1_object_count() == 2 + 5
+        assert status["counters"]["kv_demoted"] == len(demoted)
+        assert server.l1_object_count() == 4 - len(demoted) + 5
 
-        # Full hit on P: KV 0-1 from L1, KV 2-3 and one snapshot (chunk 3) from disk.
+        # Full hit on P: its KV from wherever it is, one snapshot (chunk 3) from disk.
         a0, r0 = loads(server)
         got = engine.lookup_and_retrieve(p)
         assert got.hit_chunks == 4
         assert engine.matches(sp, got)
         a1, r1 = loads(server)
-        assert (a1 - a0, r1 - r0) == (2, 1)  # the chunk-1 snapshot was not loaded
+        assert (a1 - a0, r1 - r0) == (len(demoted), 1)  # the chunk-1 snapshot was not loaded
 
         # Prefix ending off-interval (chunk 2 has no snapshot): falls back to chunk 1.
         got = engine.lookup_and_retrieve(p[: 3 * CHUNK])
