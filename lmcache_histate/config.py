@@ -18,9 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .core.geometry import GeometryError, ModelGeometry, load_geometry
+from .yamlfile import read_yaml
 
 __all__ = ["PLATFORMS", "POLICIES", "ConfigError", "HiStateConfig", "load_config", "parse_config"]
 
@@ -308,14 +307,7 @@ def load_config(path: str | Path) -> HiStateConfig:
         ConfigError: the file is missing, not YAML, or invalid (message names the key).
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read the configuration: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    data = read_yaml(p, ConfigError)
     if data is None:
         data = {}
     try:

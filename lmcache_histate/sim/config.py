@@ -25,9 +25,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..core.geometry import GeometryError, ModelGeometry, load_geometry
+from ..yamlfile import read_yaml
 
 __all__ = [
     "DEFAULT_COST_MODEL",
@@ -120,14 +119,7 @@ class CostModel:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({e})") from e
+    data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data

@@ -52,7 +52,7 @@ from ..core.placement import PlacementRules
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy
 
-__all__ = ["TIER_MODEL", "VARIANTS", "histate_policy", "histate_variants"]
+__all__ = ["TIER_MODEL", "VARIANTS", "histate_policy", "histate_variants", "three_tier_policy"]
 
 TIER_MODEL = "exclusive gpu→cpu→disk with demotion; GPU reads free, CPU over PCIe, disk over SSD"
 
@@ -64,6 +64,34 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
 }
+
+
+def three_tier_policy(
+    name: str,
+    *,
+    chunk_tokens: int,
+    kv_bytes_per_token: int,
+    snapshot_bytes: int,
+    gpu_bytes: int,
+    cpu_bytes: int,
+    disk_bytes: int,
+    **knobs: Any,
+) -> HiStatePolicy:
+    """The real core over gpu/cpu/disk with HiState's placement and GPU promotion.
+
+    Every HiState row and the baselines' ``lru`` rows are this, with different knobs.
+    """
+    knobs.setdefault("supported_intervals", supported_intervals(chunk_tokens))
+    return HiStatePolicy.build(
+        name,
+        chunk_tokens=chunk_tokens,
+        kv_bytes_per_token=kv_bytes_per_token,
+        snapshot_bytes=snapshot_bytes,
+        tiers=[("gpu", gpu_bytes), ("cpu", cpu_bytes), ("disk", disk_bytes)],
+        rules=PlacementRules(kv_tier=_GPU, snapshot_tier=_DISK, final_tier=_GPU),
+        promote_tier=_GPU,
+        **knobs,
+    )
 
 
 def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> HiStatePolicy:
@@ -84,14 +112,14 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     if chunks is not None:
         overrides["fixed_interval"] = chunks * setup.chunk_tokens
     knobs.update(overrides)
-    return HiStatePolicy.build(
+    return three_tier_policy(
         name,
         chunk_tokens=setup.chunk_tokens,
         kv_bytes_per_token=setup.kv_bytes_per_token,
         snapshot_bytes=setup.snapshot_bytes,
-        tiers=[("gpu", setup.gpu_bytes), ("cpu", setup.cpu_bytes), ("disk", setup.disk_bytes)],
-        rules=PlacementRules(kv_tier=_GPU, snapshot_tier=_DISK, final_tier=_GPU),
-        promote_tier=_GPU,
+        gpu_bytes=setup.gpu_bytes,
+        cpu_bytes=setup.cpu_bytes,
+        disk_bytes=setup.disk_bytes,
         **knobs,
     )
 

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...core.interval import supported_intervals
-from ...core.placement import PlacementRules
 from ..policy import HiStatePolicy, Policy
+from ..variants import three_tier_policy
 from .marconi import DEFAULT_FLOPS, FlopModel
 from .marconi_policy import MarconiPolicy
 from .sglang import DEFAULT_HOST_KV_FRACTION, sglang_hicache_policy
@@ -53,11 +52,6 @@ BASELINES: tuple[str, ...] = (
     "lru-refresh-all",
 )
 
-# HiState's placement over gpu/cpu/disk (tier indices), as in ``sim/variants.py``:
-# KV and final snapshots on the GPU first, intermediate snapshots on disk.
-LRU_RULES = PlacementRules(kv_tier=0, snapshot_tier=2, final_tier=0)
-
-
 def lru_policy(
     name: str,
     *,
@@ -70,17 +64,16 @@ def lru_policy(
     disk_bytes: int,
 ) -> HiStatePolicy:
     """The HiState core with plain-recency eviction (``tau = 0``): no second implementation."""
-    return HiStatePolicy.build(
+    return three_tier_policy(
         name,
         chunk_tokens=chunk_tokens,
         kv_bytes_per_token=kv_bytes_per_token,
         snapshot_bytes=snapshot_bytes,
-        tiers=[("gpu", gpu_bytes), ("cpu", cpu_bytes), ("disk", disk_bytes)],
-        rules=LRU_RULES,
-        promote_tier=0,  # hits end up on the GPU, as in the histate row and every baseline
+        gpu_bytes=gpu_bytes,
+        cpu_bytes=cpu_bytes,
+        disk_bytes=disk_bytes,
         tau=0.0,
         refresh_all=refresh_all,
-        supported_intervals=supported_intervals(chunk_tokens),
     )
 
 
