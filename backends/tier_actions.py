@@ -130,14 +130,7 @@ class TierActionsMixin:
             return
         with self.lock:
             self._drain_locked()
-            for key in failed:
-                where = self.part_of.get(key)
-                if where is None or self.core is None:
-                    continue
-                if self._tiers(*where) & (1 << DISK):
-                    self.stats[f"{where[1]}_not_persisted"] += 1
-                    self.core.lose(where[0], where[1], DISK)
-                    self._touched.add(where[0])
+            self._lose_on_disk(failed, "not_persisted")
             actions = self._take_actions()
             for key in failed:
                 where = self.part_of.get(key)
@@ -149,16 +142,23 @@ class TierActionsMixin:
         """Files found corrupted or missing on load (already removed by the adapter)."""
         with self.lock:
             self._drain_locked()
-            for key in keys:
-                where = self.part_of.get(key)
-                if where is None or self.core is None:
-                    continue
-                if self._tiers(*where) & (1 << DISK):
-                    self.stats[f"{where[1]}_lost.disk"] += 1
-                    self.core.lose(where[0], where[1], DISK)
-                    self._touched.add(where[0])
+            self._lose_on_disk(keys, "lost.disk")
             actions = self._take_actions()
         self._run(actions)
+
+    def _lose_on_disk(self, keys: list[ObjectKey], counter: str) -> None:
+        """Tell the core the disk copies of ``keys``' parts are gone (under the lock).
+
+        Shared by failed writes and lost files, which differ only in the counter.
+        """
+        for key in keys:
+            where = self.part_of.get(key)
+            if where is None or self.core is None:
+                continue
+            if self._tiers(*where) & (1 << DISK):
+                self.stats[f"{where[1]}_{counter}"] += 1
+                self.core.lose(where[0], where[1], DISK)
+                self._touched.add(where[0])
 
     # ============================================================ L1 events
     def note_l1_removed(self, keys: list[ObjectKey]) -> None:
