@@ -10,26 +10,53 @@ Load it in vLLM's ``--kv-transfer-config``::
 It subclasses LMCache's ``LMCacheMPConnector`` as vLLM resolves it
 (``vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector.LMCacheMPConnector``: the
 connector shipped in ``lmcache.integration.vllm`` when importable), so everything LMCache MP
-mode does -- lookups, async loads, stores of every chunk, hybrid object groups -- is unchanged.
+mode does -- lookups, async loads, stores of every chunk's attention KV, hybrid object groups --
+is unchanged. What it adds:
 
-What it adds today (CPU platform only; see ``cpu_support`` and docs/vllm-cpu.md):
-
-* the lmcache-driven transfer mode by default (``lmcache.mp.mp_transfer_mode``): LMCache's CPU
+* **Interval-driven saves** (scheduler side, every platform; ``interval_saves``): per request,
+  the recurrent state is stored only at the chunk boundaries HiState's interval controller
+  chose for the request's new segment, plus the segment's final boundary; attention KV is
+  stored for every chunk. The plan comes from the LMCache server (``histate.plan`` server-module
+  RPC: the server's controller with its LIVE pressure factor) or, when the server has no
+  HiState module, from a local controller with pressure factor 1 (logged once). The decision
+  is applied to the STORE requests when they are planned, before any byte moves: an unchosen
+  chunk's recurrent block ids become the null block, which LMCache's STORE skips. A chosen
+  boundary's state block is the one vLLM handed over for exactly that boundary
+  (``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``), never a position in
+  the block table; the connector holds a reference on it until the request's stores finish,
+  because align mode frees interior state blocks while the request is still running.
+  Needs vLLM with prefix caching, ``mamba_cache_mode="align"``, a ``max_num_batched_tokens``
+  whose steps end on every chunk boundary and dense ``prefix_cache_retention_interval``
+  (checked at start: ``interval_saves.check_vllm_settings``). Extra config keys:
+  ``histate.interval_saves`` (default true; false = stock LMCache saves),
+  ``histate.plan_timeout_s`` (default 5).
+* **CPU support** (CPU platform only; see ``cpu_support`` and docs/vllm-cpu.md): the
+  lmcache-driven transfer mode by default (``lmcache.mp.mp_transfer_mode``: LMCache's CPU
   default is the engine-driven path, which rejects more than one KV group, i.e. every hybrid
-  model;
-* before LMCache registers vLLM's KV caches, the whole KV storage is moved into named shared
-  memory in place and LMCache's CPU wrapper describes each (strided) view of it.
+  model), and, before LMCache registers vLLM's KV caches, the whole KV storage moved into named
+  shared memory in place, with LMCache's CPU wrapper describing each (strided) view of it.
 
-On GPUs the class behaves exactly like ``LMCacheMPConnector``.
+A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
+back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.backends import cpu_support
+from lmcache_histate.backends.interval_saves import (
+    LocalPlanner,
+    RequestSaves,
+    SettingsError,
+    check_vllm_settings,
+    rewrite_store_block_ids,
+    sanitize_plan,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
 )
@@ -37,8 +64,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 __all__ = ["HiStateConnector"]
 
@@ -51,10 +84,20 @@ if cpu_support.is_cpu_platform():
     cpu_support.install_vllm_cpu_inprocess_fix()
 
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
+INTERVAL_SAVES_KEY = "histate.interval_saves"
+PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
+PLAN_METHOD = "histate.plan"
+REPORT_PARAM = "histate_saves"
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
 
 
 class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
-    """LMCache MP connector with HiState's CPU support (and, later, its save policy)."""
+    """LMCache MP connector with HiState's interval-driven saves and CPU support."""
 
     def __init__(
         self,
@@ -63,8 +106,10 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         self._histate_cpu = cpu_support.is_cpu_platform()
-        if self._histate_cpu and vllm_config.kv_transfer_config is not None:
+        extra: dict[str, Any] = {}
+        if vllm_config.kv_transfer_config is not None:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        if self._histate_cpu and vllm_config.kv_transfer_config is not None:
             chosen = extra.get(TRANSFER_MODE_KEY, os.environ.get("LMCACHE_MP_TRANSFER_MODE"))
             if chosen is None:
                 # Covers: LMCache's CPU default transfer (engine-driven) raises "engine-driven
@@ -78,7 +123,18 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     "'lmcache_driven' (engine-driven rejects more than one KV group)",
                     chosen,
                 )
+        self._saves_enabled = _truthy(extra.get(INTERVAL_SAVES_KEY, True))
         super().__init__(vllm_config, role, kv_cache_config)
+        self._saves: dict[str, RequestSaves] = {}
+        self._saves_lock = threading.Lock()
+        self._saves_active = False
+        self.histate_stats: dict[str, int] = {}
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        if role == KVConnectorRole.SCHEDULER and self._saves_enabled and self._can_store:
+            self._init_interval_saves(vllm_config, extra)
+
+    # ================================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | Any]) -> None:
         if self._histate_cpu:
@@ -93,3 +149,252 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 ", ".join(f"{s.shm_name} ({s.storage_nbytes} B)" for s in segments),
             )
         super().register_kv_caches(kv_caches)
+
+    # ============================================================ scheduler side
+
+    def _init_interval_saves(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
+        from vllm.v1.core.sched.output import SchedulerOutput
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        kv_config = getattr(self, "_kv_cache_config", None)
+        groups = list(getattr(kv_config, "kv_cache_groups", None) or [])
+        recurrent = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+        if not recurrent or len(recurrent) == len(groups):
+            logger.info(
+                "HiState interval saves off: not a hybrid attention + recurrent model "
+                "(%d of %d KV cache groups recurrent)", len(recurrent), len(groups),
+            )
+            return
+        if "kv_connector_block_state" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+            raise SettingsError(
+                "HiState interval saves need vLLM >= 0.32 (SchedulerOutput."
+                "kv_connector_block_state: exact boundary-state blocks); set "
+                f"kv_connector_extra_config {INTERVAL_SAVES_KEY!r}: false on older vLLM"
+            )
+        cache = vllm_config.cache_config
+        block_size = groups[recurrent[0]].kv_cache_spec.block_size
+        self._chunk_tokens = int(self.scheduler_adapter.lmcache_tokens_per_chunk)
+        check_vllm_settings(
+            block_size=block_size,
+            chunk_size=self._chunk_tokens,
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            prefix_cache_retention_interval=cache.prefix_cache_retention_interval,
+            enable_prefix_caching=bool(cache.enable_prefix_caching),
+            mamba_cache_mode=getattr(cache, "mamba_cache_mode", None),
+        )
+        self._recurrent_groups = recurrent
+        # N_s (snapshot size in KV-token units) of what vLLM allocated, for the local planner.
+        snapshot_bytes = 0
+        kv_bytes_per_token = 0.0
+        for group in groups:
+            spec = group.kv_cache_spec
+            layers = len(group.layer_names)
+            if isinstance(spec, MambaSpec):
+                snapshot_bytes += layers * spec.state_content_size_bytes
+            else:
+                page = getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
+                kv_bytes_per_token += layers * page / spec.block_size
+        self._snapshot_tokens = snapshot_bytes / max(kv_bytes_per_token, 1e-9)
+        self._local_planner = LocalPlanner(self._chunk_tokens, self._snapshot_tokens)
+        self._plan_timeout = float(extra.get(PLAN_TIMEOUT_KEY, 5.0))
+        self._server_plans = self._probe_server()
+        self._saves_active = True
+        logger.info(
+            "HiState interval saves on: recurrent KV cache groups %s, chunk %d tokens; plans "
+            "from %s", recurrent, self._chunk_tokens,
+            f"the server's {PLAN_METHOD} RPC (live pressure factor)" if self._server_plans
+            else f"a local interval controller (pressure factor 1, N_s = "
+            f"{self._snapshot_tokens:.1f} KV tokens)",
+        )
+
+    def _call(self, method: str, payload: dict[str, Any], timeout: float) -> Any:
+        """One ``server_module_call`` RPC; returns LMCache's response envelope."""
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        client = next(iter(self.scheduler_adapter.req_clients.values()))
+        request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
+        return client.server_module_call(request).result(timeout)
+
+    def _probe_server(self) -> bool:
+        """Whether the server runs an active HiState module (``histate.status``).
+
+        A stock server without any server-module RPC handler does not answer at all (LMCache
+        builds its RPC router only when some module declares a handler), so the probe has a
+        timeout; the outcome is logged once and holds for the connector's lifetime.
+        """
+        try:
+            response = self._call("histate.status", {}, min(self._plan_timeout, 3.0))
+        except Exception as exc:
+            reason = f"no answer to histate.status ({type(exc).__name__})"
+        else:
+            if response.success:
+                status = json.loads(response.payload or b"{}")
+                if status.get("active"):
+                    return True
+                reason = "its HiState module is inactive (policy is not histate)"
+            else:
+                reason = response.error or "histate.status failed"
+        logger.warning(
+            "HiState: the LMCache server has no active HiState module (%s); interval saves "
+            "use a local interval controller with pressure factor 1", reason,
+        )
+        return False
+
+    def _count(self, key: str, n: int = 1) -> None:
+        if n:
+            self.histate_stats[key] = self.histate_stats.get(key, 0) + n
+
+    def _server_plan(self, start: int, end: int) -> list[int] | None:
+        """The server's plan, or None (no HiState module there, or the call failed)."""
+        if not self._server_plans:
+            return None
+        try:
+            response = self._call(
+                PLAN_METHOD, {"start_tokens": start, "input_tokens": end}, self._plan_timeout
+            )
+        except Exception as exc:  # timeout, transport failure
+            self._count("plan_errors")
+            logger.warning("HiState: %s RPC failed (%s); local plan for this request",
+                           PLAN_METHOD, exc)
+            return None
+        if not response.success:
+            self._count("plan_errors")
+            logger.warning("HiState: %s failed on the server (%s); local plan for this "
+                           "request", PLAN_METHOD, response.error)
+            return None
+        return [int(b) for b in json.loads(response.payload or b"{}").get("boundaries", [])]
+
+    def _ensure_plan(self, request_id: str) -> RequestSaves | None:
+        saves = self._saves.get(request_id)
+        if saves is not None and saves.plan is not None:
+            return saves
+        tracker = self.request_trackers.get(request_id)
+        if tracker is None:
+            return saves
+        if saves is None:
+            saves = self._saves[request_id] = RequestSaves(request_id)
+        start = max(tracker.num_vllm_hit_tokens, tracker.num_lmcache_hit_tokens)
+        end = tracker.num_prompt_tokens
+        chunk = self._chunk_tokens
+        saves.segment = (start, end)
+        if end - end % chunk <= start - start % chunk:
+            saves.plan, saves.plan_source = [], "empty"
+            return saves
+        plan = self._server_plan(start, end)
+        source = "server"
+        if not plan:
+            # None: no server plan. []: the server's core has not seen this model yet (it is
+            # created at the first lookup); the segment has a full chunk, so plan locally.
+            plan = self._local_planner.plan(start, end)
+            source = "local"
+        saves.plan = sanitize_plan(plan, start, end, chunk)
+        saves.plan_source = source
+        self._count(f"plans_{source}")
+        logger.debug("HiState plan %s: segment [%d, %d) -> %s (%s)", request_id, start, end,
+                     saves.plan, source)
+        return saves
+
+    def _take_offers(self, scheduler_output: SchedulerOutput) -> None:
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(state, "boundary_state_offloads", None) or {}
+        recurrent = set(self._recurrent_groups)
+        for request_id, entries in offers.items():
+            if request_id not in self.request_trackers:
+                continue
+            saves = self._ensure_plan(request_id)
+            if saves is None or not saves.plan:
+                continue
+            chosen = set(saves.plan)
+            for group_id, block_id, boundary in entries:
+                if group_id not in recurrent or boundary not in chosen:
+                    continue
+                if saves.offer(group_id, block_id, boundary):
+                    self._pin(saves, block_id)
+
+    def _pin(self, saves: RequestSaves, block_id: int) -> None:
+        """Hold a reference on a state block until the request's stores are done.
+
+        Align mode frees a request's interior state blocks two steps after computing them;
+        the server copies a STORE asynchronously, so without the reference another request
+        could overwrite the block before the copy.
+        """
+        pool = getattr(self, "_gpu_block_pool", None)
+        if pool is None or block_id == 0:
+            return
+        pool.touch([pool.blocks[block_id]])
+        saves.pinned.append(block_id)
+
+    def _release(self, request_id: str) -> None:
+        with self._saves_lock:
+            saves = self._saves.pop(request_id, None)
+        if saves is None or not saves.pinned:
+            return
+        pool = getattr(self, "_gpu_block_pool", None)
+        if pool is not None:
+            pool.free_blocks([pool.blocks[b] for b in saves.pinned])
+        saves.pinned.clear()
+
+    def _apply_plan(self, request_meta: Any) -> None:
+        saves = self._ensure_plan(request_meta.request_id)
+        op = request_meta.op
+        if saves is None or saves.plan is None:
+            return
+        new_ids, kept, dropped, missing = rewrite_store_block_ids(
+            op.block_ids,
+            start=op.start,
+            end=op.end,
+            chunk_tokens=self._chunk_tokens,
+            group_tokens_per_block=self._group_tokens_per_block,
+            recurrent_groups=self._recurrent_groups,
+            keep=saves.plan,
+            offered=saves.offered,
+        )
+        op.block_ids = new_ids
+        saves.kept += kept
+        saves.dropped += dropped
+        saves.missing += missing
+        self._count("states_kept", len(kept))
+        self._count("states_dropped", dropped)
+        if missing:
+            self._count("states_missing", len(missing))
+            logger.warning(
+                "HiState: no boundary-state block from vLLM for chosen boundaries %s of "
+                "request %s; stored without a recurrent state there", missing,
+                request_meta.request_id,
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if not self._saves_active:
+            return super().build_connector_meta(scheduler_output)
+        self._take_offers(scheduler_output)
+        metadata = super().build_connector_meta(scheduler_output)
+        for request_meta in getattr(metadata, "requests", ()):
+            if request_meta.direction == "STORE":
+                self._apply_plan(request_meta)
+        return metadata
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        if self._saves_active:
+            for request_id in connector_output.finished_sending or ():
+                self._release(request_id)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        saves = self._saves.get(request.request_id) if self._saves_active else None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        delay, out = super().request_finished(request, block_ids)
+        if saves is not None and params.get(REPORT_PARAM):
+            out = dict(out or {})
+            out[REPORT_PARAM] = {
+                "plan": list(saves.plan or []),
+                "source": saves.plan_source,
+                "segment": list(saves.segment),
+                "kept": list(saves.kept),
+                "dropped": saves.dropped,
+                "missing": list(saves.missing),
+            }
+        if self._saves_active and not delay:
+            self._release(request.request_id)
+        return delay, out

@@ -1,39 +1,37 @@
-"""End to end on CPU: a hybrid model's prefix restored through LMCache MP is bit-identical.
+"""End to end on CPU through the HiState stack: a restored hybrid prefix is bit-identical.
 
-Real parts only: ``lmcache server`` (stock CLI via the harness, ``--separate-object-groups``,
-``--chunk-size`` = vLLM's block size, the stock ``fs`` L2 adapter, our CPU server module), and
-vLLM's CPU offline engine (``vllm.LLM``, in-process) serving the tiny random-weight
-``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.tiny_model`` with prefix caching in
-Mamba ``align`` mode and ``HiStateConnector`` (LMCache's MP connector + ``cpu_support``).
+Real parts only: ``histate-server`` (the project's launcher around ``lmcache server``: the
+HiState disk tier, store policy, eviction hooks and server module, plus the CPU server module)
+and vLLM's CPU offline engine (``vllm.LLM`` in a child process, see
+``lmcache_histate.backends.engine_proc``) serving the tiny random-weight
+``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.tiny_model`` with ``HiStateConnector``
+(LMCache's MP connector + interval-driven saves + CPU support).
 
 Scenario (DESIGN.md §4, issue 4):
 
-1. prompt A (4 chunks + a tail) is generated: every chunk's attention KV and recurrent state
-   is stored (``max_num_batched_tokens`` = one block, so every chunk ends a step);
+1. prompt A (10 chunks + a tail) is generated. Its attention KV is stored for every chunk, its
+   recurrent state only at the boundaries the server's interval controller chose for the
+   segment [0, len(A)) (pressure factor 1 on a fresh server) plus the final one. The test
+   configuration gives HiState's CPU tier less room than one chunk, so every object is placed
+   on the disk tier; the test counts the files and their kinds;
 2. one more engine step lets the asynchronous store finish, then vLLM's own prefix cache is
-   reset; the L2 writes are awaited and LMCache L1 is cleared (so the hit must come from disk);
-3. prompt B shares A's first 1,300 tokens: it must hit 1,152 tokens (the last chunk boundary
-   with a stored state below the divergence) and its tokens AND top-5 logprobs must equal those
+   reset and LMCache L1 is cleared: a hit can only come from disk;
+3. prompt B shares A's first 3,300 tokens: it must hit exactly the last chosen boundary at or
+   below the divergence (a chunk boundary with a stored state; with the tiny model 2,688, not
+   3,072 as with a state at every chunk), and its tokens AND top-5 logprobs must equal those
    of a separate no-connector engine computing B from scratch -- exactly;
 4. negative control: with the server's test hook zeroing restored recurrent state, prompt C
-   (same prefix, another tail) still hits 1,152 tokens but its logprobs differ from recompute,
-   which proves the comparison sees the recurrent state (greedy tokens alone would not).
-
-vLLM runs in child processes (this file, run as a script) with the in-process engine
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): pytest's process stays free of vLLM's CPU thread binding
-and global state, a crashed engine cannot take pytest down, and the child controls its import
-order (see ``cpu_support.install_vllm_cpu_inprocess_fix``). The parent owns the server and the
-checks; it talks to the cached-engine child through marker files in its work directory.
+   (same prefix, another tail) still hits the same boundary but its logprobs differ from
+   recompute, which proves the comparison sees the recurrent state (greedy tokens alone
+   would not).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
-import os
+import random
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,17 +39,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 CHUNK = 384
 """vLLM's block size for the tiny model on CPU (asserted) = LMCache --chunk-size."""
 MAX_TOKENS = 4
 TOP_LOGPROBS = 5
-SHARED_PREFIX = 1300
-EXPECTED_HIT = (SHARED_PREFIX // CHUNK) * CHUNK  # 1152: states are stored at every chunk
-PROMPT_A_LEN = 4 * CHUNK + 100
+PROMPT_A_LEN = 10 * CHUNK + 50
+SHARED_PREFIX = 3300
 PROMPT_TAIL = 300
-CHILD_TIMEOUT = 420.0
 KV_POOL_BYTES = 48 << 20
+LAUNCHER = "lmcache_histate.backends.launcher"
+CPU_MODULE = "lmcache_histate.backends.cpu_server_module"
 
 needs_live = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("vllm", "lmcache")),
@@ -59,13 +58,11 @@ needs_live = pytest.mark.skipif(
 )
 
 
-# ------------------------------------------------------------------------------ prompts
+# ------------------------------------------------------------------------------ helpers
 
 
 def make_prompts(vocab: int, seed: int = 7) -> dict[str, list[int]]:
     """A, and B / C sharing A's first SHARED_PREFIX tokens then diverging (deterministic)."""
-    import random
-
     rng = random.Random(seed)
     lo = 4  # skip the special tokens (pad, bos, eos, unk)
 
@@ -85,225 +82,45 @@ def make_prompts(vocab: int, seed: int = 7) -> dict[str, list[int]]:
     return {"A": a, "B": b, "C": c}
 
 
-# -------------------------------------------------------------------------- child side
-
-
-def _engine_kwargs(model: str, zmq_port: int | None) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "model": model,
-        "dtype": "bfloat16",
-        "seed": 0,
-        "max_model_len": 4096,
-        "max_num_seqs": 4,
-        # One block per step: every chunk boundary ends a step, so align mode has a state there.
-        "max_num_batched_tokens": CHUNK,
-        "enable_prefix_caching": True,
-        "mamba_cache_mode": "align",
-        "enforce_eager": True,  # no torch.compile: start-up in seconds, same kernels both runs
-        # The whole KV pool is moved into /dev/shm when the connector registers it: keep it small
-        # (48 MiB = 256 pages of 196,608 B; a request here needs about a dozen).
-        "kv_cache_memory_bytes": KV_POOL_BYTES,
+def histate_config(path: Path, model_dir: Path, disk: Path, **values: Any) -> Path:
+    """A HiState server config for the tiny model whose CPU tier holds less than one chunk
+    (``cpu_fill``): every object is placed on the disk tier."""
+    cfg = {
+        "policy": "histate",
+        "model": str(model_dir / "config.json"),
+        "chunk_size": CHUNK,
+        "cpu_gib": 0.1,
+        "cpu_fill": 0.001,  # 107 KB of the harness's 0.1 GiB L1: < one KV chunk (196,608 B)
+        "disk_path": str(disk),
+        "disk_gib": 0.2,
+        "disk_fsync": False,
+        "platform": "cpu",
+        "kv_connector": "HiStateConnector",
+        "kv_connector_module_path": "lmcache_histate.backends.connector",
+        **values,
     }
-    if zmq_port is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "HiStateConnector",
-            "kv_connector_module_path": "lmcache_histate.backends.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": "tcp://127.0.0.1",
-                "lmcache.mp.port": zmq_port,
-            },
-        }
-    return kwargs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
 
 
-def _geometry(llm: Any) -> dict[str, Any]:
-    """What vLLM made of the model: block size and per-group page sizes."""
-    core = llm.llm_engine.engine_core.engine_core
-    config = core.scheduler.kv_cache_config
-    vcfg = llm.llm_engine.vllm_config
-    groups = []
-    for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        groups.append(
-            {
-                "layers": list(group.layer_names),
-                "spec": type(spec).__name__,
-                "block_size": spec.block_size,
-                "page_size_bytes": spec.page_size_bytes,
-                "shapes": [list(s) for s in getattr(spec, "shapes", ())],
-                "dtypes": [str(d) for d in getattr(spec, "dtypes", ())],
-            }
-        )
+def server_module_arg(module: str, config: dict[str, Any] | None = None) -> list[str]:
+    spec = {"module_path": module, "factory_name": "build_server_modules",
+            "config": config or {}}
+    return ["--server-module", json.dumps(spec)]
+
+
+def connector_config(port: int) -> dict[str, Any]:
     return {
-        "block_size": vcfg.cache_config.block_size,
-        "max_num_batched_tokens": vcfg.scheduler_config.max_num_batched_tokens,
-        "mamba_cache_mode": vcfg.cache_config.mamba_cache_mode,
-        "prefix_cache_retention_interval": getattr(config, "prefix_cache_retention_interval", None),
-        "num_blocks": config.num_blocks,
-        "groups": groups,
+        "kv_connector": "HiStateConnector",
+        "kv_connector_module_path": "lmcache_histate.backends.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                      "lmcache.mp.port": port},
     }
 
 
-def _generate(llm: Any, prompt: list[int], stats: bool) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    extra = {"kv_transfer_params": {"cached_token_stats": True}} if stats else None
-    params = SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS, extra_args=extra
-    )
-    started = time.monotonic()
-    [out] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-    completion = out.outputs[0]
-    return {
-        "seconds": round(time.monotonic() - started, 3),
-        "num_cached_tokens": out.num_cached_tokens,
-        "token_ids": list(completion.token_ids),
-        # JSON keeps Python floats exactly (repr round-trips), so equality stays bit-exact.
-        "logprobs": [
-            {str(tok): lp.logprob for tok, lp in step.items()} for step in completion.logprobs
-        ],
-        "kv_transfer_params": getattr(out, "kv_transfer_params", None),
-    }
-
-
-def _drain_and_reset(llm: Any, tries: int = 50) -> int:
-    """Run engine steps until vLLM's prefix cache resets (it needs the async store's blocks
-    back: the connector frees a finished request's blocks one step after it ends)."""
-    for attempt in range(tries):
-        if llm.reset_prefix_cache():
-            return attempt
-        llm.llm_engine.step()
-        time.sleep(0.05)
-    raise RuntimeError(f"vLLM prefix cache still not resettable after {tries} steps")
-
-
-def _wait_for(path: Path, timeout: float = CHILD_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"parent never wrote {path}")
-        time.sleep(0.05)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def child_main(argv: list[str]) -> int:
-    """Engine child: ``--mode reference`` (no connector) or ``--mode cached``."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("reference", "cached"), required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--zmq-port", type=int)
-    args = parser.parse_args(argv)
-    work = Path(args.workdir)
-    prompts = json.loads((work / "prompts.json").read_text())
-
-    # vLLM first. With the connector, vLLM imports lmcache (and numba/llvmlite) while building
-    # its config, before the worker starts: the dispatcher fix must be in place by then.
-    from lmcache_histate.backends.cpu_support import install_vllm_cpu_inprocess_fix
-
-    install_vllm_cpu_inprocess_fix()
-    from vllm import LLM
-
-    started = time.monotonic()
-    llm = LLM(**_engine_kwargs(args.model, args.zmq_port if args.mode == "cached" else None))
-    result: dict[str, Any] = {"init_seconds": round(time.monotonic() - started, 3)}
-    result["geometry"] = _geometry(llm)
-
-    if args.mode == "reference":
-        result["B"] = _generate(llm, prompts["B"], stats=False)
-        result["C"] = _generate(llm, prompts["C"], stats=False)
-        _write_json(work / "reference.json", result)
-        return 0
-
-    result["A"] = _generate(llm, prompts["A"], stats=True)
-    result["A"]["reset_steps"] = _drain_and_reset(llm)
-    _write_json(work / "phase-stored.json", result)
-    _wait_for(work / "go-B")  # parent: L1 count checked, L2 flushed, L1 cleared
-    result["B"] = _generate(llm, prompts["B"], stats=True)
-    result["B"]["reset_steps"] = _drain_and_reset(llm)
-    _write_json(work / "phase-restored.json", result)
-    _wait_for(work / "go-C")  # parent: zero-restore hook armed
-    result["C"] = _generate(llm, prompts["C"], stats=True)
-    _drain_and_reset(llm)  # let END_SESSION reach the server before the worker unregisters
-    _write_json(work / "cached.json", result)
-    return 0
-
-
-# ------------------------------------------------------------------------- parent side
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "LMCACHE_TRACK_USAGE": "false",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-    )
-    return env
-
-
-class EngineChild:
-    """A running engine child; output goes to a log file (tail shown on failure)."""
-
-    def __init__(self, mode: str, model: Path, workdir: Path, zmq_port: int | None = None):
-        self.log_path = workdir / f"engine-{mode}.log"
-        argv = [sys.executable, __file__, "--mode", mode, "--model", str(model)]
-        argv += ["--workdir", str(workdir)]
-        if zmq_port is not None:
-            argv += ["--zmq-port", str(zmq_port)]
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=_child_env(), cwd=workdir
-        )
-
-    def tail(self, lines: int = 80) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_file(self, path: Path, timeout: float = CHILD_TIMEOUT) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"engine child exited with {self.proc.returncode} before writing "
-                    f"{path.name}\n--- child log tail ---\n{self.tail()}"
-                )
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"no {path.name} after {timeout}s\n{self.tail()}")
-            time.sleep(0.1)
-        return json.loads(path.read_text())
-
-    def finish(self, timeout: float = 120.0) -> None:
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        finally:
-            self._log.close()
-        assert rc == 0, f"engine child exited with {rc}\n{self.tail()}"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-
-def _poll(check: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -311,8 +128,40 @@ def _poll(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _differs(x: dict[str, Any], y: dict[str, Any]) -> bool:
-    return x["token_ids"] != y["token_ids"] or x["logprobs"] != y["logprobs"]
+def settle(server: Any) -> dict[str, Any]:
+    """Wait until stores, disk writes and queued L1 events are done; the HiState status."""
+    server.wait_l2_flushed()
+
+    def quiet() -> bool:
+        hs = server.status()["histate"]
+        return (hs["disk"]["writes_in_flight"] == 0 and hs["pending_l1_retries"] == 0
+                and hs["queued_l1_events"] == 0)
+
+    wait_until(quiet, 20, "HiState to settle")
+    time.sleep(0.3)  # one janitor tick
+    return server.status()["histate"]
+
+
+def disk_objects(disk: Path) -> list[tuple[str, int]]:
+    """(kind, chunk index) of every object file on the HiState disk tier."""
+    from lmcache_histate.backends import diskfile as df
+
+    kinds = {df.KIND_KV: "kv", df.KIND_SNAPSHOT: "snapshot"}
+    out = []
+    for path in df.iter_files(disk):
+        if path.name.endswith(df.SUFFIX):
+            header = df.read_header(path)
+            out.append((kinds.get(header.kind, "other"), header.depth))
+    return sorted(out)
+
+
+def server_snapshot_tokens(hs: dict[str, Any]) -> float:
+    """N_s the server's controller uses: snapshot bytes / KV bytes per token."""
+    return hs["snapshot_bytes"] / (hs["kv_chunk_bytes"] / hs["chunk_tokens"])
+
+
+def last_boundary_at_or_below(plan: list[int], position: int) -> int:
+    return max((b for b in plan if b <= position), default=0)
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +169,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lmcache_histate.backends.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.mktemp("models"))
+
+
+# --------------------------------------------------------------------------------- tests
 
 
 def test_tiny_model_is_deterministic_and_matches_core_geometry(tmp_path: Path) -> None:
@@ -355,7 +207,11 @@ def test_tiny_model_is_deterministic_and_matches_core_geometry(tmp_path: Path) -
 
 @needs_live
 def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_model: Path) -> None:
+    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
+
+    from lmcache_histate.core.geometry import from_hf_config
+    from lmcache_histate.core.interval import IntervalController
 
     shm_free = shutil.disk_usage("/dev/shm").free
     assert shm_free > 2 * KV_POOL_BYTES, (
@@ -363,95 +219,99 @@ def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_mode
     )
     config = json.loads((tiny_model / "config.json").read_text())
     prompts = make_prompts(vocab=int(config["vocab_size"]))
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
 
     # 1. Reference: a separate engine without any connector computes B and C from scratch.
     t0 = time.monotonic()
-    ref_child = EngineChild("reference", tiny_model, tmp_path)
-    reference = ref_child.wait_file(tmp_path / "reference.json")
-    ref_child.finish()
+    with EngineProcess(engine_kwargs(tiny_model), workdir=tmp_path, name="reference") as ref:
+        reference = {
+            name: ref.generate(prompts[name], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
+            for name in ("B", "C")
+        }
+        ref_info = ref.info
     t_reference = time.monotonic() - t0
-    assert reference["geometry"]["block_size"] == CHUNK, reference["geometry"]
+    assert ref_info["block_size"] == CHUNK, ref_info
 
-    # 2. The cached run against a real lmcache server (fs L2 + our CPU server module).
+    # 2. The cached run against histate-server (HiState disk tier; test zero-restore hook).
     zero_flag = tmp_path / "zero-restored-recurrent"
-    server_module = {
-        "module_path": "lmcache_histate.backends.cpu_server_module",
-        "factory_name": "build_server_modules",
-        "config": {"zero_recurrent_on_retrieve_flag": str(zero_flag)},
-    }
-    l2_dir = tmp_path / "l2"
-    server_args = [
-        "--l2-adapter",
-        json.dumps({"type": "fs", "base_path": str(l2_dir)}),
-        "--server-module",
-        json.dumps(server_module),
-    ]
+    disk = tmp_path / "disk"
+    cfg = histate_config(tmp_path / "histate.yaml", tiny_model, disk)
+    command = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
+    extra = server_module_arg(CPU_MODULE, {"zero_recurrent_on_retrieve_flag": str(zero_flag)})
+    ask = {"histate_saves": True, "cached_token_stats": True}
     t1 = time.monotonic()
-    with lmcache_server(
-        server_args, workdir=tmp_path / "server", chunk_size=CHUNK, l1_size_gb=0.1
-    ) as server:
-        child = EngineChild("cached", tiny_model, tmp_path, server.endpoints.zmq_port)
-        try:
-            stored = child.wait_file(tmp_path / "phase-stored.json")
-            assert stored["geometry"]["block_size"] == CHUNK, stored["geometry"]
-            # 4 full prompt chunks of A, each with attention KV + one recurrent snapshot.
-            full_chunks = PROMPT_A_LEN // CHUNK
-            _poll(lambda: server.l1_object_count() == 2 * full_chunks, 20, "A's chunks in L1")
-            server.wait_l2_flushed()
-            assert len(list(l2_dir.glob("*.data"))) == 2 * full_chunks
-            server.clear_l1()
-            assert server.l1_object_count() == 0
-            (tmp_path / "go-B").touch()
-
-            child.wait_file(tmp_path / "phase-restored.json")
-            zero_flag.touch()  # arm the negative control
-            (tmp_path / "go-C").touch()
-            cached = child.wait_file(tmp_path / "cached.json")
-            child.finish()
-        finally:
-            child.kill()
+    with (
+        lmcache_server(extra, workdir=tmp_path / "server", chunk_size=CHUNK, l1_size_gb=0.1,
+                       command=command) as server,
+        EngineProcess(
+            engine_kwargs(tiny_model, kv_transfer_config=connector_config(
+                server.endpoints.zmq_port)),
+            workdir=tmp_path, name="cached",
+        ) as engine,
+    ):
+        info = engine.info
+        a = engine.generate(prompts["A"], max_tokens=MAX_TOKENS, kv_transfer_params=ask,
+                            reset=True)
+        hs = settle(server)
+        stored = disk_objects(disk)
+        server.clear_l1()
+        assert server.l1_object_count() == 0
+        b = engine.generate(prompts["B"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
+                            kv_transfer_params=ask, reset=True)
+        zero_flag.touch()  # arm the negative control
+        c = engine.generate(prompts["C"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
+                            kv_transfer_params=ask, reset=True)
+        final = settle(server)
         status = server.status()
     t_cached = time.monotonic() - t1
 
+    saves = a["kv_transfer_params"]["histate_saves"]
     print(
-        "\nvLLM geometry:",
-        json.dumps(cached["geometry"], indent=1),
+        "\nvLLM geometry:", json.dumps({k: info[k] for k in ("block_size", "groups")}),
         f"\nreference run {t_reference:.1f}s, cached run (server + engine) {t_cached:.1f}s;",
-        f"engine init {reference['init_seconds']}s / {cached['init_seconds']}s;",
-        f"A {cached['A']['seconds']}s, B {cached['B']['seconds']}s",
-        f"(reference B {reference['B']['seconds']}s)",
+        f"engine init {ref_info['init_seconds']:.1f}s / {info['init_seconds']:.1f}s;",
+        f"A {a['seconds']:.2f}s, B {b['seconds']:.2f}s (reference B",
+        f"{reference['B']['seconds']:.2f}s); A's saves: {saves}",
     )
-    # The core geometry of the tiny model agrees with what vLLM allocated for it.
-    from lmcache_histate.core.geometry import from_hf_config
-
-    mamba = [g for g in cached["geometry"]["groups"] if g["spec"] == "MambaSpec"]
+    # The engine runs as configured, and the core geometry agrees with what vLLM allocated.
+    assert info["block_size"] == CHUNK
+    assert info["max_num_batched_tokens"] == CHUNK
+    assert info["prefix_cache_retention_interval"] is None
+    mamba = [g for g in info["groups"] if g["spec"] == "MambaSpec"]
     assert len(mamba) == 3
     states = from_hf_config(tiny_model).state_tensors
     assert [list(t.shape) for t in states] == mamba[0]["shapes"]
     assert [f"torch.{t.dtype}" for t in states] == mamba[0]["dtypes"]
-    installed = json.dumps(status)
-    assert "strided_fallback_kernel" in installed
+    assert "strided_fallback_kernel" in json.dumps(status)
 
-    # A computed everything itself (nothing cached yet).
-    assert cached["A"]["num_cached_tokens"] == 0
-    # B: served from LMCache (vLLM's own cache was reset; L1 was empty, so from the fs L2).
-    b, ref_b = cached["B"], reference["B"]
-    assert b["num_cached_tokens"] == EXPECTED_HIT
-    stats = (b.get("kv_transfer_params") or {}).get("cached_token_stats")
-    if stats is not None:
-        assert stats["num_lmcache_cached_tokens"] == EXPECTED_HIT
-        assert stats["num_vllm_cached_tokens"] == 0
+    # A: the plan is the server controller's choice for [0, len(A)) at pressure factor 1 ...
+    assert a["num_cached_tokens"] == 0
+    assert saves["source"] == "server" and saves["segment"] == [0, PROMPT_A_LEN]
+    controller = IntervalController(CHUNK, server_snapshot_tokens(hs))
+    plan = controller.boundaries(0, PROMPT_A_LEN, factor=1.0)
+    assert saves["plan"] == plan and saves["kept"] == plan and not saves["missing"]
+    assert len(plan) >= 2, f"want an intermediate snapshot for this test, plan {plan}"
+    # ... and exactly that is stored: 10 KV chunks, recurrent objects only at the plan.
+    full_chunks = PROMPT_A_LEN // CHUNK
+    assert stored == sorted(
+        [("kv", i) for i in range(full_chunks)] + [("snapshot", p // CHUNK - 1) for p in plan]
+    ), stored
+    assert saves["dropped"] == full_chunks - len(plan)
+
+    # B: served from the disk tier at the last chosen boundary below the divergence.
+    expected = last_boundary_at_or_below(plan, SHARED_PREFIX)
+    assert 0 < expected < SHARED_PREFIX // CHUNK * CHUNK  # an interval snapshot, not a chunk
+    assert b["num_cached_tokens"] == expected
+    stats = b["kv_transfer_params"]["cached_token_stats"]
+    assert stats["num_lmcache_cached_tokens"] == expected
+    assert stats["num_vllm_cached_tokens"] == 0
+    loads = {k: v for k, v in final["disk"]["stats"].items() if k.startswith("loads")}
+    assert sum(loads.values()) >= expected // CHUNK + 1, loads  # KV chunks + one snapshot
+    ref_b = reference["B"]
     assert b["token_ids"] == ref_b["token_ids"]
     assert b["logprobs"] == ref_b["logprobs"]  # exact float equality, all top-5 per step
 
     # Negative control: the same hit with the restored recurrent state zeroed must change the
     # logprobs (else the equality above would not prove the state was restored).
-    c, ref_c = cached["C"], reference["C"]
-    assert c["num_cached_tokens"] == EXPECTED_HIT
-    assert _differs(c, ref_c), "zeroed recurrent state left the outputs unchanged"
-    assert c["logprobs"] != ref_c["logprobs"]
-
-
-if __name__ == "__main__":
-    raise SystemExit(child_main(sys.argv[1:]))
+    ref_c = reference["C"]
+    assert c["num_cached_tokens"] == expected
+    assert c["logprobs"] != ref_c["logprobs"], "zeroed recurrent state left the outputs unchanged"

@@ -1,0 +1,279 @@
+"""Interval-driven snapshot saves: which chunk boundaries keep their recurrent state.
+
+The vLLM side of HiState's interval control (DESIGN.md §2.2, §4). For every request the
+connector (``connector.HiStateConnector``) stores the attention KV of every chunk but the
+recurrent object only at the boundaries the interval controller chose for the request's new
+segment, plus the segment's final boundary. This module holds the engine-independent parts
+so they can be tested without vLLM:
+
+* :func:`check_vllm_settings`: the vLLM settings interval saves need, checked at start-up
+  with an error naming the setting and the values that work;
+* :class:`LocalPlanner`: the fallback plan (the core's ``IntervalController``, pressure
+  factor 1) when the LMCache server has no HiState module;
+* :func:`sanitize_plan`: what the connector accepts from a planner;
+* :class:`RequestSaves` and :func:`rewrite_store_block_ids`: the per-request bookkeeping and
+  the rewrite of one STORE request's block ids. The rewrite happens on the scheduler side,
+  when the store is planned, i.e. before any byte is copied: a chunk whose recurrent block
+  ids are all the null block is skipped by LMCache's STORE (``all_null_chunk_masks`` in
+  ``lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py``), so a dropped state costs
+  no transfer at all.
+
+Where the recurrent state of a boundary lives. vLLM ≥ 0.32 in Mamba ``align`` mode hands the
+exact block of every retained boundary state to the connector in the step that computes it
+(``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``:
+``{req_id: [(group_id, block_id, boundary_tokens)]}``). An align-mode block table is not
+append-only (interior states are nulled and freed, speculative blocks relocate), so the
+connector never resolves a state block by position: a chosen boundary gets the block vLLM
+offered for exactly that boundary, or no recurrent object at all.
+
+Segment. A request's new segment is ``[cached prefix end, prompt end)``: the cached prefix is
+what the request did not compute (LMCache's hit or vLLM's own prefix-cache hit, whichever is
+longer); its states at and below the segment start belong to earlier segments.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lmcache_histate.core.interval import IntervalController, supported_intervals
+
+__all__ = [
+    "NULL_BLOCK",
+    "LocalPlanner",
+    "RequestSaves",
+    "SettingsError",
+    "allowed_batched_tokens",
+    "check_vllm_settings",
+    "rewrite_store_block_ids",
+    "sanitize_plan",
+]
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK = 0
+"""vLLM's null block id, also LMCache's default ``--null-block-id``."""
+
+
+class SettingsError(ValueError):
+    """vLLM is configured so that interval saves cannot work; the message names the setting."""
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def allowed_batched_tokens(block_size: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Ranges ``[lo, hi]`` of ``max_num_batched_tokens`` whose steps end on every chunk end.
+
+    In ``align`` mode a recurrent state exists only where a scheduler step ends, and a
+    prefill step advances ``m = max_num_batched_tokens // N`` whole blocks (``N`` = vLLM
+    block size; vLLM clips prefill steps to block boundaries and always stops at the last
+    full block of the prompt). Starting from a chunk-aligned segment start, every LMCache
+    chunk end (a multiple of ``C = chunk_size``) is a step end iff ``m`` divides ``C / N``.
+    With ``C = N`` (the usual setting): ``N ≤ max_num_batched_tokens < 2N``.
+    """
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise SettingsError(
+            f"LMCache --chunk-size ({chunk_size}) must be a positive multiple of the vLLM "
+            f"block size ({block_size})"
+        )
+    per_chunk = chunk_size // block_size
+    return [
+        (m * block_size, (m + 1) * block_size - 1)
+        for m in range(1, per_chunk + 1)
+        if per_chunk % m == 0
+    ]
+
+
+def _ranges_text(ranges: Sequence[tuple[int, int]]) -> str:
+    return " or ".join(f"{lo}..{hi}" for lo, hi in ranges)
+
+
+def check_vllm_settings(
+    *,
+    block_size: int,
+    chunk_size: int,
+    max_num_batched_tokens: int,
+    prefix_cache_retention_interval: int | None,
+    enable_prefix_caching: bool,
+    mamba_cache_mode: str | None,
+) -> None:
+    """Raise :class:`SettingsError` unless vLLM can produce every boundary a plan may choose.
+
+    * ``--enable-prefix-caching``: vLLM computes block hashes and hands boundary states to
+      the connector only with prefix caching on;
+    * ``--mamba-cache-mode align``: states at block-aligned step ends (the only mode with
+      boundary-state hand-offs);
+    * ``--max-num-batched-tokens``: see :func:`allowed_batched_tokens`;
+    * ``--prefix-cache-retention-interval``: vLLM hands a boundary state to the connector only
+      if it retains it in its own prefix cache; ``0`` (vLLM's default) retains only the replay
+      boundary below the prompt end, so every other boundary a plan chooses would have no
+      state. It must be ``None`` (dense) or the block size ``N`` (also dense).
+    """
+    problems: list[str] = []
+    if not enable_prefix_caching:
+        problems.append(
+            "--enable-prefix-caching (enable_prefix_caching) is off: it must be on; vLLM hands "
+            "boundary states to the connector only from its prefix cache"
+        )
+    if mamba_cache_mode != "align":
+        problems.append(
+            f"--mamba-cache-mode (mamba_cache_mode) is {mamba_cache_mode!r}: it must be "
+            "'align' (recurrent states at block-aligned step ends)"
+        )
+    ranges = allowed_batched_tokens(block_size, chunk_size)
+    if not any(lo <= max_num_batched_tokens <= hi for lo, hi in ranges):
+        problems.append(
+            f"--max-num-batched-tokens (max_num_batched_tokens) is {max_num_batched_tokens}: "
+            f"prefill steps would not end on every chunk boundary (block size N = "
+            f"{block_size}, LMCache chunk size {chunk_size}); allowed values: "
+            f"{_ranges_text(ranges)}"
+        )
+    retention = prefix_cache_retention_interval
+    if retention is not None and retention != block_size:
+        problems.append(
+            f"--prefix-cache-retention-interval (prefix_cache_retention_interval) is "
+            f"{retention}: vLLM would hand over only "
+            + (
+                "the replay boundary's state"
+                if retention == 0
+                else f"every {retention}-token boundary's state"
+            )
+            + f"; allowed values: None (dense) or {block_size} (the block size: every boundary)"
+        )
+    if problems:
+        raise SettingsError(
+            "HiState interval saves cannot produce the chosen snapshot boundaries with this "
+            "vLLM configuration:\n  " + "\n  ".join(problems)
+            + "\n(set kv_connector_extra_config 'histate.interval_saves': false to store a "
+            "state at every chunk like stock LMCache instead)"
+        )
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def sanitize_plan(
+    boundaries: Iterable[int], start_tokens: int, input_tokens: int, chunk: int
+) -> list[int]:
+    """Chunk-aligned boundaries in ``(start, end]`` plus the final one ``end``.
+
+    ``start`` and ``end`` are ``start_tokens`` / ``input_tokens`` rounded down to the chunk
+    grid; empty when the segment has no full chunk.
+    """
+    start = start_tokens - start_tokens % chunk
+    end = input_tokens - input_tokens % chunk
+    if end <= start:
+        return []
+    kept = {int(b) for b in boundaries if start < int(b) <= end and int(b) % chunk == 0}
+    kept.add(end)
+    return sorted(kept)
+
+
+class LocalPlanner:
+    """The core's interval controller with pressure factor 1 (no live server pressure)."""
+
+    def __init__(
+        self,
+        chunk_tokens: int,
+        snapshot_tokens: float,
+        supported: Sequence[int] | None = None,
+        max_interval_chunks: int = 64,
+    ) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.controller = IntervalController(
+            chunk_tokens,
+            snapshot_tokens,
+            supported or supported_intervals(chunk_tokens, max_interval_chunks),
+        )
+
+    def plan(self, start_tokens: int, input_tokens: int) -> list[int]:
+        return self.controller.boundaries(start_tokens, input_tokens, factor=1.0)
+
+
+# ------------------------------------------------------------------------- per request
+
+
+@dataclass
+class RequestSaves:
+    """What the connector knows about one request's recurrent-state saves."""
+
+    request_id: str
+    plan: list[int] | None = None
+    """Chosen boundaries (token positions, chunk ends), set at the request's first store."""
+    plan_source: str = ""
+    segment: tuple[int, int] = (0, 0)
+    offered: dict[int, dict[int, int]] = field(default_factory=dict)
+    """``boundary_tokens -> {vLLM group id: block id}`` from vLLM's boundary-state hand-offs."""
+    pinned: list[int] = field(default_factory=list)
+    """Block ids this connector holds a reference on until the request's stores finished."""
+    kept: list[int] = field(default_factory=list)
+    """Chunk ends whose recurrent object was sent to LMCache."""
+    dropped: int = 0
+    """Chunks stored without their recurrent object (not chosen)."""
+    missing: list[int] = field(default_factory=list)
+    """Chosen chunk ends for which vLLM offered no state block (stored without it)."""
+
+    def offer(self, group_id: int, block_id: int, boundary_tokens: int) -> bool:
+        """Record a hand-off; True if it is new (the caller then pins the block)."""
+        groups = self.offered.setdefault(int(boundary_tokens), {})
+        if groups.get(group_id) == block_id:
+            return False
+        groups[group_id] = int(block_id)
+        return True
+
+
+def rewrite_store_block_ids(
+    block_ids: Sequence[Sequence[int]],
+    *,
+    start: int,
+    end: int,
+    chunk_tokens: int,
+    group_tokens_per_block: Sequence[int],
+    recurrent_groups: Sequence[int],
+    keep: Iterable[int],
+    offered: Mapping[int, Mapping[int, int]],
+) -> tuple[list[list[int]], list[int], int, list[int]]:
+    """Block ids of one STORE ``[start, end)`` with the recurrent state only at ``keep``.
+
+    ``block_ids[g]`` holds engine group ``g``'s ids for the range (``(end - start) /
+    group_tokens_per_block[g]`` of them). Attention groups are returned unchanged. For every
+    recurrent group and chunk ``j`` (ending at ``e = start + (j + 1) * chunk_tokens``): if
+    ``e`` is kept and vLLM offered a block for ``e`` in *every* recurrent group, the chunk's
+    last block slot gets that block and its other slots the null block; otherwise all its
+    slots are null, so LMCache stores no recurrent object for the chunk.
+
+    Returns:
+        (new block ids, kept chunk ends, number of chunks whose state was dropped,
+        kept chunk ends that had no offered block in some recurrent group).
+    """
+    if (end - start) % chunk_tokens or start % chunk_tokens:
+        raise ValueError(f"store range [{start}, {end}) is not aligned to {chunk_tokens}")
+    keep = set(keep)
+    out = [list(ids) for ids in block_ids]
+    kept: list[int] = []
+    missing: list[int] = []
+    dropped = 0
+    rec = [g for g in recurrent_groups if g < len(out) and group_tokens_per_block[g] > 0]
+    if not rec:
+        return out, kept, dropped, missing
+    num_chunks = (end - start) // chunk_tokens
+    for j in range(num_chunks):
+        chunk_end = start + (j + 1) * chunk_tokens
+        blocks = offered.get(chunk_end, {})
+        use = chunk_end in keep and all(g in blocks for g in rec)
+        if chunk_end in keep and not use:
+            missing.append(chunk_end)
+        if use:
+            kept.append(chunk_end)
+        else:
+            dropped += 1
+        for g in rec:
+            per_chunk = chunk_tokens // group_tokens_per_block[g]
+            lo = j * per_chunk
+            for slot in range(lo, lo + per_chunk):
+                out[g][slot] = NULL_BLOCK
+            if use:
+                out[g][lo + per_chunk - 1] = blocks[g]
+    return out, kept, dropped, missing
