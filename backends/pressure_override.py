@@ -1,0 +1,90 @@
+"""TEST ONLY: a ``--server-module`` that forces the HiState server's pressure factor.
+
+The interval controller's pressure factor ``F = T_KV / T_state`` is learned from eviction
+residence times (``lmcache_histate.core.interval.ResidenceTracker``); a short test cannot
+produce a chosen value through real evictions. This module adds one RPC,
+``histate_test.force_pressure`` (JSON ``{"factor": F}`` or ``{"factor": null}`` to go back
+to the learned value), which makes the server's interval controller use ``F`` for every
+following ``histate.plan``. Nothing else changes: eviction keeps its own residence tracker.
+
+Load it next to HiState's own module, e.g. in a test configuration::
+
+    extra_server_args:
+      - --server-module
+      - '{"module_path": "lmcache_histate.backends.pressure_override",
+          "factory_name": "build_server_modules", "config": {}}'
+
+Never load it in production: it overrides HiState's interval control.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from lmcache.v1.multiprocess.ext_server_module import (
+    ExtServerModuleBuildContext,
+    server_module_handler,
+)
+
+from .runtime import get_runtime
+
+__all__ = ["ForcedResidence", "PressureOverrideModule", "build_server_modules"]
+
+logger = logging.getLogger("lmcache_histate.pressure_override")
+
+
+class ForcedResidence:
+    """Stands in for the interval controller's residence tracker with a fixed factor."""
+
+    def __init__(self, factor: float, learned: Any) -> None:
+        self.factor = float(factor)
+        self.learned = learned
+
+    @property
+    def pressure_factor(self) -> float:
+        return self.factor
+
+
+class PressureOverrideModule:
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self.forced: float | None = None
+
+    @property
+    def context(self) -> Any:
+        return self._ctx
+
+    def report_status(self) -> dict:
+        return {"TEST_pressure_override": {"forced_factor": self.forced}}
+
+    def close(self) -> None:
+        return None
+
+    @server_module_handler("histate_test.force_pressure")
+    def force_pressure(self, payload: bytes) -> bytes:
+        request = json.loads(payload or b"{}")
+        factor = request.get("factor")
+        runtime = get_runtime()
+        if runtime is None or runtime.core is None:
+            raise RuntimeError("HiState runtime has no core yet (serve one request first)")
+        with runtime.lock:
+            interval = runtime.core.interval
+            current = interval.residence
+            learned = current.learned if isinstance(current, ForcedResidence) else current
+            if factor is None:
+                interval.residence = learned
+                self.forced = None
+            else:
+                if float(factor) <= 0:
+                    raise ValueError(f"factor must be positive, got {factor}")
+                interval.residence = ForcedResidence(float(factor), learned)
+                self.forced = float(factor)
+            effective = interval.pressure_factor
+        logger.warning("TEST ONLY: HiState pressure factor forced to %s", self.forced)
+        return json.dumps({"forced_factor": self.forced, "pressure_factor": effective}).encode()
+
+
+def build_server_modules(build: ExtServerModuleBuildContext) -> PressureOverrideModule:
+    return PressureOverrideModule(build.server_context)

