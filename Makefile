@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/histate simulate
+	.venv/bin/python -m lmcache_histate.backends.demo
 
 test: setup lint
 	.venv/bin/python -m pytest
