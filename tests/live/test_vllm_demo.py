@@ -65,7 +65,7 @@ def test_workload_keeps_the_trace_prefix_structure() -> None:
 @needs_live
 def test_small_demo_run(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    rc = main(["--sessions", "2", "--requests", "3", "--variants", "histate,lru",
+    rc = main(["--sessions", "2", "--requests", "3", "--variants", "histate,lru", "--gap", "0.2",
                "--workdir", str(tmp_path / "work"),
                "--json", str(out)])
     assert rc == 0
