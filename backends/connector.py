@@ -320,9 +320,12 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         """
         pool = getattr(self, "_gpu_block_pool", None)
         if pool is None or block_id == 0:
+            if pool is None:
+                self._count("states_unpinned")
             return
         pool.touch([pool.blocks[block_id]])
         saves.pinned.append(block_id)
+        self._count("states_pinned")
 
     def _release(self, request_id: str) -> None:
         with self._saves_lock:

@@ -253,6 +253,7 @@ def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_mode
                             reset=True)
         hs = settle(server)
         stored = disk_objects(disk)
+        counters = engine.stats()["histate"]
         server.clear_l1()
         assert server.l1_object_count() == 0
         b = engine.generate(prompts["B"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
@@ -296,6 +297,9 @@ def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_mode
         [("kv", i) for i in range(full_chunks)] + [("snapshot", p // CHUNK - 1) for p in plan]
     ), stored
     assert saves["dropped"] == full_chunks - len(plan)
+    # Each kept state's block was held (3 GDN groups) until A's stores were reported done.
+    assert counters["states_kept"] == len(plan)
+    assert counters["states_pinned"] == 3 * len(plan) and "states_unpinned" not in counters
 
     # B: served from the disk tier at the last chosen boundary below the divergence.
     expected = last_boundary_at_or_below(plan, SHARED_PREFIX)
