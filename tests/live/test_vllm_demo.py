@@ -63,7 +63,8 @@ def test_workload_keeps_the_trace_prefix_structure() -> None:
 
 
 @needs_live
-def test_small_demo_run(tmp_path: Path) -> None:
+def test_small_demo_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISTATE_CACHE_DIR", str(tmp_path / "models"))  # a fresh model cache
     out = tmp_path / "demo.json"
     rc = main(["--sessions", "2", "--requests", "3", "--variants", "histate,lru", "--gap", "0.2",
                "--workdir", str(tmp_path / "work"),
