@@ -68,6 +68,10 @@ def kv_transfer_config(cfg: HiStateConfig) -> dict[str, Any]:
     }
     if cfg.kv_connector_module_path:
         out["kv_connector_module_path"] = cfg.kv_connector_module_path
+    if cfg.policy != "histate" and cfg.kv_connector == "HiStateConnector":
+        # A baseline server has no interval controller: save a state wherever vLLM
+        # offers one, as stock LMCache does (the connector still brings CPU support).
+        out["kv_connector_extra_config"]["histate.interval_saves"] = False
     return out
 
 
@@ -83,6 +87,10 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
         # A state exists at every block boundary only if each step ends on one:
         # N <= max_num_batched_tokens < 2N (DESIGN.md §4).
         "--max-num-batched-tokens", str(n),
+        # States only at block-aligned step ends, and every such boundary handed to the
+        # connector (vLLM's default retention 0 keeps only the replay boundary).
+        "--mamba-cache-mode", "align",
+        "--prefix-cache-retention-interval", str(n),
         "--kv-transfer-config", json.dumps(kv_transfer_config(cfg), separators=(",", ":")),
     ]
 

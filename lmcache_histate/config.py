@@ -62,8 +62,9 @@ class HiStateConfig:
     l1_eviction_watermark: float = 0.9
     session_ttl_s: float = 3600.0
     request_ttl_s: float = 600.0
-    kv_connector: str = "LMCacheMPConnector"
-    kv_connector_module_path: str | None = None
+    # HiState's connector (interval-driven saves, CPU support) subclasses LMCache's.
+    kv_connector: str = "HiStateConnector"
+    kv_connector_module_path: str | None = "lmcache_histate.backends.connector"
     extra_server_args: tuple[str, ...] = field(default_factory=tuple)
 
     # ------------------------------------------------------------ derived

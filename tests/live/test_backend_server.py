@@ -443,12 +443,29 @@ def test_dry_run_prints_command_and_kv_transfer_config(tmp_path: Path) -> None:
                  "--l2-adapter", "--server-module", "--eviction-policy LRU"):
         assert flag in lines[0], flag
     kv = json.loads(lines[1].split(": ", 1)[1])
-    assert kv["kv_connector"] == "LMCacheMPConnector"
+    assert kv["kv_connector"] == "HiStateConnector"
+    assert kv["kv_connector_module_path"] == "lmcache_histate.backends.connector"
     assert kv["kv_connector_extra_config"] == {
         "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 7001,
     }
-    assert "--enable-prefix-caching" in lines[2] and "--max-num-batched-tokens 16" in lines[2]
+    for flag in ("--enable-prefix-caching", "--max-num-batched-tokens 16",
+                 "--mamba-cache-mode align", "--prefix-cache-retention-interval 16"):
+        assert flag in lines[2], flag
     assert not (tmp_path / "disk").exists()  # a dry run creates nothing
+
+
+def test_baseline_servers_turn_interval_saves_off(tmp_path: Path) -> None:
+    """A stock-LRU server has no interval controller: its connector saves every state."""
+    from lmcache_histate.backends.launcher import kv_transfer_config
+
+    from lmcache_histate.config import parse_config
+
+    base = {"disk_path": str(tmp_path / "disk"), "chunk_size": 16, "model": "tiny-qwen3-next",
+            "cpu_gib": 1, "disk_gib": 1}
+    lru = kv_transfer_config(parse_config({**base, "policy": "lru"}))
+    assert lru["kv_connector_extra_config"]["histate.interval_saves"] is False
+    hs = kv_transfer_config(parse_config({**base, "policy": "histate"}))
+    assert "histate.interval_saves" not in hs["kv_connector_extra_config"]
 
 
 def test_lru_baseline_writes_everything_through(tmp_path: Path, tokens: TokenSource) -> None:
