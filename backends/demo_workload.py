@@ -1,0 +1,89 @@
+"""The demo's workload: the bundled Weka sample scaled down to a CPU-sized replay.
+
+Each 64-token trace block becomes ``block_tokens`` synthetic tokens drawn from a
+generator seeded by (session file, block hash id): prompts share exactly as many leading
+blocks as in the trace (continuations and rewrites alike), while a 20K-token Claude Code
+context fits the tiny model's context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CHUNK", "SOURCE_BLOCK", "DemoRequest", "build_workload", "unique_chunks"]
+
+CHUNK = 384
+"""vLLM's block size for the tiny model on CPU = LMCache chunk size."""
+SOURCE_BLOCK = 64
+"""Tokens per hash id in Weka traces."""
+LO_TOKEN = 4
+"""First token id used (0-3 are the tiny tokenizer's special tokens)."""
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    session: str
+    turn: int
+    arrival: float
+    prompt: tuple[int, ...]
+    source_tokens: int
+    """The request's input length in the trace (before scaling)."""
+
+
+def _block_tokens(scope: str, block_id: int, n: int, vocab: int, seed: int) -> list[int]:
+    digest = hashlib.blake2b(f"{seed}:{scope}:{block_id}".encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "little"))
+    return [rng.randrange(LO_TOKEN, vocab) for _ in range(n)]
+
+
+def build_workload(
+    *,
+    sessions: int,
+    requests: int,
+    block_tokens: int,
+    max_prompt_tokens: int,
+    vocab: int,
+    seed: int = 0,
+    trace_dir: Path | None = None,
+) -> list[DemoRequest]:
+    """The replay: the first ``requests`` requests of the first ``sessions`` main sessions
+    (by file name) of the Weka sample, in arrival order (all sessions start at 0)."""
+    from lmcache_histate.sim.traces import load_weka, sample_trace_dir
+
+    # chunk_tokens = the source block size: one interned hash per full source block, scoped
+    # per file (load_weka interns (file, id)), i.e. per (session scope, block hash).
+    trace = load_weka(trace_dir or sample_trace_dir(), SOURCE_BLOCK, start_offsets="zero")
+    mains = [s for s in trace.sessions if s.parent is None][:sessions]
+    out: list[DemoRequest] = []
+    for session in mains:
+        scope = session.id.split("/")[0]
+        for request in session.requests[:requests]:
+            hashed = list(request.chunk_hashes)
+            prompt: list[int] = []
+            for block in hashed:
+                prompt += _block_tokens(scope, block, block_tokens, vocab, seed)
+            rest = request.input_tokens - len(hashed) * SOURCE_BLOCK
+            tail = max(1, round(rest * block_tokens / SOURCE_BLOCK))
+            prompt += _block_tokens(f"{scope}#tail", request.index, tail, vocab, seed)
+            if len(prompt) > max_prompt_tokens:
+                break  # this and the session's later requests do not fit the context
+            out.append(DemoRequest(session.id, request.index, request.arrival, tuple(prompt),
+                                   request.input_tokens))
+    out.sort(key=lambda r: (r.arrival, r.session, r.turn))
+    return out
+
+
+def unique_chunks(workload: Sequence[DemoRequest]) -> int:
+    """Distinct full chunks (by prefix) over the workload: what a cache could hold."""
+    seen: set[bytes] = set()
+    for request in workload:
+        h = hashlib.blake2b(digest_size=16)
+        for i in range(len(request.prompt) // CHUNK):
+            h.update(json.dumps(request.prompt[i * CHUNK:(i + 1) * CHUNK]).encode())
+            seen.add(h.copy().digest())
+    return len(seen)
