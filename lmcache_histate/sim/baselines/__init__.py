@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..policy import HiStatePolicy, Policy
+from ..policy import Policy
 from ..variants import three_tier_policy
 from .marconi import DEFAULT_FLOPS, FlopModel
 from .marconi_policy import MarconiPolicy
@@ -39,7 +39,7 @@ from .sglang import DEFAULT_HOST_KV_FRACTION, sglang_hicache_policy
 from .unlimited import UnlimitedPolicy
 from .vllm import vllm_align_policy
 
-__all__ = ["BASELINES", "baseline_policies", "lru_policy"]
+__all__ = ["BASELINES", "baseline_policies"]
 
 BASELINES: tuple[str, ...] = (
     "unlimited",
@@ -51,31 +51,6 @@ BASELINES: tuple[str, ...] = (
     "lru",
     "lru-refresh-all",
 )
-
-def lru_policy(
-    name: str,
-    *,
-    refresh_all: bool,
-    chunk_tokens: int,
-    kv_bytes_per_token: int,
-    snapshot_bytes: int,
-    gpu_bytes: int,
-    cpu_bytes: int,
-    disk_bytes: int,
-) -> HiStatePolicy:
-    """The HiState core with plain-recency eviction (``tau = 0``): no second implementation."""
-    return three_tier_policy(
-        name,
-        chunk_tokens=chunk_tokens,
-        kv_bytes_per_token=kv_bytes_per_token,
-        snapshot_bytes=snapshot_bytes,
-        gpu_bytes=gpu_bytes,
-        cpu_bytes=cpu_bytes,
-        disk_bytes=disk_bytes,
-        tau=0.0,
-        refresh_all=refresh_all,
-    )
-
 
 def baseline_policies(
     chunk_tokens: int,
@@ -117,6 +92,9 @@ def baseline_policies(
             cpu_bytes=cpu_bytes,
             host_kv_fraction=host_kv_fraction,
         ),
-        "lru": lambda: lru_policy("lru", refresh_all=False, **geo, **caps),
-        "lru-refresh-all": lambda: lru_policy("lru-refresh-all", refresh_all=True, **geo, **caps),
+        # The HiState core with plain-recency eviction (tau = 0): no second implementation.
+        "lru": lambda: three_tier_policy("lru", tau=0.0, refresh_all=False, **geo, **caps),
+        "lru-refresh-all": lambda: three_tier_policy(
+            "lru-refresh-all", tau=0.0, refresh_all=True, **geo, **caps
+        ),
     }
