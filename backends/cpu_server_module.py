@@ -48,6 +48,20 @@ _KERNEL_PATCH_MARK = "_histate_strided_kernel"
 _ZERO_PATCH_MARK = "_histate_zero_recurrent"
 _install_lock = threading.Lock()
 
+def _patch_once(owner: Any, name: str, mark: str, make: Any) -> None:
+    """Replace ``owner.name`` by ``make(original)`` unless already done (thread-safe).
+
+    The mark on the wrapper makes a second install a no-op, so every patch here is
+    idempotent however many server modules or tests install it.
+    """
+    with _install_lock:
+        current = getattr(owner, name)
+        if getattr(current, mark, False):
+            return
+        wrapper = make(current)
+        setattr(wrapper, mark, True)
+        setattr(owner, name, wrapper)
+
 
 def server_runs_on_cpu() -> bool:
     """Whether LMCache's device ops in this process are the CPU fallback."""
@@ -102,12 +116,7 @@ def install_strided_fallback_kernel() -> None:
     """
     from lmcache.v1.platform.torch_ops import mp_mem_kernels as kernels
 
-    with _install_lock:
-        current = kernels._normalize_paged_layers
-        if getattr(current, _KERNEL_PATCH_MARK, False):
-            return
-        original = current
-
+    def make(original: Any) -> Any:
         @functools.wraps(original)
         def _normalize_paged_layers(
             paged_buffer_ptrs_tensor: Any,
@@ -141,9 +150,10 @@ def install_strided_fallback_kernel() -> None:
                 dtype=dtype,
             )
 
-        setattr(_normalize_paged_layers, _KERNEL_PATCH_MARK, True)
         _normalize_paged_layers.__histate_original__ = original  # type: ignore[attr-defined]
-        kernels._normalize_paged_layers = _normalize_paged_layers
+        return _normalize_paged_layers
+
+    _patch_once(kernels, "_normalize_paged_layers", _KERNEL_PATCH_MARK, make)
 
 
 # ------------------------------------------------------------------ test hook: zero restores
@@ -188,12 +198,7 @@ def install_zero_recurrent_hook(flag_path: str) -> None:
     import lmcache.lmcache_native as native
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as module
 
-    with _install_lock:
-        current = module.transfer_kv_per_object_group
-        if getattr(current, _ZERO_PATCH_MARK, False):
-            return
-        original = current
-
+    def make(original: Any) -> Any:
         @functools.wraps(original)
         def transfer_kv_per_object_group(
             cache_context: Any,
@@ -216,8 +221,9 @@ def install_zero_recurrent_hook(flag_path: str) -> None:
                 )
                 logger.warning("HiState TEST HOOK: zeroed %d restored recurrent blocks", n)
 
-        setattr(transfer_kv_per_object_group, _ZERO_PATCH_MARK, True)
-        module.transfer_kv_per_object_group = transfer_kv_per_object_group
+        return transfer_kv_per_object_group
+
+    _patch_once(module, "transfer_kv_per_object_group", _ZERO_PATCH_MARK, make)
 
 
 # -------------------------------------------------------------------------- server module
