@@ -501,6 +501,31 @@ def test_baseline_rows_and_factories() -> None:
     assert lru.tier_names == ["gpu", "cpu", "disk"]
 
 
+def test_memory_per_row_and_the_same_total_memory_view() -> None:
+    """GPU 5,000 B, CPU 6,000 B, disk 7,000 B: GPU-only rows 5,000; GPU + CPU rows 11,000;
+    three-tier rows 18,000; the unlimited reference ∞. ``same_memory`` grows each row's
+    slowest tier to 18,000 in all: the GPU of Marconi and vLLM GPU-only to 18,000, the
+    CPU of vLLM CPU offload and SGLang HiCache to 13,000."""
+    from lmcache_histate.sim.capture import capacity_of
+
+    caps = {"gpu_bytes": 5000, "cpu_bytes": 6000, "disk_bytes": 7000}
+    mem = {n: capacity_of(f()) for n, f in baseline_policies(**GEO, **caps).items()}
+    assert mem == {
+        "unlimited": float("inf"), "marconi": 5000, "vllm-align-gpu": 5000,
+        "vllm-cpu-offload": 11000, "vllm-cpu-disk-offload": 18000, "sglang-hicache": 11000,
+        "sglang-hicache-l3": 18000, "lru": 18000, "lru-refresh-all": 18000,
+    }
+    same = baseline_policies(**GEO, **caps, same_memory=True)
+    assert {n: capacity_of(f()) for n, f in same.items() if n != "unlimited"} == dict.fromkeys(
+        [n for n in BASELINES if n != "unlimited"], 18000
+    )
+    assert same["marconi"]().cache.capacity == 18000  # type: ignore[attr-defined]
+    cpu = same["vllm-cpu-offload"]().engine.pools  # type: ignore[attr-defined]
+    assert [(p.tier, p.capacity) for p in cpu] == [("gpu", 5000), ("cpu", 13000)]
+    sg = same["sglang-hicache"]().engine.pools  # type: ignore[attr-defined]
+    assert sum(p.capacity for p in sg if p.tier == "cpu") == 13000
+
+
 @pytest.mark.parametrize("refresh_all", [False, True])
 def test_lru_rows_share_the_histate_rows_object_model(refresh_all: bool) -> None:
     """Same tiers, placement, promotion and interval control as ``sim/variants.py``'s
