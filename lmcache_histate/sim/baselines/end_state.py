@@ -50,7 +50,9 @@ class EndStatePolicy:
         self.chunk_tokens = engine.index.chunk_tokens
         # Mid-prefill states reach host memory (the connector / HiCache backs them up)
         # only where the row has a tier below the GPU.
-        self.has_host_tier = len(engine.tier_names) > 1
+        self.has_host_tier = any(
+            p.capacity > 0 for p in engine.pools if p.tier != engine.tier_names[0]
+        )
 
     def plan(self, request: Request, handle: UseHandle) -> StatePlan:
         """The states this request saves (chunk counts). Default: the prompt's end."""
