@@ -115,7 +115,7 @@ async def greedy_logprobs(base_url: str, prompts: Sequence[Sequence[int]], *, ma
                 await asyncio.to_thread(_reset_prefix_cache, base_url)
             response = await client.completions.create(
                 model="tiny", prompt=list(prompt), max_tokens=max_tokens, temperature=0.0,
-                logprobs=top,
+                logprobs=top, extra_body={"return_tokens_as_token_ids": True},
             )
             choice = response.choices[0]
             out.append({"text": choice.text, "tokens": choice.logprobs.tokens,
