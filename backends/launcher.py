@@ -31,12 +31,13 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from lmcache_histate.config import ConfigError, HiStateConfig, load_config
+
+from . import preflight
 
 __all__ = ["kv_transfer_config", "main", "server_argv", "vllm_flags"]
 
@@ -68,6 +69,9 @@ def kv_transfer_config(cfg: HiStateConfig) -> dict[str, Any]:
     }
     if cfg.kv_connector_module_path:
         out["kv_connector_module_path"] = cfg.kv_connector_module_path
+    if cfg.auth_token_file:
+        # HiState's RPCs need the secret: the connector reads it from this file.
+        out["kv_connector_extra_config"]["histate.auth_token_file"] = cfg.auth_token_file
     if cfg.policy != "histate" and cfg.kv_connector == "HiStateConnector":
         # A baseline server has no interval controller: save a state wherever vLLM
         # offers one, as stock LMCache does (the connector still brings CPU support).
@@ -123,6 +127,7 @@ def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
             "capacity_bytes": cfg.disk_bytes,
             "io_workers": cfg.disk_io_workers,
             "fsync": cfg.disk_fsync,
+            "adopt": cfg.disk_adopt,
         },
     }
     if cfg.policy == "lru":
@@ -241,12 +246,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("vLLM flags: " + shlex.join(vllm_flags(cfg)), flush=True)
     if args.dry_run:
         return 0
+    try:
+        preflight.check(cfg)
+    except ConfigError as exc:
+        print(f"histate-server: {exc}", file=sys.stderr)
+        return 2
     return run(cfg, lmcache_args)
 
 
 def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
     """Install HiState into this process and run ``lmcache server`` (blocks)."""
-    Path(cfg.disk_path).mkdir(parents=True, exist_ok=True)
+    guard_control_plane(cfg)
     if cfg.policy == "histate":
         from . import policies
         from .runtime import HiStateRuntime, install_runtime
@@ -258,6 +268,22 @@ def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
 
     lmcache_main(lmcache_args)
     return 0
+
+
+def guard_control_plane(cfg: HiStateConfig) -> None:
+    """With ``auth_token_file``: every HTTP route but ``/healthcheck`` needs the secret.
+
+    Must run before ``lmcache server`` starts its FastAPI app (``access``, NOTE 1).
+    """
+    if not cfg.auth_token_file:
+        return
+    from lmcache.v1.multiprocess.http_server import app
+
+    from lmcache_histate.exposure import read_secret
+
+    from .access import install_http_guard
+
+    install_http_guard(app, read_secret(cfg.auth_token_file))
 
 
 if __name__ == "__main__":
