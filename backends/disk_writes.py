@@ -67,13 +67,13 @@ class DiskWritesMixin:
         """Write ``keys``; returns (ok, failed, payload bytes written). Never raises."""
         ok: list[ObjectKey] = []
         failed: list[ObjectKey] = []
-        stored: list[tuple[ObjectKey, int]] = []
+        stored: list[ObjectKey] = []
         written = 0
         dirs: set[Path] = set()
         self._maybe_recheck_capacity()
         for i, key in enumerate(keys):
             try:
-                outcome, size, nbytes, path = self._write_one(key, buffers[i])
+                outcome, nbytes, path = self._write_one(key, buffers[i])
             except BaseException as exc:  # _write_one released its reservation
                 self._not_persisted(key, exc)
                 failed.append(key)
@@ -83,26 +83,24 @@ class DiskWritesMixin:
                 continue
             ok.append(key)
             if outcome == "stored":
-                stored.append((key, size))
+                stored.append(key)
                 written += nbytes
                 dirs.add(path.parent)
         if self.config.fsync:
             for d in dirs:
                 with contextlib.suppress(OSError):
                     df.fsync_dir(d)
-        if stored:
-            self.stats["objects_written"] += len(stored)
-            self._notify_keys_stored([k for k, _ in stored], [s for _, s in stored])
+        self.stats["objects_written"] += len(stored)
         listener = self.write_listener
         if listener is not None:
             try:
-                listener([k for k, _ in stored], failed)
+                listener(stored, failed)
             except Exception:
                 logger.exception("HiState disk tier: write listener failed")
         return ok, failed, written
 
-    def _write_one(self, key: ObjectKey, buf: Any) -> tuple[str, int, int, Path]:
-        """Write one object: ``("stored" | "present" | "failed", file size, payload, path)``.
+    def _write_one(self, key: ObjectKey, buf: Any) -> tuple[str, int, Path]:
+        """Write one object: ``("stored" | "present" | "failed", payload bytes, path)``.
 
         Raises whatever the write raised, after releasing the reservation it took.
         """
@@ -115,30 +113,37 @@ class DiskWritesMixin:
             if key in self._index or key in self._writing:
                 # Already persisted (objects are immutable), or a concurrent writer owns
                 # it and reports its outcome.
-                return "present", 0, 0, path
+                return "present", 0, path
             if self._total_bytes_used + self._reserved + size > self._max_capacity_bytes:
                 self.stats["not_persisted_capacity"] += 1
-                return "failed", 0, 0, path
+                return "failed", 0, path
             self._reserved += size
             self._writing[key] = False
-        cancelled = False
         try:
             df.write_object(
                 path, oid, view, kind=kind, depth=depth, parent=parent, fsync=self.config.fsync
             )
-        finally:
+        except BaseException:
             with self._lock:
                 self._reserved -= size
-                cancelled = self._writing.pop(key, False)
+                self._writing.pop(key, None)
+            raise
+        # NOTE 2: bytes are accounted before the key becomes visible in the index, so a
+        # delete (which only finds indexed keys) can never subtract them first.
+        self._notify_keys_stored([key], [size])
+        with self._lock:
+            self._reserved -= size
+            cancelled = self._writing.pop(key, False)
+            if not cancelled:
+                self._index[key] = self._entry(size, len(view), kind, depth, parent)
         if cancelled:
             # Deleted while being written: it must not outlive its delete.
             with contextlib.suppress(OSError):
                 path.unlink()
+            self._notify_keys_deleted([key], [size])
             self.stats["writes_cancelled"] += 1
-            return "present", 0, 0, path
-        with self._lock:
-            self._index[key] = self._entry(size, len(view), kind, depth, parent)
-        return "stored", size, len(view), path
+            return "present", 0, path
+        return "stored", len(view), path
 
     def _not_persisted(self, key: ObjectKey, exc: BaseException) -> None:
         cause = failure_cause(exc)
@@ -165,10 +170,13 @@ class DiskWritesMixin:
             self._recheck_capacity()
 
     def _recheck_capacity(self) -> None:
-        """Set the capacity to min(configured, bytes held + free space); tell the listener."""
+        """Set the capacity to min(configured, held + in flight + free); tell the listener.
+
+        Writes in flight count as held: their temporary files already take the space.
+        """
         try:
             with self._lock:
-                held = self._total_bytes_used
+                held = self._total_bytes_used + self._reserved
             limit = min(self.config.capacity_bytes, capacity_limit(self.root, held))
         except OSError as exc:
             logger.warning("HiState disk tier: cannot measure free space: %s", exc)

@@ -257,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
     """Install HiState into this process and run ``lmcache server`` (blocks)."""
     guard_control_plane(cfg)
+    from .shm_release import install_shm_release
+
+    install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
         from . import policies
         from .runtime import HiStateRuntime, install_runtime
