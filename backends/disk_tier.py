@@ -9,12 +9,17 @@ found again after a restart) with what HiState needs on top:
 
 * a self-describing file format (``diskfile``: key, kind, prefix depth and parent,
   payload crc32), written tmp → fsync → rename;
-* an in-memory index rebuilt by scanning the folder at start (leftover temporaries and
-  invalid files removed), so lookups cost no I/O and byte accounting survives restarts
-  (``_notify_keys_stored`` / ``_notify_keys_deleted`` keep the base class counters);
-* a hard capacity: a write that would exceed it, or that the filesystem refuses (ENOSPC,
-  EIO), leaves the object "not persisted" — the task reports failure, the server keeps
-  running, and the HiState runtime is told per key;
+* a folder it owns (``disk_folder``: a marker written at first use; a foreign non-empty
+  folder is refused unless ``adopt``);
+* an in-memory index rebuilt by scanning its own layout at start (its leftover
+  temporaries and invalid files removed, nothing else touched), so lookups cost no I/O and
+  byte accounting survives restarts (``_notify_keys_stored`` / ``_notify_keys_deleted``
+  keep the base class counters);
+* a hard capacity that never exceeds what the filesystem holds (``disk_writes``): a
+  write that would exceed it, or that the filesystem refuses, leaves the object "not
+  persisted" — every task completes, the failure is counted and logged once per cause,
+  the HiState runtime is told per key, and ENOSPC lowers the capacity (the runtime's core
+  follows);
 * a torn or corrupted file found on load is a miss, never served, and is deleted;
 * per-key lookup locks: a delete that races a lookup→load waits for the unlock.
 

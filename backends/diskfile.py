@@ -17,6 +17,9 @@ the payload crc32 is checked on every load. A file is written under a temporary 
 fsynced and renamed into place, so a reader (or a restart) never sees a partial file
 under a final name; leftover temporary files are removed by ``scan``.
 
+Folder layout: ``<root>/<first byte of the chunk hash, 2 hex>/<file_name(oid)>``; names
+are bounded and collision-free (NOTE 1) and ``scan`` touches only names of this layout.
+
 Pure Python (no lmcache import): the adapter converts ``ObjectKey`` to ``ObjectId``.
 """
 

@@ -3,7 +3,8 @@
     histate-server --config configs/histate.yaml [--dry-run | --print-config] [lmcache flags]
 
 1. Validates the YAML (``lmcache_histate.config``); a bad value fails here, before any
-   import of lmcache, with a message naming the key (exit status 2).
+   import of lmcache, with a message naming the key (exit status 2). So do start-up
+   faults (``preflight``: disk folder, free space, ports, hosts), in one line.
 2. Translates it into ``lmcache server`` flags: ``--separate-object-groups`` (one object
    group per attention/recurrent bucket: required for hybrid models), ``--chunk-size``,
    ``--l1-size-gb``, the disk tier as an ``--l2-adapter`` plugin, ``--l2-store-policy
@@ -16,8 +17,10 @@
 4. With ``policy: histate``: installs the HiState runtime, registers the ``histate`` store
    policy (LMCache validates ``--l2-store-policy`` against its registry when the CLI
    parser is built, so this must happen first, in this process) and hooks L1 eviction
-   (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). Then runs
-   ``lmcache.cli.main.main(["server", ...])`` in this process.
+   (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). With
+   ``auth_token_file`` it guards the HTTP API (``access``); it always installs the
+   shared-memory release on engine close (``shm_release``, an lmcache 0.5.6 leak). Then
+   runs ``lmcache.cli.main.main(["server", ...])`` in this process.
 
 ``--dry-run`` stops after printing the command line; ``--print-config`` prints the
 validated configuration (defaults filled in) as YAML.

@@ -129,6 +129,13 @@ class HiStateServerModule:
 
 
 def _guarded(runtime: HiStateRuntime, what: str, fn: Any, *args: Any) -> None:
+    key = args[0]
+    tokens = getattr(key, "token_ids", ())
+    if len(tokens) > runtime.cfg.max_model_tokens:
+        # NOTE 1 again: the chain work under the runtime lock is per chunk of the request;
+        # a request longer than any prompt the engine accepts is served without HiState.
+        runtime.stats[f"over_max_model_tokens.{what}"] += 1
+        return
     try:
         fn(*args)
     except Exception:

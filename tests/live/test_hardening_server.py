@@ -206,3 +206,26 @@ def test_engine_reconnects_do_not_grow_server_mappings(tmp_path: Path, tokens: T
             time.sleep(0.1)
         assert shm_mappings(pid) <= base_maps  # without the fix: + 4 x RECONNECTS
         assert open_fds(pid) <= base_fds + 2
+
+
+def test_requests_longer_than_the_model_allows_skip_histate(
+    tmp_path: Path, tokens: TokenSource
+) -> None:
+    """A STORE / LOOKUP longer than max_model_tokens is served by LMCache without the
+    HiState hooks (their chain work under the runtime lock is per chunk): counted, never
+    wrong bytes; requests within the bound keep working."""
+    with (
+        histate(tmp_path / "srv", tmp_path / "disk", max_model_tokens=4 * CHUNK) as server,
+        HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine,
+    ):
+        long = tokens.tokens(8 * CHUNK)
+        sp = engine.store_chunks(long, snapshot_chunks=[7], wait=False)
+        got = engine.lookup_and_retrieve(long)
+        assert got.hit_chunks == 0 or engine.matches(sp, got)
+        counters = settle(server)["counters"]
+        assert counters["over_max_model_tokens.store"] == 1
+        assert counters["over_max_model_tokens.lookup"] >= 1
+        short = tokens.tokens(4 * CHUNK)
+        sq = engine.store_chunks(short, snapshot_chunks=[3])
+        got = engine.lookup_and_retrieve(short)
+        assert got.hit_chunks == 4 and engine.matches(sq, got)
