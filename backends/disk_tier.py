@@ -301,12 +301,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
                 corrupt.append(key)  # gone from disk: forget it too
         if corrupt:
             self._forget(corrupt, unlink=True)
-            listener = self.loss_listener
-            if listener is not None:
-                try:
-                    listener(corrupt)
-                except Exception:
-                    logger.exception("HiState disk tier: loss listener failed")
+            self._tell(self.loss_listener, "loss", corrupt)
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)

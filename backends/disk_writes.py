@@ -91,12 +91,7 @@ class DiskWritesMixin:
                 with contextlib.suppress(OSError):
                     df.fsync_dir(d)
         self.stats["objects_written"] += len(stored)
-        listener = self.write_listener
-        if listener is not None:
-            try:
-                listener(stored, failed)
-            except Exception:
-                logger.exception("HiState disk tier: write listener failed")
+        self._tell(self.write_listener, "write", stored, failed)
         return ok, failed, written
 
     def _write_one(self, key: ObjectKey, buf: Any) -> tuple[str, int, Path]:
@@ -192,9 +187,14 @@ class DiskWritesMixin:
             "HiState disk tier: capacity now %d bytes (configured %d; %d held + free space)",
             limit, self.config.capacity_bytes, held,
         )
-        listener = self.capacity_listener
-        if listener is not None:
-            try:
-                listener(limit)
-            except Exception:
-                logger.exception("HiState disk tier: capacity listener failed")
+        self._tell(self.capacity_listener, "capacity", limit)
+
+    @staticmethod
+    def _tell(listener: Callable[..., None] | None, what: str, *args: Any) -> None:
+        """Call a listener of the runtime; its failure is logged, never the tier's."""
+        if listener is None:
+            return
+        try:
+            listener(*args)
+        except Exception:
+            logger.exception("HiState disk tier: %s listener failed", what)
