@@ -142,9 +142,11 @@ class DiskWritesMixin:
 
     def _not_persisted(self, key: ObjectKey, exc: BaseException) -> None:
         cause = failure_cause(exc)
-        self.stats[f"not_persisted_{cause}"] += 1
-        if cause not in self._logged_causes:
+        with self._lock:  # I/O threads fail together when a disk fills: log once
+            self.stats[f"not_persisted_{cause}"] += 1
+            first = cause not in self._logged_causes
             self._logged_causes.add(cause)
+        if first:
             logger.warning(
                 "HiState disk tier: object not persisted (%s: %s: %s); further failures "
                 "of this cause are only counted (stats not_persisted_%s)",

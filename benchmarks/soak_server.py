@@ -141,17 +141,19 @@ def kill9(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         def body(i: int, stop: threading.Event, counts: Counter[str]) -> None:
             source = TokenSource(seed=300 + i)
-            with HybridEngineClient(url, GEOMETRY, rpc_timeout=5) as engine:
-                while not stop.is_set() and engine._next_block < GEOMETRY.num_blocks - 64:
-                    prefix = source.tokens(4 * CHUNK)
-                    try:
-                        sp = engine.store_chunks(prefix, snapshot_chunks=[1, 3], wait=False)
-                    except Exception:
-                        counts["store_errors"] += 1  # the server is gone
-                        return
-                    with lock:
-                        expected.append((prefix, {n: engine.stored_bytes(sp, n) for n in (2, 4)}))
-                    counts["stores"] += 1
+            while not stop.is_set():  # a fresh engine whenever one runs out of blocks
+                with HybridEngineClient(url, GEOMETRY, rpc_timeout=5) as engine:
+                    while not stop.is_set() and engine._next_block < GEOMETRY.num_blocks - 64:
+                        prefix = source.tokens(4 * CHUNK)
+                        try:
+                            sp = engine.store_chunks(prefix, snapshot_chunks=[1, 3], wait=False)
+                        except Exception:
+                            counts["store_errors"] += 1  # the server is gone
+                            return
+                        by_hit = {n: engine.stored_bytes(sp, n) for n in (2, 4)}
+                        with lock:
+                            expected.append((prefix, by_hit))
+                        counts["stores"] += 1
 
         def killer() -> None:
             time.sleep(args.seconds)
@@ -160,17 +162,18 @@ def kill9(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         threading.Thread(target=killer).start()
         counts = run_threads(args.clients, args.seconds + 30, body)
     outcome: Counter[str] = Counter()
-    with server_for(work, policy="lru") as server, HybridEngineClient(
-        server.endpoints.zmq_url, GEOMETRY
-    ) as engine:
-        for prefix, by_hit in expected:
-            got = engine.lookup_and_retrieve(prefix)
-            if got.hit_chunks == 0:
-                outcome["missing"] += 1
-            elif engine.retrieved_bytes(got) != by_hit.get(got.hit_chunks):
-                outcome["wrong_bytes"] += 1
-            else:
-                outcome["complete" if got.hit_chunks == 4 else "partial"] += 1
+    per_engine = (GEOMETRY.num_blocks - 64) // 5  # a retrieve takes 4 + 1 blocks
+    with server_for(work, policy="lru") as server:
+        for start in range(0, len(expected), per_engine):
+            with HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine:
+                for prefix, by_hit in expected[start : start + per_engine]:
+                    got = engine.lookup_and_retrieve(prefix)
+                    if got.hit_chunks == 0:
+                        outcome["missing"] += 1
+                    elif engine.retrieved_bytes(got) != by_hit.get(got.hit_chunks):
+                        outcome["wrong_bytes"] += 1
+                    else:
+                        outcome["complete" if got.hit_chunks == 4 else "partial"] += 1
         disk = server.status()["storage_manager"]
     return {"scenario": "kill9", "clients": args.clients, "seconds_before_kill": args.seconds,
             **counts, "prefixes": len(expected), "wrong_bytes": 0, **outcome,
