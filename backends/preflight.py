@@ -23,7 +23,7 @@ from .disk_folder import FolderError, capacity_limit, check_claim, held_bytes
 __all__ = ["check", "check_disk", "check_listen"]
 
 VIRTUAL_ROOTS = ("/proc", "/sys", "/dev")
-"""Kernel filesystems: a folder there is never a disk."""
+"""Kernel filesystems: a folder there is never a disk (``/dev/shm``, a tmpfs, excepted)."""
 
 
 def check(cfg: HiStateConfig) -> None:
@@ -48,8 +48,11 @@ def _existing_ancestor(path: Path) -> Path:
 def check_disk(cfg: HiStateConfig) -> None:
     """The disk folder can be created, written and claimed, and ``disk_gib`` fits."""
     path = Path(os.path.realpath(cfg.disk_path))
+    shm = Path("/dev/shm")
     for root in VIRTUAL_ROOTS:
-        if path == Path(root) or Path(root) in path.parents:
+        if (path == Path(root) or Path(root) in path.parents) and not (
+            path == shm or shm in path.parents
+        ):
             raise ConfigError(
                 f"disk_path: {cfg.disk_path!r} is on the kernel's virtual filesystem {root}; "
                 "choose a folder on a disk"
