@@ -1,5 +1,8 @@
 # The two commands of the README. Both do all set-up first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-avx2 lint
+
+VLLM_TESTS = tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py \
+             tests/live/test_vllm_demo.py
 
 setup:
 	bash scripts/setup.sh
@@ -9,6 +12,18 @@ demo: setup
 
 test: setup lint
 	.venv/bin/python -m pytest
+	$(MAKE) --no-print-directory test-avx2
+
+# vLLM picks the block size and state dtypes per CPU ISA. On an AVX-512 machine the vLLM
+# tests run once more on vLLM's AVX2 path (tests/support/force_avx2), so both layouts are
+# checked wherever the suite runs; an AVX2-only CPU cannot run the AVX-512 kernels.
+test-avx2: setup
+	@if grep -qw avx512f /proc/cpuinfo; then \
+	    echo "[test] vLLM tests again on vLLM's AVX2 path (HISTATE_TEST_ISA=avx2)"; \
+	    HISTATE_TEST_ISA=avx2 .venv/bin/python -m pytest -q $(VLLM_TESTS); \
+	else \
+	    echo "[test] AVX2-only CPU: the suite above ran vLLM's AVX2 path; no AVX-512 here"; \
+	fi
 
 lint:
 	.venv/bin/ruff check .

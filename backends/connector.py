@@ -53,6 +53,7 @@ from lmcache_histate.backends.interval_saves import (
     LocalPlanner,
     RequestSaves,
     SettingsError,
+    check_server_geometry,
     check_vllm_settings,
     rewrite_store_block_ids,
     sanitize_plan,
@@ -124,7 +125,14 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     chosen,
                 )
         self._saves_enabled = _truthy(extra.get(INTERVAL_SAVES_KEY, True))
-        super().__init__(vllm_config, role, kv_cache_config)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        except ValueError as exc:
+            if "must be a multiple of" not in str(exc):
+                raise
+            # LMCache names both numbers; say where the HiState server takes its chunk from.
+            raise SettingsError(f"{exc} With histate-server: set chunk_size: auto in its YAML "
+                                "(vLLM's block size for the model on this machine).") from exc
         self._saves: dict[str, RequestSaves] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
@@ -197,7 +205,11 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._snapshot_tokens = snapshot_bytes / max(kv_bytes_per_token, 1e-9)
         self._local_planner = LocalPlanner(self._chunk_tokens, self._snapshot_tokens)
         self._plan_timeout = float(extra.get(PLAN_TIMEOUT_KEY, 5.0))
-        self._server_plans = self._probe_server()
+        server = self._probe_server()
+        if server is not None:
+            check_server_geometry(server.get("geometry"), snapshot_bytes=snapshot_bytes,
+                                  kv_bytes_per_token=kv_bytes_per_token, block_size=block_size)
+        self._server_plans = server is not None
         self._saves_active = True
         logger.info(
             "HiState interval saves on: recurrent KV cache groups %s, chunk %d tokens; plans "
@@ -215,8 +227,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
         return client.server_module_call(request).result(timeout)
 
-    def _probe_server(self) -> bool:
-        """Whether the server runs an active HiState module (``histate.status``).
+    def _probe_server(self) -> dict[str, Any] | None:
+        """The server's HiState status if it runs an active HiState module, else None.
 
         A stock server without any server-module RPC handler does not answer at all (LMCache
         builds its RPC router only when some module declares a handler), so the probe has a
@@ -230,7 +242,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             if response.success:
                 status = json.loads(response.payload or b"{}")
                 if status.get("active"):
-                    return True
+                    return dict(status)
                 reason = "its HiState module is inactive (policy is not histate)"
             else:
                 reason = response.error or "histate.status failed"
@@ -238,7 +250,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             "HiState: the LMCache server has no active HiState module (%s); interval saves "
             "use a local interval controller with pressure factor 1", reason,
         )
-        return False
+        return None
 
     def _count(self, key: str, n: int = 1) -> None:
         if n:

@@ -35,6 +35,15 @@ request's own seed (never shared). Requests longer than the engine's context are
 (with their session's later requests). Each request generates one token
 (``max_tokens=1``), so its wall time is its TTFT.
 
+NOTE 1 (pressure relative to the machine): vLLM's block size and state dtypes depend on the
+CPU (384 tokens and a float32 GDN state with AVX-512-BF16, 256 and bfloat16 with AVX2; see
+``engine_facts``), so the same workload takes a different number of bytes on each machine.
+The demo asks vLLM for the layout first and sizes the CPU and the disk tier each to
+``--cache-fraction`` of what a state-per-chunk cache of this workload needs *at that layout*:
+HiState and stock LMCache face the same relative pressure everywhere. TTFTs are wall times of
+the tiny model on this CPU and vary by 30x between machines; compare the rows, not the
+absolute numbers.
+
 Between requests vLLM's own prefix cache is reset: the engine's KV pool stands for a GPU that
 cannot hold sessions between turns (the paper's setting: 24 concurrent sessions), so every
 reuse goes through LMCache and its tiers, which is what is compared.
@@ -62,9 +71,13 @@ from typing import Any
 
 import yaml
 
-from .demo_workload import CHUNK, SOURCE_BLOCK, DemoRequest, build_workload, unique_chunks
+from .demo_workload import SOURCE_BLOCK, DemoRequest, build_workload, unique_chunks
+from .engine_facts import EngineFacts
 
 __all__ = ["SOURCE_BLOCK", "DemoRequest", "build_workload", "main"]
+
+ENGINE_DTYPE = "bfloat16"
+"""The tiny model's dtype in the demo's engines (and in the layout probe)."""
 
 # ================================================================================ server
 
@@ -172,11 +185,14 @@ class RunResult:
 
 
 def server_config(variant: Variant, model: Path, workdir: Path, cpu_gib: float,
-                  disk_gib: float) -> Path:
+                  disk_gib: float, layout: EngineFacts) -> Path:
     cfg: dict[str, Any] = {
         "policy": variant.policy,
         "model": str(model / "config.json"),
-        "chunk_size": CHUNK,
+        # What `chunk_size: auto` resolves to, probed once for all runs (engine_facts).
+        "chunk_size": layout.block_size,
+        "dtype": layout.kv_dtype,
+        "mamba_ssm_cache_dtype": layout.state_dtypes[-1],
         "cpu_gib": cpu_gib,
         "disk_path": str(workdir / f"{variant.key}-disk"),
         "disk_gib": disk_gib,
@@ -202,6 +218,7 @@ def run_variant(
     workdir: Path,
     cpu_gib: float,
     disk_gib: float,
+    layout: EngineFacts,
     max_model_len: int,
     gap: float,
     progress: Any,
@@ -211,7 +228,7 @@ def run_variant(
 
     from lmcache_histate.config import load_config
 
-    config = server_config(variant, model, workdir, cpu_gib, disk_gib)
+    config = server_config(variant, model, workdir, cpu_gib, disk_gib, layout)
     transfer = kv_transfer_config(load_config(config))
     transfer["kv_connector_extra_config"]["histate.interval_saves"] = variant.interval_saves
     task = progress.add_task(f"{variant.title}: starting", total=len(workload))
@@ -220,9 +237,11 @@ def run_variant(
     server = ServerProcess(config, workdir, variant.key)
     try:
         server.wait_ready()
-        kwargs = engine_kwargs(model, chunk_tokens=CHUNK, kv_transfer_config=transfer,
-                               max_model_len=max_model_len, kv_cache_memory_bytes=64 << 20)
-        with EngineProcess(kwargs, workdir=workdir, name=f"{variant.key}-engine") as engine:
+        kwargs = engine_kwargs(model, chunk_tokens=layout.block_size,
+                               kv_transfer_config=transfer, max_model_len=max_model_len,
+                               kv_cache_memory_bytes=64 << 20, dtype=ENGINE_DTYPE)
+        with EngineProcess(kwargs, workdir=workdir, name=f"{variant.key}-engine",
+                           block_size=layout.block_size) as engine:
             progress.update(task, description=f"{variant.title}: replaying")
             ask = {"histate_saves": True, "cached_token_stats": True}
             last = 0.0
@@ -352,8 +371,10 @@ def report(console: Any, workload: Sequence[DemoRequest], results: Sequence[RunR
     if h["ttft_mean_ms"] > 0 and h["ttft_p90_ms"] > 0:
         console.print(
             f"HiState vs stock LMCache (LRU): hit rate {100 * h['hit_rate']:.1f} % vs "
-            f"{100 * b['hit_rate']:.1f} %; TTFT {b['ttft_mean_ms'] / h['ttft_mean_ms']:.2f}x "
-            f"lower on average, {b['ttft_p90_ms'] / h['ttft_p90_ms']:.2f}x at p90."
+            f"{100 * b['hit_rate']:.1f} %; TTFT mean {h['ttft_mean_ms']:.0f} vs "
+            f"{b['ttft_mean_ms']:.0f} ms (LRU / HiState = "
+            f"{b['ttft_mean_ms'] / h['ttft_mean_ms']:.2f}), p90 {h['ttft_p90_ms']:.0f} vs "
+            f"{b['ttft_p90_ms']:.0f} ms ({b['ttft_p90_ms'] / h['ttft_p90_ms']:.2f})."
         )
     counters = hs.server.get("counters", {})
     console.print(
@@ -437,26 +458,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not workload:
         console.print("no request fits --max-model-len", style="red")
         return 2
-    chunks = unique_chunks(workload)
-    # Object sizes of the tiny model in LMCache: attention chunk 196,608 B, recurrent state
-    # 3 x 141,312 B (docs/vllm-cpu.md §3).
-    lru_bytes = chunks * (196_608 + 3 * 141_312)
-    gib = max(args.cache_fraction * lru_bytes / 2**30, 0.004)
+    from lmcache_histate.backends.engine_facts import probe
+
+    with console.status("asking vLLM for the tiny model's layout on this CPU"):
+        layout = probe(model, dtype=ENGINE_DTYPE)
+    chunk = layout.block_size
+    chunks = unique_chunks(workload, chunk)
+    # The pressure is relative (NOTE 1): a state-per-chunk cache of this workload needs
+    # `footprint` bytes at this machine's chunk and state dtypes; each tier gets a fraction.
+    geometry = layout.geometry()
+    per_chunk = chunk * geometry.kv_bytes_per_token + geometry.snapshot_bytes
+    footprint = chunks * per_chunk
+    gib = max(args.cache_fraction * footprint / 2**30, 0.004)
     settings = {
         "sessions": len({r.session for r in workload}),
         "requests": len(workload),
         "block_tokens": args.block_tokens,
         "unique_chunks": chunks,
+        "cpu_isa": layout.isa,
+        "kernel_library": layout.kernel_library,
+        "chunk": chunk,
+        "state_dtypes": "/".join(layout.state_dtypes),
+        "footprint_mb": round(footprint / 1e6, 1),
+        "cache_fraction": args.cache_fraction,
         "cpu_gib": round(gib, 4),
         "disk_gib": round(gib, 4),
-        "chunk": CHUNK,
         "gap_s": args.gap,
     }
     console.print(
-        f"model {model}\nworkload: {settings['requests']} requests of {settings['sessions']} "
+        f"model {model}\nengine layout here: {layout.describe()}\n"
+        f"workload: {settings['requests']} requests of {settings['sessions']} "
         f"sessions, {sum(len(r.prompt) for r in workload):,d} prompt tokens, {chunks} distinct "
-        f"chunks of {CHUNK} tokens ({lru_bytes / 1e6:.0f} MB with a state per chunk); tiers: "
-        f"CPU {gib * 2**30 / 1e6:.1f} MB + disk {gib * 2**30 / 1e6:.1f} MB"
+        f"chunks of {chunk} tokens ({footprint / 1e6:.1f} MB with a state per chunk); tiers: "
+        f"CPU {gib * 2**30 / 1e6:.1f} MB + disk {gib * 2**30 / 1e6:.1f} MB "
+        f"({args.cache_fraction:g} x that footprint each)"
     )
     results: list[RunResult] = []
     with _workdir(args.workdir) as work, Progress(
@@ -466,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for variant in variants:
             results.append(run_variant(
                 variant, workload, model=model, workdir=work, cpu_gib=gib, disk_gib=gib,
-                max_model_len=args.max_model_len, gap=args.gap, progress=progress,
+                layout=layout, max_model_len=args.max_model_len, gap=args.gap, progress=progress,
             ))
     data = report(console, workload, results, settings)
     console.print(f"total {time.monotonic() - started:.0f} s")

@@ -15,10 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CHUNK", "SOURCE_BLOCK", "DemoRequest", "build_workload", "unique_chunks"]
+__all__ = ["SOURCE_BLOCK", "DemoRequest", "build_workload", "unique_chunks"]
 
-CHUNK = 384
-"""vLLM's block size for the tiny model on CPU = LMCache chunk size."""
 SOURCE_BLOCK = 64
 """Tokens per hash id in Weka traces."""
 LO_TOKEN = 4
@@ -78,12 +76,13 @@ def build_workload(
     return out
 
 
-def unique_chunks(workload: Sequence[DemoRequest]) -> int:
-    """Distinct full chunks (by prefix) over the workload: what a cache could hold."""
+def unique_chunks(workload: Sequence[DemoRequest], chunk: int) -> int:
+    """Distinct full ``chunk``-token chunks (by prefix) over the workload: what a cache could
+    hold (``chunk`` = the engine's block size on this machine)."""
     seen: set[bytes] = set()
     for request in workload:
         h = hashlib.blake2b(digest_size=16)
-        for i in range(len(request.prompt) // CHUNK):
-            h.update(json.dumps(request.prompt[i * CHUNK:(i + 1) * CHUNK]).encode())
+        for i in range(len(request.prompt) // chunk):
+            h.update(json.dumps(request.prompt[i * chunk:(i + 1) * chunk]).encode())
             seen.add(h.copy().digest())
     return len(seen)

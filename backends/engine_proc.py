@@ -59,7 +59,7 @@ class EngineError(RuntimeError):
 def engine_kwargs(
     model: str | os.PathLike[str],
     *,
-    chunk_tokens: int = 384,
+    chunk_tokens: int,
     kv_transfer_config: Mapping[str, Any] | None = None,
     max_model_len: int = 4096,
     kv_cache_memory_bytes: int = 48 << 20,
@@ -67,9 +67,12 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a hybrid model with HiState's interval saves.
 
-    ``max_num_batched_tokens = chunk_tokens`` (= the vLLM block size N for the tiny model):
-    every prefill step ends on a block boundary; ``prefix_cache_retention_interval=None``:
-    vLLM hands every boundary state to the connector (see ``interval_saves``).
+    ``chunk_tokens`` is the LMCache chunk = vLLM's block size N for this model on this
+    machine (``engine_facts.probe``; never a constant: 384 with AVX-512-BF16, 256 with AVX2
+    for the tiny model). ``max_num_batched_tokens = chunk_tokens``: every prefill step ends
+    on a block boundary; ``prefix_cache_retention_interval=None``: vLLM hands every boundary
+    state to the connector (see ``interval_saves``). Pass the same number as
+    ``EngineProcess(block_size=...)`` so a disagreeing engine fails at start.
     """
     kwargs: dict[str, Any] = {
         "model": str(model),
@@ -102,7 +105,11 @@ class EngineProcess:
         name: str = "engine",
         start_timeout: float = 300.0,
         env: Mapping[str, str] | None = None,
+        block_size: int | None = None,
     ) -> None:
+        """Start the child; ``block_size``: the block size the caller derived its chunks and
+        prompts from -- an engine that chose another one is an :class:`EngineError` naming
+        both (a chunk that disagrees with the engine silently changes every hit count)."""
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
         self.name = name
@@ -124,6 +131,13 @@ class EngineProcess:
         self._replies = os.fdopen(read_fd, "rb")
         self._lock = threading.Lock()
         self.info: dict[str, Any] = self._read(start_timeout, "start-up")
+        if block_size is not None and self.info["block_size"] != block_size:
+            self.close()
+            raise EngineError(
+                f"{name}: vLLM chose block size {self.info['block_size']} but the caller "
+                f"derived its chunks from {block_size} (engine_facts.probe must be given the "
+                "same engine arguments)"
+            )
 
     # ----------------------------------------------------------------------- plumbing
     def log_tail(self, lines: int = 60) -> str:
@@ -321,6 +335,10 @@ def child_main(argv: list[str] | None = None) -> int:
         llm = LLM(**kwargs)
         info = _info(llm)
         info["init_seconds"] = time.monotonic() - started
+        if is_cpu_platform():
+            from lmcache_histate.backends.engine_facts import cpu_vector_isa, loaded_kernel_library
+
+            info["isa"], info["kernel_library"] = cpu_vector_isa(), loaded_kernel_library()
     except Exception as exc:
         import traceback
 

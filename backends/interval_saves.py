@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmcache_histate.core.interval import IntervalController, supported_intervals
 
@@ -45,6 +46,7 @@ __all__ = [
     "RequestSaves",
     "SettingsError",
     "allowed_batched_tokens",
+    "check_server_geometry",
     "check_vllm_settings",
     "rewrite_store_block_ids",
     "sanitize_plan",
@@ -149,6 +151,36 @@ def check_vllm_settings(
             + "\n(set kv_connector_extra_config 'histate.interval_saves': false to store a "
             "state at every chunk like stock LMCache instead)"
         )
+
+
+def check_server_geometry(
+    geometry: dict[str, Any] | None,
+    *,
+    snapshot_bytes: int,
+    kv_bytes_per_token: float,
+    block_size: int,
+) -> None:
+    """Raise :class:`SettingsError` if the server sized its policy for another layout.
+
+    The server prices snapshots and sets intervals from its configured geometry (N_s =
+    snapshot bytes / KV bytes per token); vLLM allocates per platform (e.g. the GDN state is
+    float32 with AVX-512-BF16, bfloat16 with AVX2). A server that assumed the other dtype
+    would be wrong by 2x in every snapshot decision, silently; so vLLM refuses to start.
+    """
+    if not geometry:
+        return
+    ours = (int(snapshot_bytes), float(kv_bytes_per_token))
+    theirs = (int(geometry["snapshot_bytes"]), float(geometry["kv_bytes_per_token"]))
+    if ours == theirs:
+        return
+    raise SettingsError(
+        f"the HiState server was configured for model {geometry.get('model')!r} with a "
+        f"snapshot of {theirs[0]:,} B and {theirs[1]:g} KV bytes per token (state dtypes "
+        f"{geometry.get('state_dtypes')}), but this vLLM engine allocated {ours[0]:,} B and "
+        f"{ours[1]:g} B per token (block size {block_size}); set chunk_size: auto and model: "
+        "<the model directory vLLM serves> in the server YAML so the server asks vLLM, or "
+        "set dtype / mamba_ssm_cache_dtype there to the engine's"
+    )
 
 
 # ----------------------------------------------------------------------------- plans

@@ -3,8 +3,10 @@
     histate-server --config configs/histate.yaml [--dry-run | --print-config] [lmcache flags]
 
 1. Validates the YAML (``lmcache_histate.config``); a bad value fails here, before any
-   import of lmcache, with a message naming the key (exit status 2). So do start-up
-   faults (``preflight``: disk folder, free space, ports, hosts), in one line.
+   import of lmcache, with a message naming the key (exit status 2). ``chunk_size: auto``
+   is resolved from the engine (``resolve_engine_layout``: vLLM's block size and state
+   dtypes for the model on this machine, asked of vLLM without loading weights). So do
+   start-up faults (``preflight``: disk folder, free space, ports, hosts), in one line.
 2. Translates it into ``lmcache server`` flags: ``--separate-object-groups`` (one object
    group per attention/recurrent bucket: required for hybrid models), ``--chunk-size``,
    ``--l1-size-gb``, the disk tier as an ``--l2-adapter`` plugin, ``--l2-store-policy
@@ -34,6 +36,7 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -42,7 +45,7 @@ from lmcache_histate.config import ConfigError, HiStateConfig, load_config
 
 from . import preflight
 
-__all__ = ["kv_transfer_config", "main", "server_argv", "vllm_flags"]
+__all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
 CPU_SERVER_MODULE = "lmcache_histate.backends.cpu_server_module"
 HISTATE_SERVER_MODULE = "lmcache_histate.backends.server_module"
@@ -88,8 +91,12 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
     ``chunk_size`` must be vLLM's block size N (vLLM chooses it for hybrid models; it
     prints it at start) or a multiple of it.
     """
-    n = cfg.chunk_size
+    n = cfg.chunk_tokens
+    engine = [f"--{key.replace('_', '-')}" + f"={getattr(cfg, key)}"
+              for key in ("dtype", "mamba_ssm_cache_dtype") if getattr(cfg, key) != "auto"]
     return [
+        # The engine dtypes the server's layout was resolved for (config NOTE 1).
+        *engine,
         "--enable-prefix-caching",
         # A state exists at every block boundary only if each step ends on one:
         # N <= max_num_batched_tokens < 2N (DESIGN.md §4).
@@ -148,7 +155,7 @@ def server_argv(cfg: HiStateConfig, passthrough: Sequence[str] = ()) -> list[str
         "--port", str(cfg.port),
         "--http-host", cfg.http_host,
         "--http-port", str(cfg.http_port),
-        "--chunk-size", str(cfg.chunk_size),
+        "--chunk-size", str(cfg.chunk_tokens),
         "--separate-object-groups",
         "--supported-transfer-mode", "lmcache_driven",
         "--l1-size-gb", f"{cfg.cpu_gib:g}",
@@ -217,6 +224,32 @@ def apply_overrides(
     return cfg, rest
 
 
+def resolve_engine_layout(cfg: HiStateConfig) -> HiStateConfig:
+    """``chunk_size: auto`` → vLLM's block size and state dtypes for the model, on this machine.
+
+    Asks vLLM in a child process (``engine_facts.probe``: its own config resolution, no
+    weights loaded) with the config's ``dtype`` and ``mamba_ssm_cache_dtype``, and returns the
+    config with the chunk and the engine's resolved dtypes filled in. A number is kept.
+
+    Raises:
+        ConfigError: vLLM cannot resolve the model (message names ``chunk_size``).
+    """
+    if cfg.chunk_size != "auto":
+        return cfg
+    from .engine_facts import probe
+
+    model = Path(cfg.model)
+    model_dir = model.parent if model.is_file() else model
+    try:
+        facts = probe(model_dir, dtype=cfg.dtype, mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype)
+    except Exception as exc:
+        raise ConfigError(f"chunk_size: auto: {exc}") from None
+    print(f"histate-server: chunk_size auto -> {facts.block_size} ({facts.describe()})",
+          flush=True)
+    return cfg.with_overrides(chunk_size=facts.block_size, dtype=facts.kv_dtype,
+                              mamba_ssm_cache_dtype=facts.state_dtypes[-1])
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="histate-server",
@@ -236,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         cfg, rest = apply_overrides(cfg, passthrough)
+        cfg = resolve_engine_layout(cfg)
     except ConfigError as exc:
         print(f"histate-server: {exc}", file=sys.stderr)
         return 2

@@ -107,7 +107,7 @@ class HiStateRuntime(
         self.kinds: dict[int, str] = {}
         self.kv_chunk_bytes = 0
         self.snapshot_bytes = 0
-        self.chunk = cfg.chunk_size
+        self.chunk = cfg.chunk_tokens
         self.links: OrderedDict[int, Link] = OrderedDict()
         self.objects: dict[int, dict[str, list[ObjectKey]]] = {}
         self.part_of: dict[ObjectKey, tuple[int, str]] = {}

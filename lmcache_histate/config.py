@@ -8,6 +8,15 @@ Every error names the key and what is allowed, e.g.
 ``cpu_gib: must be a positive number, got 'abc'``; unknown keys are rejected with the
 list of allowed ones (a typo must not silently fall back to a default). All problems in
 a file are reported at once.
+
+NOTE 1 (engine-resolved layout): vLLM picks a hybrid model's block size and recurrent-state
+dtypes per platform -- on CPU per instruction set (384 tokens with AVX-512-BF16, 256 with AVX2
+for the tiny test model). ``chunk_size: auto`` (the default in ``configs/histate.yaml``)
+makes ``histate-server`` ask vLLM for the model directory given in ``model``
+(``backends/engine_facts.py``) and fill in the block size and the engine's ``dtype`` /
+``mamba_ssm_cache_dtype``, so the chunk, the snapshot size and N_s are the engine's. An
+explicit number is kept as given; the connector then checks it against the engine at vLLM
+start and names both numbers when they disagree.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ class HiStateConfig:
     """A validated single-instance HiState server configuration (see configs/histate.yaml)."""
 
     model: str
-    chunk_size: int
+    chunk_size: int | str  # tokens, or "auto" until the launcher resolves it (NOTE 1)
     cpu_gib: float
     disk_path: str
     disk_gib: float
@@ -71,11 +80,29 @@ class HiStateConfig:
     kv_connector: str = "HiStateConnector"
     kv_connector_module_path: str | None = "lmcache_histate.backends.connector"
     extra_server_args: tuple[str, ...] = field(default_factory=tuple)
+    # The vLLM flags of the same names: the engine layout (block size, state dtypes) is
+    # resolved for them, and the geometry uses them when not "auto" (NOTE 1).
+    dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
 
     # ------------------------------------------------------------ derived
     @property
+    def chunk_tokens(self) -> int:
+        """``chunk_size`` as a number; only valid once ``auto`` is resolved."""
+        if not isinstance(self.chunk_size, int):
+            raise ConfigError(
+                "chunk_size: 'auto' is resolved from the engine when the server starts "
+                "(histate-server does it); it has no value yet"
+            )
+        return self.chunk_size
+
+    @property
     def geometry(self) -> ModelGeometry:
-        return load_geometry(self.model)
+        return load_geometry(
+            self.model,
+            kv_dtype=None if self.dtype == "auto" else self.dtype,
+            ssm_dtype=None if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype,
+        )
 
     @property
     def cpu_bytes(self) -> int:
@@ -90,7 +117,7 @@ class HiStateConfig:
         """Supported snapshot intervals in tokens (multiples of ``chunk_size``)."""
         if self.supported_intervals:
             return self.supported_intervals
-        return tuple(self.chunk_size * k for k in range(1, self.max_interval_chunks + 1))
+        return tuple(self.chunk_tokens * k for k in range(1, self.max_interval_chunks + 1))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -106,6 +133,8 @@ class HiStateConfig:
 
 REQUIRED = ("model", "chunk_size", "cpu_gib", "disk_path", "disk_gib")
 ALLOWED = tuple(f.name for f in fields(HiStateConfig))
+ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""Values of the engine-dtype keys (vLLM's ``--dtype`` / ``--mamba-ssm-cache-dtype``)."""
 
 
 # ---------------------------------------------------------------- validators
@@ -190,7 +219,13 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     get = data.get
 
     if get("chunk_size") is not None:
-        values["chunk_size"] = _positive_int("chunk_size", get("chunk_size"), errors)
+        if get("chunk_size") == "auto":
+            values["chunk_size"] = "auto"
+        else:
+            values["chunk_size"] = _positive_int("chunk_size", get("chunk_size"), errors)
+    for key in ("dtype", "mamba_ssm_cache_dtype"):
+        if key in data:
+            values[key] = _choice(key, get(key), ENGINE_DTYPES, errors)
     for key in ("cpu_gib", "disk_gib"):
         if get(key) is not None:
             values[key] = _positive_number(key, get(key), errors)
@@ -214,6 +249,12 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
             try:
                 load_geometry(model)
                 values["model"] = model
+                if values.get("chunk_size") == "auto" and not Path(model).exists():
+                    errors.append(
+                        f"chunk_size: 'auto' resolves vLLM's block size from the model, so "
+                        f"model must be the Hugging Face model directory (or its config.json) "
+                        f"vLLM serves, not the preset {model!r}; or give chunk_size in tokens"
+                    )
             except GeometryError as exc:
                 errors.append(f"model: {exc}")
     if "policy" in data:
@@ -310,7 +351,7 @@ def _intervals(value: Any, chunk: int | None, errors: list[str]) -> tuple[int, .
     if bad:
         errors.append(f"{key}: every entry must be a positive integer (tokens), got {bad}")
         return None
-    if chunk:
+    if isinstance(chunk, int):
         off = [v for v in value if v % chunk]
         if off:
             errors.append(

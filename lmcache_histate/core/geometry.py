@@ -466,23 +466,30 @@ def preset_names() -> tuple[str, ...]:
     return tuple(_PRESET_CONFIGS)
 
 
-def preset(name: str) -> ModelGeometry:
-    """Geometry of a named model (case-insensitive)."""
+def preset(name: str, **dtypes: str | None) -> ModelGeometry:
+    """Geometry of a named model (case-insensitive); ``dtypes`` as in :func:`from_hf_config`."""
     key = name.strip().lower()
     if key not in _PRESET_CONFIGS:
         raise GeometryError(
             f"unknown model preset {name!r}; available: {', '.join(preset_names())}"
         )
-    return from_hf_config(_PRESET_CONFIGS[key], name=key)
+    return from_hf_config(_PRESET_CONFIGS[key], name=key, **dtypes)
 
 
-def load_geometry(spec: str) -> ModelGeometry:
-    """A preset name, or a path to a config.json (or a directory holding one)."""
+def load_geometry(
+    spec: str, *, kv_dtype: str | None = None, ssm_dtype: str | None = None
+) -> ModelGeometry:
+    """A preset name, or a path to a config.json (or a directory holding one).
+
+    ``kv_dtype`` / ``ssm_dtype`` replace the engine defaults the HF config implies, for a
+    deployment whose engine resolved other dtypes (vLLM on CPU without AVX-512-BF16 keeps a
+    GatedDeltaNet state in bfloat16, not float32).
+    """
     if spec.strip().lower() in _PRESET_CONFIGS:
-        return preset(spec)
+        return preset(spec, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype)
     path = Path(spec)
     if path.exists():
-        return from_hf_config(path)
+        return from_hf_config(path, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype)
     raise GeometryError(
         f"{spec!r} is neither a model preset nor an existing config path; "
         f"presets: {', '.join(preset_names())}"

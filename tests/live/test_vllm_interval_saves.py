@@ -39,14 +39,13 @@ from lmcache_histate.backends.interval_saves import (
     sanitize_plan,
 )
 from test_vllm_cpu_roundtrip import (
-    CHUNK,
     CPU_MODULE,
     LAUNCHER,
     connector_config,
     disk_objects,
     histate_config,
+    layout_of,
     server_module_arg,
-    server_snapshot_tokens,
     settle,
 )
 
@@ -62,6 +61,9 @@ TAIL = 40
 FACTORS = (1.0, 0.05, 20.0)
 MAX_MODEL_LEN = 8192
 PRESSURE_MODULE = "lmcache_histate.backends.pressure_override"
+# Pure checks (no engine): 384 is an arbitrary block size for the arithmetic below; the live
+# tests take the engine's block size from ``tiny_layout``.
+CHUNK = 384
 GOOD = {
     "block_size": 384,
     "chunk_size": 384,
@@ -168,50 +170,73 @@ def rpc(zmq_url: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 class Stack:
-    def __init__(self, server: Any, engine: Any, disk: Path) -> None:
+    def __init__(self, server: Any, engine: Any, disk: Path, chunk: int,
+                 row: dict[str, Any]) -> None:
         self.server, self.engine, self.disk = server, engine, disk
+        self.chunk, self.row = chunk, row
         self.turns: list[dict[str, Any]] = []
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_layout: Any
+) -> Iterator[Stack]:
     from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
     from support.lmcache_mp import lmcache_server
 
     work = tmp_path_factory.mktemp("interval")
-    model = ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.mktemp("models"))
+    chunk = tiny_layout.block_size
     disk = work / "disk"
-    cfg = histate_config(work / "histate.yaml", model, disk)
+    cfg = histate_config(work / "histate.yaml", tiny_model, disk)
     command = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
     with (
         lmcache_server(server_module_arg(PRESSURE_MODULE), workdir=work / "server",
-                       chunk_size=CHUNK, l1_size_gb=0.1, command=command) as server,
+                       chunk_size=None, l1_size_gb=0.1, command=command,
+                       startup_timeout=180) as server,
         EngineProcess(
-            engine_kwargs(model, max_model_len=MAX_MODEL_LEN,
+            engine_kwargs(tiny_model, chunk_tokens=chunk, max_model_len=MAX_MODEL_LEN,
                           kv_transfer_config=connector_config(server.endpoints.zmq_port)),
-            workdir=work, name="engine",
+            workdir=work, name="engine", block_size=chunk,
         ) as engine,
     ):
-        yield Stack(server, engine, disk)
+        yield Stack(server, engine, disk, chunk, layout_of(tiny_layout))
 
 
-def session_prompts(seed: int = 11) -> list[list[int]]:
+def session_prompts(chunk: int, seed: int = 11) -> list[list[int]]:
     """Three turns of one session; turn k's prompt ends TAIL tokens past 7k chunks."""
     rng = random.Random(seed)
     tokens: list[int] = []
     prompts = []
     for turn in range(1, len(FACTORS) + 1):
-        want = turn * TURN_CHUNKS * CHUNK + TAIL
+        want = turn * TURN_CHUNKS * chunk + TAIL
         tokens += [rng.randrange(4, 2048) for _ in range(want - len(tokens))]
         prompts.append(list(tokens))
     return prompts
 
 
-def snapshot_boundaries(disk: Path, lo: int, hi: int) -> list[int]:
+def snapshot_boundaries(disk: Path, lo: int, hi: int, chunk: int) -> list[int]:
     """Boundaries (token positions) in ``(lo, hi]`` whose recurrent object is on disk."""
-    ends = [(depth + 1) * CHUNK for kind, depth in disk_objects(disk) if kind == "snapshot"]
+    ends = [(depth + 1) * chunk for kind, depth in disk_objects(disk) if kind == "snapshot"]
     return sorted(e for e in ends if lo < e <= hi)
+
+
+def expected_plans(chunk: int, row: dict[str, Any]) -> list[list[int]]:
+    """The server's plans for the three 7-chunk segments, derived by hand.
+
+    Server N_s (``LAYOUTS`` in test_vllm_cpu_roundtrip): 828 with AVX-512-BF16 (C = 384),
+    432 with AVX2 (C = 256). cost(I) = I/2 + F x N_s x L / I, L = 7C.
+
+    * F = 1, C = 384, L = 2688: cost(5C) = 960 + 1159.2 = 2119.2, cost(6C) = 1152 + 966.0 =
+      2118.0, cost(7C) = 1344 + 828 = 2172 -> 6 chunks: [6C, 7C].
+      C = 256, L = 1792: cost(4C) = 512 + 756 = 1268, cost(5C) = 640 + 604.8 = 1244.8,
+      cost(6C) = 768 + 504 = 1272 -> 5 chunks: [5C, 7C].
+    * F = 0.05: cost(C) = 192 + 289.8 = 481.8 < cost(2C) = 384 + 144.9 = 528.9 (C = 384);
+      128 + 151.2 = 279.2 < 256 + 75.6 = 331.6 (C = 256) -> every chunk: [8C, ..., 14C].
+    * F = 20: I* = sqrt(2 x 7C x N_s x 20) = 9,435 (C = 384) / 5,565 (C = 256), both beyond
+      the 7C segment -> only the final: [21C].
+    """
+    first = {384: 6, 256: 5}[row["block"]]
+    return [[first * chunk, 7 * chunk], [k * chunk for k in range(8, 15)], [21 * chunk]]
 
 
 @needs_live
@@ -221,7 +246,9 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     ask = {"histate_saves": True, "cached_token_stats": True}
     zmq = stack.server.endpoints.zmq_url
     start = 0
-    for turn, (prompt, factor) in enumerate(zip(session_prompts(), FACTORS, strict=True)):
+    chunk = stack.chunk
+    plans = expected_plans(chunk, stack.row)
+    for turn, (prompt, factor) in enumerate(zip(session_prompts(chunk), FACTORS, strict=True)):
         if turn == 0:
             assert factor == 1.0  # a fresh server's learned factor; the core exists only
         else:  # after the first lookup, so later turns force theirs
@@ -232,9 +259,9 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
         assert hs["pressure_factor"] == factor
         saves = out["kv_transfer_params"]["histate_saves"]
         end = len(prompt)
-        controller = IntervalController(CHUNK, server_snapshot_tokens(hs))
-        expected = controller.boundaries(start, end, factor=factor)
-        on_disk = snapshot_boundaries(stack.disk, start, end)
+        assert hs["snapshot_bytes"] == stack.row["snapshot_bytes"]  # the N_s derived by hand
+        expected = plans[turn]
+        on_disk = snapshot_boundaries(stack.disk, start, end, chunk)
         stack.turns.append({"factor": factor, "segment": (start, end), "plan": expected,
                             "cached": out["num_cached_tokens"], "saves": saves,
                             "seconds": out["seconds"]})
@@ -245,9 +272,7 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
         start = expected[-1]
     print("\nturns:", json.dumps(stack.turns, indent=1))
     counts = [len(t["plan"]) for t in stack.turns]
-    # The controller's choice for a 7-chunk segment of the tiny model (N_s ~ 828 tokens):
-    # every 6 chunks at F=1, every chunk at F=0.05, only the final at F=20.
-    assert counts == [2, 7, 1]
+    assert counts == [2, 7, 1]  # sparser snapshots as the pressure factor grows
     rpc(zmq, "histate_test.force_pressure", {"factor": None})
 
 
@@ -255,13 +280,16 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
 def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: Stack) -> None:
     if len(stack.turns) != len(FACTORS):
         pytest.skip("needs the session stored by the pressure test")
-    full = session_prompts()[-1]
+    chunk = stack.chunk
+    full = session_prompts(chunk)[-1]
     rng = random.Random(5)
     snapshots = [b for t in stack.turns for b in t["plan"]]
-    # Divergence inside turn 1 (F=1: snapshots at 2304, 2688), turn 2 (F=0.05: every chunk)
-    # and turn 3 (F=20: only its final 8064, so the hit falls back to turn 2's final 5376
-    # although chunks up to 6912 are cached).
-    cases = [(2500, 2304), (4700, 4608), (7000, 5376)]
+    first = snapshots[0] // chunk  # turn 1's interval: 6 chunks (C = 384) or 5 (C = 256)
+    # Divergence inside turn 1 (F=1: snapshots at first x C and 7C), turn 2 (F=0.05: every
+    # chunk) and turn 3 (F=20: only its final 21C, so the hit falls back to turn 2's final
+    # 14C although chunks up to 18C are cached).
+    cases = [((2 * first + 1) * chunk // 2, first * chunk), (chunk * 122 // 10, 12 * chunk),
+             (chunk * 182 // 10, 14 * chunk)]
     seen = []
     for diverge, want in cases:
         tail = [rng.randrange(4, 2048) for _ in range(300)]
@@ -269,16 +297,14 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
             tail[0] = 4 + (tail[0] - 3) % 2044
         out = stack.engine.generate(full[:diverge] + tail,
                                     kv_transfer_params={"cached_token_stats": True}, reset=True)
-        expected = max(b for b in snapshots if b <= diverge)
-        seen.append((diverge, out["num_cached_tokens"], expected))
-        assert expected == want
-        assert out["num_cached_tokens"] == expected  # not 0, not past the divergence
+        seen.append((diverge, out["num_cached_tokens"], want))
+        assert out["num_cached_tokens"] == want  # not 0, not past the divergence
         stats = out["kv_transfer_params"]["cached_token_stats"]
-        assert stats["num_lmcache_cached_tokens"] == expected  # from LMCache (the disk tier)
+        assert stats["num_lmcache_cached_tokens"] == want  # from LMCache (the disk tier)
         assert stats["num_vllm_cached_tokens"] == 0
     print("\nrewrites (divergence, hit, expected):", seen)
     # Where snapshots are sparse the hit is the snapshot, not the chunk below the divergence.
-    assert seen[-1][1] < 7000 // CHUNK * CHUNK
+    assert seen[-1][1] < 18 * chunk
 
 
 @needs_live
@@ -295,22 +321,50 @@ def test_settings_that_cannot_produce_the_boundaries_stop_the_engine(
         EngineProcess(kwargs, workdir=tmp_path, name="bad").close()
     message = str(err.value)
     assert "SettingsError" in message and "--max-num-batched-tokens" in message
-    assert "384..767" in message
+    assert f"{stack.chunk}..{2 * stack.chunk - 1}" in message
 
 
 @needs_live
-def test_without_a_histate_server_module_the_connector_plans_locally(tmp_path: Path) -> None:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any
+) -> None:
+    """An explicit chunk_size that disagrees with the engine fails at vLLM start, naming
+    both numbers and the fix (1.5 blocks: 576 with C = 384, 384 with C = 256)."""
+    from lmcache_histate.backends.engine_proc import EngineError, EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
 
-    model = ensure_tiny_model(seed=0, cache_dir=tmp_path / "models")
-    prompt = session_prompts()[1][: 10 * CHUNK + 50]
+    chunk = tiny_layout.block_size
+    wrong = chunk * 3 // 2
     with (
         lmcache_server(server_module_arg(CPU_MODULE), workdir=tmp_path / "server",
-                       chunk_size=CHUNK, l1_size_gb=0.1) as server,
-        EngineProcess(engine_kwargs(model, kv_transfer_config=connector_config(
-            server.endpoints.zmq_port)), workdir=tmp_path, name="engine") as engine,
+                       chunk_size=wrong, l1_size_gb=0.1) as server,
+        pytest.raises(EngineError) as err,
+    ):
+        EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk,
+                                    kv_transfer_config=connector_config(
+                                        server.endpoints.zmq_port)),
+                      workdir=tmp_path, name="engine", block_size=chunk).close()
+    message = str(err.value)
+    assert f"chunk size {wrong}" in message and f"multiple of {chunk}" in message
+    assert "chunk_size: auto" in message
+
+
+@needs_live
+def test_without_a_histate_server_module_the_connector_plans_locally(
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any
+) -> None:
+    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from support.lmcache_mp import lmcache_server
+
+    chunk = tiny_layout.block_size
+    prompt = session_prompts(chunk)[1][: 10 * chunk + 50]
+    with (
+        lmcache_server(server_module_arg(CPU_MODULE), workdir=tmp_path / "server",
+                       chunk_size=chunk, l1_size_gb=0.1) as server,
+        EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk,
+                                    kv_transfer_config=connector_config(
+                                        server.endpoints.zmq_port)),
+                      workdir=tmp_path, name="engine", block_size=chunk) as engine,
     ):
         out = engine.generate(prompt, kv_transfer_params={"histate_saves": True}, reset=True)
         saves = out["kv_transfer_params"]["histate_saves"]
@@ -320,8 +374,12 @@ def test_without_a_histate_server_module_the_connector_plans_locally(tmp_path: P
         objects = server.l1_object_count()
     log = engine.log_path.read_text(errors="replace")
     assert log.count("has no active HiState module") == 1  # logged once
-    # N_s of what vLLM allocated: 3 GDN layers x 137,216 B / 512 B of KV per token.
-    planner = LocalPlanner(CHUNK, 3 * 137_216 / 512)
+    # The local planner uses N_s of what vLLM allocated (state content, no padding):
+    # C = 384: 3 x 137,216 B / 512 B per token = 804; L = 10C = 3840, F = 1:
+    #   cost(6C) = 1152 + 804 x 3840 / 2304 = 2492.0 < cost(7C) = 1344 + 1148.6 = 2492.6.
+    # C = 256: 3 x 71,680 / 512 = 420; L = 2560: cost(5C) = 640 + 840 = 1480,
+    #   cost(6C) = 768 + 700 = 1468, cost(7C) = 896 + 600 = 1496.
+    # Both: every 6 chunks, then the final: [6C, 10C].
     assert saves["source"] == "local"
-    assert saves["plan"] == saves["kept"] == planner.plan(0, len(prompt))
-    assert objects == 10 + len(saves["plan"])  # every chunk's KV + the planned states
+    assert saves["plan"] == saves["kept"] == [6 * chunk, 10 * chunk]
+    assert objects == 10 + 2  # every chunk's KV + the planned states

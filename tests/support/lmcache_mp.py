@@ -271,7 +271,7 @@ def lmcache_server(
     extra_args: Sequence[str] = (),
     *,
     workdir: Path,
-    chunk_size: int = 16,
+    chunk_size: int | None = 16,
     l1_size_gb: float = 0.05,
     eviction_policy: str = "LRU",
     separate_object_groups: bool = True,
@@ -285,7 +285,8 @@ def lmcache_server(
     Args:
         extra_args: Further CLI flags, e.g. ``["--l2-adapter", json.dumps({...})]``.
         workdir: Directory for the server's cwd and log file (a pytest ``tmp_path``).
-        chunk_size: ``--chunk-size`` (tokens per LMCache chunk).
+        chunk_size: ``--chunk-size`` (tokens per LMCache chunk); None passes none (the
+            HiState launcher then takes its YAML's value, e.g. ``auto``).
         l1_size_gb: ``--l1-size-gb``.
         eviction_policy: ``--eviction-policy`` (L1).
         separate_object_groups: pass ``--separate-object-groups`` (needed for hybrid models).
@@ -312,8 +313,7 @@ def lmcache_server(
         host,
         "--http-port",
         str(endpoints.http_port),
-        "--chunk-size",
-        str(chunk_size),
+        *(["--chunk-size", str(chunk_size)] if chunk_size is not None else []),
         "--l1-size-gb",
         str(l1_size_gb),
         "--eviction-policy",
