@@ -11,6 +11,11 @@ must never run on a folder that holds other things unless told to. Rules (``clai
   its own layout (shard folders ``00``..``ff`` and its own file-name patterns), so other
   files in an adopted folder survive.
 
+While a tier uses the folder it holds an exclusive ``flock`` on the marker (``hold``;
+released when it closes or its process dies): a second server on the same folder would
+delete the first one's temporary files at its start scan and double-count its bytes, so
+it is refused.
+
 ``capacity_limit`` is the other half: the bytes the tier can really hold on its
 filesystem (what it already holds plus the free space), used at start and after ENOSPC.
 
@@ -20,13 +25,17 @@ starts, the adapter claims it when the server builds the tier.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
 
 from . import diskfile as df
 
-__all__ = ["MARKER", "FolderError", "capacity_limit", "check_claim", "claim", "held_bytes"]
+__all__ = [
+    "MARKER", "FolderError", "capacity_limit", "check_claim", "check_free", "claim",
+    "held_bytes", "hold",
+]
 
 MARKER = ".histate-disk"
 _MARKER_BODY = {"format": "histate-disk", "layout": 1}
@@ -90,6 +99,30 @@ def claim(root: Path, *, adopt: bool) -> str:
         tmp.write_text(json.dumps(_MARKER_BODY) + "\n")
         os.replace(tmp, root / MARKER)
     return found
+
+
+def hold(root: Path) -> int:
+    """Lock ``root``'s marker for as long as the returned fd stays open.
+
+    Raises:
+        FolderError: another tier (a running server) holds it.
+    """
+    fd = os.open(root / MARKER, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FolderError(
+            f"{str(root)!r} is in use by another HiState disk tier (a running server); "
+            "give each server its own disk_path"
+        ) from None
+    return fd
+
+
+def check_free(root: Path) -> None:
+    """Raise ``FolderError`` if a running tier holds ``root`` (no-op without a marker)."""
+    if (root / MARKER).exists():
+        os.close(hold(root))
 
 
 def held_bytes(root: Path) -> int:

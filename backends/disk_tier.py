@@ -34,6 +34,7 @@ capacity-bounded disk tier: LMCache's own L2 eviction can then manage it
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -51,7 +52,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
 from . import diskfile as df
-from .disk_folder import FolderError, claim
+from .disk_folder import FolderError, claim, hold
 from .disk_keys import to_key, to_oid
 from .disk_tier_config import HiStateDiskAdapterConfig
 from .disk_writes import CapacityListener, DiskWritesMixin
@@ -97,6 +98,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self.root = Path(config.path)
         try:
             claimed = claim(self.root, adopt=config.adopt)
+            self._folder_fd: int | None = hold(self.root)
         except FolderError as exc:
             raise ValueError(f"HiState disk tier path {exc}") from None
         self._lock = threading.Lock()
@@ -387,4 +389,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()
+        fd, self._folder_fd = self._folder_fd, None
+        if fd is not None:
+            os.close(fd)  # releases the folder for the next server
         logger.info("HiState disk tier at %s closed", self.root)

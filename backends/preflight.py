@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmcache_histate.config import ConfigError, HiStateConfig
 
-from .disk_folder import FolderError, capacity_limit, check_claim, held_bytes
+from .disk_folder import FolderError, capacity_limit, check_claim, check_free, held_bytes
 
 __all__ = ["check", "check_disk", "check_listen"]
 
@@ -68,6 +68,7 @@ def check_disk(cfg: HiStateConfig) -> None:
     if path.exists():
         try:
             check_claim(path, adopt=cfg.disk_adopt)
+            check_free(path)
         except FolderError as exc:
             raise ConfigError(f"disk_path: {exc}") from None
     held = held_bytes(path) if path.exists() else 0

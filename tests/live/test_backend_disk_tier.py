@@ -329,3 +329,20 @@ def test_every_write_task_completes_and_each_cause_is_logged_once(
         assert a.stats["not_persisted_error"] == 1
     finally:
         a.close()
+
+
+def test_a_folder_serves_one_tier_at_a_time(tmp_path: Path) -> None:
+    """A second tier on a folder in use is refused (its start scan would delete the first
+    one's temporary files); once the first closes, the folder is free again."""
+    a = adapter(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="is in use by another HiState disk tier"):
+            adapter(tmp_path)
+        assert store(a, [key(1)], [b"still mine"])  # the refusal touched nothing
+    finally:
+        a.close()
+    b = adapter(tmp_path)
+    try:
+        assert lookup(b, [key(1)]) == [0]
+    finally:
+        b.close()

@@ -115,3 +115,16 @@ def test_read_only_filesystem_is_one_line(tmp_path: Path) -> None:
         rc, stderr, _ = start(tmp_path, disk_path=str(mount / "disk"))
     assert rc == 2
     assert f"disk_path: '{mount}' is on a read-only filesystem" in one_line(stderr)
+
+
+def test_a_disk_folder_in_use_is_one_line(tmp_path: Path) -> None:
+    from lmcache_histate.backends.disk_tier import HiStateDiskAdapter
+
+    disk = tmp_path / "disk"
+    tier = HiStateDiskAdapter({"path": str(disk), "capacity_bytes": 1 << 20})
+    try:
+        rc, stderr, _ = start(tmp_path)
+    finally:
+        tier.close()
+    assert rc == 2
+    assert f"disk_path: '{disk}' is in use by another HiState disk tier" in one_line(stderr)
