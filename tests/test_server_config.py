@@ -173,3 +173,17 @@ def test_command_line_host_override_is_held_to_the_same_rule() -> None:
     cfg = parse_config(VALID)
     with pytest.raises(ConfigError, match=r"host: '0\.0\.0\.0' is not a loopback address"):
         cfg.with_overrides(host="0.0.0.0")
+
+
+def test_the_connector_is_told_where_the_secret_is(tmp_path: Path) -> None:
+    from lmcache_histate.backends.launcher import disk_adapter_spec, kv_transfer_config
+
+    path = _token(tmp_path, "s3cret-" * 4, 0o600)
+    cfg = parse_config({**VALID, "auth_token_file": str(path), "disk_adopt": True})
+    extra = kv_transfer_config(cfg)["kv_connector_extra_config"]
+    assert extra["histate.auth_token_file"] == str(path)
+    assert "s3cret" not in repr(kv_transfer_config(cfg))  # the path, never the secret
+    assert disk_adapter_spec(cfg)["adapter_params"]["adopt"] is True
+    assert "histate.auth_token_file" not in kv_transfer_config(parse_config(VALID))[
+        "kv_connector_extra_config"
+    ]
