@@ -101,25 +101,33 @@ def _reset_prefix_cache(base_url: str, tries: int = 50) -> None:
     raise RuntimeError(f"{url} kept refusing the reset")
 
 
-async def greedy_logprobs(base_url: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                          top: int, reset: bool = False) -> list[dict[str, Any]]:
-    """Greedy completions with top-``top`` logprobs, one request at a time (the guard);
-    ``reset``: empty vLLM's prefix cache before each prompt (the reference)."""
+async def greedy_logprobs(base_url: str, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                          *, max_tokens: int, top: int, reset: bool) -> list[dict[str, Any]]:
+    """The correctness guard, one request at a time: for each (seed, check) pair send the
+    seed prompt (it stores its prefix), then -- with ``reset`` -- empty vLLM's own prefix
+    cache (which also waits until the seed's KV transfers are done), then the check prompt,
+    greedy, with top-``top`` logprobs and its cached tokens. Without a connector ``reset``
+    makes the check compute from zero (the reference); with one, its hit must come from the
+    connector's tiers."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="none", timeout=600.0, max_retries=0)
     out = []
     try:
-        for prompt in prompts:
+        for seed, check in pairs:
+            await client.completions.create(model="tiny", prompt=list(seed), max_tokens=1,
+                                            temperature=0.0)
             if reset:
                 await asyncio.to_thread(_reset_prefix_cache, base_url)
             response = await client.completions.create(
-                model="tiny", prompt=list(prompt), max_tokens=max_tokens, temperature=0.0,
+                model="tiny", prompt=list(check), max_tokens=max_tokens, temperature=0.0,
                 logprobs=top, extra_body={"return_tokens_as_token_ids": True},
             )
             choice = response.choices[0]
+            details = response.usage.prompt_tokens_details if response.usage else None
             out.append({"text": choice.text, "tokens": choice.logprobs.tokens,
-                        "top_logprobs": choice.logprobs.top_logprobs})
+                        "top_logprobs": choice.logprobs.top_logprobs,
+                        "cached_tokens": int(details.cached_tokens or 0) if details else 0})
     finally:
         await client.close()
     return out

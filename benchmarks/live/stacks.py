@@ -23,6 +23,8 @@ NOTE 2 (stock LMCache on CPU): LMCache's own connector cannot serve a hybrid mod
 (engine-driven transfer refuses several KV groups; shared-memory views; see docs/vllm-cpu.md),
 so the stock stack uses HiStateConnector with interval saves off -- stock LMCache's saving
 rule -- and the stock server (LMCache LRU, no HiState module).
+NOTE 3 (dev mode): every stack runs with ``VLLM_SERVER_DEV_MODE=1`` so the correctness guard
+can empty vLLM's own prefix cache between its requests; the replay never calls those routes.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
     # The reference has the same flags as `vllm` (same kernels, same steps); its prefix cache
     # is reset before every guard prompt through the dev endpoint, so it computes from zero.
     base = _vllm_argv(model, port, layout, max_model_len, budget, caching=True)
-    env = {"VLLM_SERVER_DEV_MODE": "1"} if key == "reference" else None
+    # Dev mode for POST /reset_prefix_cache, which the correctness guard needs (NOTE 3).
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
     server: ServerProcess | None = None
     attempts: list[tuple[str, list[str]]]
     if key in ("vllm", "reference"):
