@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the numbers printed at the end to this file")
     parser.add_argument("--timeout", type=float, default=420, help="start-up limit, seconds")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the `with process(...)` blocks below stop both servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     from lmcache_histate.backends.tiny_model import ensure_tiny_model
 
@@ -171,7 +173,7 @@ def converse(base: str, words: int, histate_http: str) -> dict[str, Any]:
     """Three chat completions; per turn the prompt and cached tokens the server reports."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=base + "/v1", api_key="unused")
+    client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
     rng = random.Random(0)
     task = " ".join(rng.choices(TEXT.split(), k=words))
     messages = [{"role": "system", "content": "You are a coding agent."},

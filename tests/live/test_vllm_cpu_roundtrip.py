@@ -211,7 +211,8 @@ def test_tiny_model_is_deterministic_and_parses(tmp_path: Path) -> None:
     second = ensure_tiny_model(seed=3, cache_dir=tmp_path / "b")
     assert first.name == second.name  # cache key = content hash
     assert ensure_tiny_model(seed=3, cache_dir=tmp_path / "a") == first  # cached
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     other = ensure_tiny_model(seed=4, cache_dir=tmp_path / "a")
     assert other != first
