@@ -35,6 +35,9 @@ is unchanged. What it adds:
   default is the engine-driven path, which rejects more than one KV group, i.e. every hybrid
   model), and, before LMCache registers vLLM's KV caches, the whole KV storage moved into named
   shared memory in place, with LMCache's CPU wrapper describing each (strided) view of it.
+  Importing this module patches nothing. An in-process ``vllm.LLM`` on CPU
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs ``upstream.install_vllm_cpu_inprocess_fix()``
+  called before it is built (``engine_proc`` does); ``histate serve`` / ``vllm serve`` do not.
 
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
@@ -77,12 +80,6 @@ if TYPE_CHECKING:
 __all__ = ["HiStateConnector"]
 
 logger = logging.getLogger(__name__)
-
-# vLLM imports this module while it builds its config, i.e. before an in-process worker starts
-# (VLLM_ENABLE_V1_MULTIPROCESSING=0) and after lmcache (hence numba/llvmlite) is loaded: install
-# the CPU start-up fix now, or the worker dies in vllm/triton_utils/dispatcher.py. No-op on GPUs.
-if cpu_support.is_cpu_platform():
-    cpu_support.install_vllm_cpu_inprocess_fix()
 
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
 INTERVAL_SAVES_KEY = "histate.interval_saves"

@@ -3,7 +3,7 @@
 Used by the demo (``backends/demo.py``) and the live vLLM tests. Why a child process: vLLM
 binds CPU threads and keeps global state, a crashed engine must not take its caller down, two
 configurations (HiState and a baseline) must not share one process, and the child controls
-its import order (``cpu_support.install_vllm_cpu_inprocess_fix`` before vLLM resolves the
+its import order (``upstream.install_vllm_cpu_inprocess_fix`` before vLLM resolves the
 LMCache connector). The engine itself runs in-process inside the child
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: start-up in seconds).
 
@@ -322,10 +322,8 @@ def child_main(argv: list[str] | None = None) -> int:
     try:
         kwargs = json.loads(Path(args.spec).read_text())
         # Before vLLM resolves the LMCache connector (which imports numba/llvmlite).
-        from lmcache_histate.backends.cpu_support import (
-            install_vllm_cpu_inprocess_fix,
-            is_cpu_platform,
-        )
+        from lmcache_histate.backends.cpu_support import is_cpu_platform
+        from lmcache_histate.backends.upstream import install_vllm_cpu_inprocess_fix
 
         if is_cpu_platform():
             install_vllm_cpu_inprocess_fix()

@@ -25,15 +25,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "serve_openai.py"
 
 needs_live = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("vllm", "lmcache", "openai")),
@@ -44,20 +38,12 @@ needs_live = pytest.mark.skipif(
 @needs_live
 @pytest.mark.timeout(600)
 def test_chat_completions_through_histate_server_reuse_the_prefix(tmp_path: Path) -> None:
+    from support.examples import run_example
+
     out = tmp_path / "result.json"
-    env = {**os.environ, "HISTATE_CACHE_DIR": str(tmp_path / "models")}
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path / "work"), "--json", str(out),
-         "--timeout", "400"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-    )
-    try:
-        log, _ = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the example stops its servers on SIGTERM
-        log, _ = proc.communicate(timeout=60)
-        pytest.fail(f"example still running after 540 s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
+    run_example("serve_openai.py",
+                ["--workdir", str(tmp_path / "work"), "--json", str(out), "--timeout", "400"],
+                env={"HISTATE_CACHE_DIR": str(tmp_path / "models")}, timeout=540, cwd=tmp_path)
     result = json.loads(out.read_text())
     chunk = result["chunk_tokens"]
     first, repeat, second = result["turns"]

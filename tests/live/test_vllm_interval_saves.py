@@ -60,7 +60,8 @@ TURN_CHUNKS = 7
 TAIL = 40
 FACTORS = (1.0, 0.05, 20.0)
 MAX_MODEL_LEN = 8192
-PRESSURE_MODULE = "lmcache_histate.backends.pressure_override"
+PRESSURE_MODULE = "pressure_override"
+"""Test-only server module in tests/support (on the server's PYTHONPATH)."""
 # Pure checks (no engine): 384 is an arbitrary block size for the arithmetic below; the live
 # tests take the engine's block size from ``tiny_layout``.
 CHUNK = 384
@@ -182,7 +183,7 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_layout: Any
 ) -> Iterator[Stack]:
     from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
-    from support.lmcache_mp import lmcache_server
+    from support.lmcache_mp import lmcache_server, support_pythonpath
 
     work = tmp_path_factory.mktemp("interval")
     chunk = tiny_layout.block_size
@@ -192,7 +193,7 @@ def stack(
     with (
         lmcache_server(server_module_arg(PRESSURE_MODULE), workdir=work / "server",
                        chunk_size=None, l1_size_gb=0.1, command=command,
-                       startup_timeout=180) as server,
+                       startup_timeout=180, env=support_pythonpath()) as server,
         EngineProcess(
             engine_kwargs(tiny_model, chunk_tokens=chunk, max_model_len=MAX_MODEL_LEN,
                           kv_transfer_config=connector_config(server.endpoints.zmq_port)),

@@ -65,6 +65,18 @@ NULL_BLOCK = 0
 # LMCache phones home for usage telemetry by default; tests must not (and cannot) reach out.
 QUIET_ENV: Mapping[str, str] = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
+SUPPORT_DIR = Path(__file__).resolve().parent
+"""``tests/support``: test-only server modules (``pressure_override``, ``zero_restore_hook``)
+live here, outside the installed package; a server that loads them needs this folder on its
+``PYTHONPATH`` (:func:`support_pythonpath`)."""
+
+
+def support_pythonpath() -> dict[str, str]:
+    """Environment for a server subprocess that loads test-only server modules by their
+    top-level names: ``PYTHONPATH`` = ``tests/support`` + the current one."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([str(SUPPORT_DIR), *paths])}
+
 
 class LMCacheServerError(RuntimeError):
     """The server failed to start, died, or answered an HTTP call with an error."""
