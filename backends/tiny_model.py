@@ -2,7 +2,7 @@
 
 Why: the live tests and the demo need a real hybrid (GatedDeltaNet + full attention) model that
 vLLM's CPU build can serve in seconds, and nothing may be downloaded. ``Qwen3NextForCausalLM`` has
-the same GDN layer as Qwen3.5 without the Qwen3.5 classes' torchvision import (DESIGN.md §4).
+the same GDN layer as Qwen3.5 without the Qwen3.5 classes' torchvision import (docs/design.md §5.3).
 
 What is generated, deterministically from ``seed`` (same seed -> byte-identical files):
 

@@ -1,13 +1,14 @@
 """Real LMCache multiprocess-mode harness: a ``lmcache server`` subprocess and an engine client.
 
 Why this exists: hybrid (attention + recurrent) state reaches LMCache storage only in MP mode
-(DESIGN.md §4), so every live test of the HiState backend needs (a) a real ``lmcache server`` on
-free localhost ports and (b) something that behaves like vLLM's ``LMCacheMPConnector`` worker:
-it registers paged KV buffers for two object groups, stores chunks, looks prefixes up and
-retrieves them. Starting vLLM for that is slow and hides the protocol; this module drives the
-same protocol with LMCache's own client classes (``RequestClientFactory``,
-``create_transfer_context(mode="lmcache_driven")``, ``IPCCacheServerKey``, ``EngineGroupInfo``)
-on small CPU tensors, so a test can assert byte equality of what comes back.
+(docs/design.md §5.1), so every live test of the HiState backend needs (a) a real ``lmcache
+server`` on free localhost ports and (b) something that behaves like vLLM's
+``LMCacheMPConnector`` worker: it registers paged KV buffers for two object groups, stores
+chunks, looks prefixes up and retrieves them. Starting vLLM for that is slow and hides the
+protocol; this module drives the same protocol with LMCache's own client classes
+(``RequestClientFactory``, ``create_transfer_context(mode="lmcache_driven")``,
+``IPCCacheServerKey``, ``EngineGroupInfo``) on small CPU tensors, so a test can assert byte
+equality of what comes back.
 
 Nothing here is mocked: the server is the stock ``lmcache`` CLI (or any command that wraps it,
 e.g. the project's launcher), the buffers are shared with the server through POSIX shared
