@@ -37,7 +37,7 @@ is unchanged. What it adds:
   shared memory in place, with LMCache's CPU wrapper describing each (strided) view of it.
   Importing this module patches nothing. An in-process ``vllm.LLM`` on CPU
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs ``upstream.install_vllm_cpu_inprocess_fix()``
-  called before it is built (``engine_proc`` does); ``histate serve`` / ``vllm serve`` do not.
+  called before it is built (``demo.engine_proc`` does); ``histate serve`` / ``vllm serve`` do not.
 
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).

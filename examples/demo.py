@@ -16,8 +16,8 @@ Options worth changing: ``--sessions`` / ``--requests`` (replay size), ``--cache
 pressure), ``--gap`` (seconds between requests), ``--workdir`` (keep configs, logs and disk
 tiers), ``--json FILE`` (all numbers). ``--help`` lists them all.
 
-The demo's code is ``lmcache_histate.backends.demo`` (runs and report) with its workload in
-``demo_workload``; to replay your own prompts, start from ``run_variant`` there.
+The demo's code is the package ``lmcache_histate.backends.demo`` (``workload``, ``runs``,
+``report``); to replay your own prompts, start from ``runs.run_variant``.
 """
 
 from __future__ import annotations

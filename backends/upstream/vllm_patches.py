@@ -2,7 +2,7 @@
 
 * :func:`install_vllm_cpu_inprocess_fix` -- bug in vLLM's CPU kernel-override registration
   that kills the in-process engine once llvmlite is loaded. Called by the engine child
-  (``engine_proc``) before it builds ``vllm.LLM``; a program that runs ``vllm.LLM``
+  (``demo.engine_proc``) before it builds ``vllm.LLM``; a program that runs ``vllm.LLM``
   in-process on CPU with ``HiStateConnector`` calls it the same way, first thing. Servers
   started with ``histate serve`` / ``vllm serve`` do not need it (their engine core is a
   spawned process that imports lmcache only after the registration).

@@ -3,7 +3,7 @@
 Real parts only: ``histate-server`` (the project's launcher around ``lmcache server``: the
 HiState disk tier, store policy, eviction hooks and server module, plus the CPU server module)
 and vLLM's CPU offline engine (``vllm.LLM`` in a child process, see
-``lmcache_histate.backends.engine_proc``) serving the tiny random-weight
+``lmcache_histate.backends.demo.engine_proc``) serving the tiny random-weight
 ``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.tiny_model`` with ``HiStateConnector``
 (LMCache's MP connector + interval-driven saves + CPU support).
 
@@ -244,7 +244,7 @@ def test_engine_layout_probe_matches_the_running_engine(
 ) -> None:
     """What ``engine_facts.probe`` says vLLM will allocate is what a started engine allocates,
     and the core geometry built from it has the engine's state dtypes and sizes."""
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
 
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
@@ -284,7 +284,7 @@ def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None
 def test_restored_prefix_is_bit_identical_to_recompute(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any
 ) -> None:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
 
     row = layout_of(tiny_layout)

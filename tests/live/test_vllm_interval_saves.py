@@ -182,7 +182,7 @@ class Stack:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_layout: Any
 ) -> Iterator[Stack]:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
 
     work = tmp_path_factory.mktemp("interval")
@@ -312,7 +312,7 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
 def test_settings_that_cannot_produce_the_boundaries_stop_the_engine(
     stack: Stack, tmp_path: Path
 ) -> None:
-    from lmcache_histate.backends.engine_proc import EngineError, EngineProcess
+    from lmcache_histate.backends.demo.engine_proc import EngineError, EngineProcess
 
     # The running engine's configuration (same model, same server), with a step budget of
     # 2,048 tokens: prefill steps would skip chunk boundaries.
@@ -331,7 +331,7 @@ def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
 ) -> None:
     """An explicit chunk_size that disagrees with the engine fails at vLLM start, naming
     both numbers and the fix (1.5 blocks: 576 with C = 384, 384 with C = 256)."""
-    from lmcache_histate.backends.engine_proc import EngineError, EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineError, EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
 
     chunk = tiny_layout.block_size
@@ -354,7 +354,7 @@ def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
 def test_without_a_histate_server_module_the_connector_plans_locally(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any
 ) -> None:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
 
     chunk = tiny_layout.block_size

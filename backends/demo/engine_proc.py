@@ -1,6 +1,6 @@
 """A vLLM offline engine (``vllm.LLM``) in a child process, driven over a pipe.
 
-Used by the demo (``backends/demo.py``) and the live vLLM tests. Why a child process: vLLM
+Used by the demo (``backends/demo/runs.py``) and the live vLLM tests. Why a child process: vLLM
 binds CPU threads and keeps global state, a crashed engine must not take its caller down, two
 configurations (HiState and a baseline) must not share one process, and the child controls
 its import order (``upstream.install_vllm_cpu_inprocess_fix`` before vLLM resolves the
@@ -22,7 +22,7 @@ pipe (vLLM logs to stdout/stderr, which go to a log file). Commands:
   plus the HiState connector's counters;
 * ``{"op": "exit"}``.
 
-Run as ``python -m lmcache_histate.backends.engine_proc --spec FILE --reply-fd N``.
+Run as ``python -m lmcache_histate.backends.demo.engine_proc --spec FILE --reply-fd N``.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class EngineProcess:
         self._log = self.log_path.open("wb")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lmcache_histate.backends.engine_proc",
+                [sys.executable, "-m", "lmcache_histate.backends.demo.engine_proc",
                  "--spec", str(spec), "--reply-fd", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
                 env=child_env, cwd=work, pass_fds=(write_fd,),
