@@ -20,8 +20,8 @@ The deployment of docs/deployment.md, on the tiny generated hybrid model and thi
    tokens vLLM did not compute;
 4. prints per turn prompt/cached tokens and what both servers count, and stops them.
 
-Copy it and change ``MODEL`` / the configuration for your own model; on a GPU drop the
-CPU-sized ``--kv-cache-memory-bytes`` and ``--enforce-eager``.
+Copy it and change ``model`` and the configuration in ``main`` for your own model; on a GPU
+drop the CPU-sized ``--kv-cache-memory-bytes`` and ``--enforce-eager``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -129,6 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_tiny_model()  # ~/.cache/lmcache-histate/tiny-qwen3-next-<hash>/
     work = Path(args.workdir or tempfile.mkdtemp(prefix="histate-serve-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        result = serve_and_converse(model, work, args.words, args.timeout)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def serve_and_converse(model: Path, work: Path, words: int, timeout: float) -> dict[str, Any]:
+    """Start both servers (stopped on the way out, whatever happens), then converse."""
     vllm_port, zmq_port, http_port = free_port(), free_port(), free_port()
 
     # 1. The server: configs/histate.yaml's keys, sized for a laptop. chunk_size: auto asks
@@ -144,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                  QUIET) as server:
         flags_line = wait_for(server, server_log, lambda: re.search(
             r"^vLLM flags: (.*)$", server_log.read_text(), re.MULTILINE), "histate-server",
-            args.timeout)
+            timeout)
         vllm_flags = shlex.split(flags_line.group(1))
         wait_for(server, server_log, lambda: "healthy" in get(
-            f"http://127.0.0.1:{http_port}/healthcheck"), "histate-server", args.timeout)
+            f"http://127.0.0.1:{http_port}/healthcheck"), "histate-server", timeout)
         print("histate-server ready; vLLM flags:", shlex.join(vllm_flags))
 
         # 2. vLLM with the printed flags. VLLM_SERVER_DEV_MODE exposes /reset_prefix_cache,
@@ -159,14 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         vllm_log = work / "vllm.log"
         with process(serve, vllm_log, {**QUIET, "VLLM_SERVER_DEV_MODE": "1"}) as vllm:
             base = f"http://127.0.0.1:{vllm_port}"
-            wait_for(vllm, vllm_log, lambda: get(base + "/health") == "", "vLLM", args.timeout)
+            wait_for(vllm, vllm_log, lambda: get(base + "/health") == "", "vLLM", timeout)
             print("vLLM ready at", base)
-            result = converse(base, args.words, f"http://127.0.0.1:{http_port}")
-
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+            return converse(base, words, f"http://127.0.0.1:{http_port}")
 
 
 def converse(base: str, words: int, histate_http: str) -> dict[str, Any]:
