@@ -72,6 +72,7 @@ if TYPE_CHECKING:
         KVConnectorMetadata,
         KVConnectorRole,
     )
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -104,6 +105,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         self._histate_cpu = cpu_support.is_cpu_platform()
+        self._histate_block_pool: BlockPool | None = None  # bind_gpu_block_pool (scheduler)
         extra: dict[str, Any] = {}
         if vllm_config.kv_transfer_config is not None:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -156,6 +158,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         super().register_kv_caches(kv_caches)
 
     # ============================================================ scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's hook handing the scheduler's block pool to the connector: keep our own
+        reference (state blocks are pinned in it, ``_pin``) instead of reading LMCache's
+        private attribute, then let LMCache bind it too."""
+        self._histate_block_pool = gpu_block_pool
+        super().bind_gpu_block_pool(gpu_block_pool)
 
     def _init_interval_saves(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
         from vllm.v1.core.sched.output import SchedulerOutput
@@ -327,7 +336,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         the server copies a STORE asynchronously, so without the reference another request
         could overwrite the block before the copy.
         """
-        pool = getattr(self, "_gpu_block_pool", None)
+        pool = self._histate_block_pool
         if pool is None or block_id == 0:
             if pool is None:
                 self._count("states_unpinned")
@@ -341,7 +350,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             saves = self._saves.pop(request_id, None)
         if saves is None or not saves.pinned:
             return
-        pool = getattr(self, "_gpu_block_pool", None)
+        pool = self._histate_block_pool
         if pool is not None:
             pool.free_blocks([pool.blocks[b] for b in saves.pinned])
         saves.pinned.clear()
