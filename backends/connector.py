@@ -65,6 +65,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
 )
 
+from lmcache_histate.exposure import read_secret
+
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
@@ -85,6 +87,8 @@ logger = logging.getLogger(__name__)
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
 INTERVAL_SAVES_KEY = "histate.interval_saves"
 PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
+AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
+"""The server's shared-secret file (the launcher prints its path, never the secret)."""
 PLAN_METHOD = "histate.plan"
 REPORT_PARAM = "histate_saves"
 
@@ -124,6 +128,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     chosen,
                 )
         self._saves_enabled = _truthy(extra.get(INTERVAL_SAVES_KEY, True))
+        token_file = extra.get(AUTH_TOKEN_FILE_KEY)
+        self._rpc_token = read_secret(token_file) if token_file else None
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         except ValueError as exc:
@@ -230,6 +236,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 
         client = next(iter(self.scheduler_adapter.req_clients.values()))
+        if self._rpc_token is not None:  # a server with a shared secret (docs/deployment.md)
+            payload = {**payload, "token": self._rpc_token}
         request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
         return client.server_module_call(request).result(timeout)
 

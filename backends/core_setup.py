@@ -7,6 +7,7 @@ recurrent object groups gets the core; the others are left to the fallback LRU i
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
@@ -57,10 +58,8 @@ class CoreSetupMixin:
         cfg = self.cfg
         disk_capacity = cfg.disk_bytes
         if self.adapter is not None:
-            disk_capacity = self.adapter.config.capacity_bytes
-        # The core counts payload bytes; files also carry a header (diskfile).
-        header = df.header_size(df.ObjectId(model_name, 0, 0, b"\0" * 32), b"\0" * 32) + 64
-        disk_core = disk_capacity - header * (disk_capacity // (min(kv, snap) + header))
+            disk_capacity = self.adapter.capacity_bytes()
+        disk_core = _payload_capacity(disk_capacity, model_name, min(kv, snap))
         cache_cfg = CacheConfig(
             chunk_tokens=self.chunk,
             kv_chunk_bytes=kv,
@@ -87,6 +86,42 @@ class CoreSetupMixin:
         )
         self._recover_from_disk()
         return self.core
+
+    def on_disk_capacity(self, disk_bytes: int) -> None:
+        """The disk tier's real capacity changed (ENOSPC, space freed): resize the core's.
+
+        NOTE 1: the core has no resize API (lmcache_histate/core is not the backends'
+        to change); its tiers are frozen ``TierSpec``s, so the disk one is replaced and
+        ``make_room(DISK, 0)`` evicts by lowest H until what it holds fits. Units that
+        cannot go (pinned by a request in flight) keep the capacity at what is held.
+        """
+        with self.lock:
+            core = self.core
+            if core is None or self.model is None:
+                return
+            store = core.store
+            target = _payload_capacity(
+                disk_bytes, self.model[0], min(self.kv_chunk_bytes, self.snapshot_bytes)
+            )
+            store.tiers = _with_capacity(store.tiers, DISK, target)
+            store.make_room(DISK, 0, self.clock())
+            if store.used[DISK] > target:  # pinned units stay; hold what is held
+                store.tiers = _with_capacity(store.tiers, DISK, store.used[DISK])
+            self.stats["disk_capacity_changes"] += 1
+            actions = self._take_actions()
+        self._run(actions)
+
+
+def _with_capacity(tiers: tuple[TierSpec, ...], tier: int, nbytes: int) -> tuple[TierSpec, ...]:
+    return tuple(
+        replace(spec, capacity=nbytes) if t == tier else spec for t, spec in enumerate(tiers)
+    )
+
+
+def _payload_capacity(disk_bytes: int, model_name: str, smallest_object: int) -> int:
+    """The core's disk capacity: it counts payload bytes; files also carry a header."""
+    header = df.header_size(df.ObjectId(model_name, 0, 0, b"\0" * 32), b"\0" * 32) + 64
+    return max(0, disk_bytes - header * (disk_bytes // (smallest_object + header)))
 
 
 def _layout_bytes(desc: Any) -> int:

@@ -9,12 +9,17 @@ found again after a restart) with what HiState needs on top:
 
 * a self-describing file format (``diskfile``: key, kind, prefix depth and parent,
   payload crc32), written tmp → fsync → rename;
-* an in-memory index rebuilt by scanning the folder at start (leftover temporaries and
-  invalid files removed), so lookups cost no I/O and byte accounting survives restarts
-  (``_notify_keys_stored`` / ``_notify_keys_deleted`` keep the base class counters);
-* a hard capacity: a write that would exceed it, or that the filesystem refuses (ENOSPC,
-  EIO), leaves the object "not persisted" — the task reports failure, the server keeps
-  running, and the HiState runtime is told per key;
+* a folder it owns (``disk_folder``: a marker written at first use; a foreign non-empty
+  folder is refused unless ``adopt``);
+* an in-memory index rebuilt by scanning its own layout at start (its leftover
+  temporaries and invalid files removed, nothing else touched), so lookups cost no I/O and
+  byte accounting survives restarts (``_notify_keys_stored`` / ``_notify_keys_deleted``
+  keep the base class counters);
+* a hard capacity that never exceeds what the filesystem holds (``disk_writes``): a
+  write that would exceed it, or that the filesystem refuses, leaves the object "not
+  persisted" — every task completes, the failure is counted and logged once per cause,
+  the HiState runtime is told per key, and ENOSPC lowers the capacity (the runtime's core
+  follows);
 * a torn or corrupted file found on load is a miss, never served, and is deleted;
 * per-key lookup locks: a delete that races a lookup→load waits for the unlock.
 
@@ -29,6 +34,7 @@ capacity-bounded disk tier: LMCache's own L2 eviction can then manage it
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -43,10 +49,13 @@ from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from . import diskfile as df
+from .disk_folder import FolderError, claim, hold
+from .disk_keys import to_key, to_oid
+from .disk_tier_config import HiStateDiskAdapterConfig
+from .disk_writes import CapacityListener, DiskWritesMixin
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -62,54 +71,6 @@ MetaProvider = Callable[[ObjectKey], ObjectMeta]
 WriteCallback = Callable[[list[ObjectKey], list[ObjectKey]], None]
 
 
-class HiStateDiskAdapterConfig(L2AdapterConfigBase):
-    """``adapter_params`` of the disk tier.
-
-    Fields: ``path`` (folder, created), ``capacity_bytes`` (> 0; hard limit on the sum of
-    file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true).
-    """
-
-    def __init__(
-        self, path: str, capacity_bytes: int, io_workers: int = 4, fsync: bool = True
-    ) -> None:
-        self.path = path
-        self.capacity_bytes = capacity_bytes
-        self.io_workers = io_workers
-        self.fsync = fsync
-
-    @classmethod
-    def from_dict(cls, d: dict) -> HiStateDiskAdapterConfig:
-        path = d.get("path")
-        if not isinstance(path, str) or not path:
-            raise ValueError("path must be a non-empty string")
-        cap = d.get("capacity_bytes")
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
-            raise ValueError(f"capacity_bytes must be a positive integer, got {cap!r}")
-        workers = d.get("io_workers", 4)
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
-            raise ValueError(f"io_workers must be a positive integer, got {workers!r}")
-        fsync = d.get("fsync", True)
-        if not isinstance(fsync, bool):
-            raise ValueError(f"fsync must be a boolean, got {fsync!r}")
-        unknown = sorted(set(d) - {"path", "capacity_bytes", "io_workers", "fsync"})
-        if unknown:
-            raise ValueError(
-                f"unknown adapter_params {unknown}; allowed: path, capacity_bytes, "
-                "io_workers, fsync"
-            )
-        return cls(path, cap, workers, fsync)
-
-    @classmethod
-    def help(cls) -> str:
-        return (
-            "HiState disk tier fields:\n"
-            "- path (str): folder for the object files (required)\n"
-            "- capacity_bytes (int): hard limit on bytes on disk (required)\n"
-            "- io_workers (int): I/O threads (default 4)\n"
-            "- fsync (bool): fsync each file before it is renamed into place (default true)"
-        )
-
-
 @dataclass(slots=True)
 class DiskEntry:
     """One object on disk."""
@@ -122,23 +83,7 @@ class DiskEntry:
     mtime: float
 
 
-def to_oid(key: ObjectKey) -> df.ObjectId:
-    return df.ObjectId(
-        key.model_name, key.kv_rank, key.object_group_id, key.chunk_hash, key.cache_salt
-    )
-
-
-def to_key(oid: df.ObjectId) -> ObjectKey:
-    return ObjectKey(
-        chunk_hash=oid.chunk_hash,
-        model_name=oid.model_name,
-        kv_rank=oid.kv_rank,
-        object_group_id=oid.object_group_id,
-        cache_salt=oid.cache_salt,
-    )
-
-
-class HiStateDiskAdapter(L2AdapterInterface):
+class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
     """One file per object under ``path``; thread-pool I/O; hard capacity."""
 
     def __init__(
@@ -151,7 +96,11 @@ class HiStateDiskAdapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=config.capacity_bytes)
         self.config = config
         self.root = Path(config.path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            claimed = claim(self.root, adopt=config.adopt)
+            self._folder_fd: int | None = hold(self.root)
+        except FolderError as exc:
+            raise ValueError(f"HiState disk tier path {exc}") from None
         self._lock = threading.Lock()
         self._index: dict[ObjectKey, DiskEntry] = {}
         self._locks: Counter[ObjectKey] = Counter()
@@ -166,6 +115,9 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self.meta_provider: MetaProvider | None = None
         self.write_listener: WriteCallback | None = None
         self.loss_listener: Callable[[list[ObjectKey]], None] | None = None
+        self.capacity_listener: CapacityListener | None = None
+        self._logged_causes: set[str] = set()
+        self._capacity_checked = 0.0
         self._closed = False
 
         t0 = time.monotonic()
@@ -186,11 +138,13 @@ class HiStateDiskAdapter(L2AdapterInterface):
         if keys:
             self._notify_keys_stored(keys, sizes)
         self.stats["restart_objects"] = len(keys)
+        self._recheck_capacity()  # never more than the filesystem can hold
         logger.info(
-            "HiState disk tier at %s: %d objects (%d bytes) recovered in %.2fs, "
-            "%d temporary and %d invalid files removed; capacity %d bytes",
-            self.root, len(keys), sum(sizes), time.monotonic() - t0,
-            result.removed_tmp, result.removed_corrupt, config.capacity_bytes,
+            "HiState disk tier at %s (%s folder): %d objects (%d bytes) recovered in %.2fs, "
+            "%d temporary and %d invalid files removed; capacity %d bytes (configured %d)",
+            self.root, claimed, len(keys), sum(sizes), time.monotonic() - t0,
+            result.removed_tmp, result.removed_corrupt, self.capacity_bytes(),
+            config.capacity_bytes,
         )
 
         self._store_efd = create_event_notifier()
@@ -233,10 +187,16 @@ class HiStateDiskAdapter(L2AdapterInterface):
         return done
 
     def _store_task(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        _ok_keys, failed, written = self._write_batch(keys, [o.byte_array for o in objects])
-        with self._lock:
-            self._store_done[tid] = L2StoreResult(not failed, written)
-        self._store_efd.notify()
+        result = L2StoreResult(False, 0)
+        try:
+            _ok_keys, failed, written = self._write_batch(keys, [o.byte_array for o in objects])
+            result = L2StoreResult(not failed, written)
+        except BaseException as exc:  # the task must complete whatever happened
+            self._not_persisted_all(keys, exc)
+        finally:
+            with self._lock:
+                self._store_done[tid] = result
+            self._store_efd.notify()
 
     def write_objects(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Any], done: WriteCallback
@@ -247,81 +207,24 @@ class HiStateDiskAdapter(L2AdapterInterface):
         thread).
         """
         def run() -> None:
-            ok, failed, _ = self._write_batch(list(keys), list(buffers))
-            done(ok, failed)
+            ok: list[ObjectKey] = []
+            failed = list(keys)
+            try:
+                ok, failed, _ = self._write_batch(list(keys), list(buffers))
+            except BaseException as exc:
+                self._not_persisted_all(keys, exc)
+            finally:
+                done(ok, failed)
 
         self._pool.submit(run)
 
-    def _write_batch(
-        self, keys: list[ObjectKey], buffers: list[Any]
-    ) -> tuple[list[ObjectKey], list[ObjectKey], int]:
-        ok: list[ObjectKey] = []
-        failed: list[ObjectKey] = []
-        stored: list[tuple[ObjectKey, int]] = []
-        written = 0
-        dirs: set[Path] = set()
-        for key, buf in zip(keys, buffers, strict=True):
-            view = memoryview(buf).cast("B")
-            kind, depth, parent = self._meta(key)
-            oid = to_oid(key)
-            size = df.header_size(oid, parent) + len(view)
-            with self._lock:
-                if key in self._index:
-                    ok.append(key)  # already persisted (objects are immutable)
-                    continue
-                if key in self._writing:
-                    ok.append(key)  # a concurrent writer owns it and reports its outcome
-                    continue
-                usage = self._total_bytes_used + self._reserved
-                if usage + size > self._max_capacity_bytes:
-                    self.stats["not_persisted_capacity"] += 1
-                    failed.append(key)
-                    continue
-                self._reserved += size
-                self._writing[key] = False
-            path = df.object_path(self.root, oid)
-            error: str | None = None
-            try:
-                df.write_object(
-                    path, oid, view, kind=kind, depth=depth, parent=parent,
-                    fsync=self.config.fsync,
-                )
-                dirs.add(path.parent)
-            except OSError as exc:
-                error = exc.strerror or str(exc)
-                self.stats["not_persisted_io_error"] += 1
-                logger.warning("HiState disk tier: %s not persisted: %s", path.name, error)
-            with self._lock:
-                self._reserved -= size
-                cancelled = self._writing.pop(key, False)
-                if error is None and not cancelled:
-                    self._index[key] = DiskEntry(size, len(view), kind, depth, parent, time.time())
-            if error is not None:
-                failed.append(key)
-            elif cancelled:
-                # Deleted while being written: it must not outlive its delete.
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                self.stats["writes_cancelled"] += 1
-                ok.append(key)
-            else:
-                stored.append((key, size))
-                ok.append(key)
-                written += len(view)
-        if self.config.fsync:
-            for d in dirs:
-                with contextlib.suppress(OSError):
-                    df.fsync_dir(d)
-        if stored:
-            self.stats["objects_written"] += len(stored)
-            self._notify_keys_stored([k for k, _ in stored], [s for _, s in stored])
-        listener = self.write_listener
-        if listener is not None:
-            try:
-                listener([k for k, _ in stored], failed)
-            except Exception:
-                logger.exception("HiState disk tier: write listener failed")
-        return ok, failed, written
+    def _not_persisted_all(self, keys: Sequence[ObjectKey], exc: BaseException) -> None:
+        """A whole batch failed before its objects were tried (e.g. a bad buffer)."""
+        for key in keys:
+            self._not_persisted(key, exc)
+
+    def _entry(self, size: int, payload: int, kind: int, depth: int, parent: bytes) -> DiskEntry:
+        return DiskEntry(size, payload, kind, depth, parent, time.time())
 
     def _meta(self, key: ObjectKey) -> ObjectMeta:
         provider = self.meta_provider
@@ -400,12 +303,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
                 corrupt.append(key)  # gone from disk: forget it too
         if corrupt:
             self._forget(corrupt, unlink=True)
-            listener = self.loss_listener
-            if listener is not None:
-                try:
-                    listener(corrupt)
-                except Exception:
-                    logger.exception("HiState disk tier: loss listener failed")
+            self._tell(self.loss_listener, "loss", corrupt)
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)
@@ -491,4 +389,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()
+        fd, self._folder_fd = self._folder_fd, None
+        if fd is not None:
+            os.close(fd)  # releases the folder for the next server
         logger.info("HiState disk tier at %s closed", self.root)

@@ -17,6 +17,9 @@ the payload crc32 is checked on every load. A file is written under a temporary 
 fsynced and renamed into place, so a reader (or a restart) never sees a partial file
 under a final name; leftover temporary files are removed by ``scan``.
 
+Folder layout: ``<root>/<first byte of the chunk hash, 2 hex>/<file_name(oid)>``; names
+are bounded and collision-free (NOTE 1) and ``scan`` touches only names of this layout.
+
 Pure Python (no lmcache import): the adapter converts ``ObjectKey`` to ``ObjectId``.
 """
 
@@ -25,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import hashlib
 import itertools
 import os
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -161,19 +166,37 @@ def parse_header(fixed_and_rest: bytes) -> tuple[Header, int]:
 
 
 # ---------------------------------------------------------------------- paths
-_SAFE = str.maketrans({"/": "-SEP-", "\\": "-BSL-"})
+# NOTE 1: a file name must be bounded (NAME_MAX is 255 bytes), valid on any filesystem
+# (no NUL, no separators) and collision-free for any key a client can send. The readable
+# part (model name reduced to [A-Za-z0-9._-], cut at 48 characters; the chunk hash cut at
+# 64 hex digits) is for people; uniqueness comes from the 128-bit BLAKE2b digest of the
+# whole encoded key, so two keys share a name only on a digest collision. The header stays
+# authoritative: a load checks that the file holds the object asked for.
+_READABLE_MAX = 48
+_HASH_HEX_MAX = 64
+_DIGEST_BYTES = 16
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_NAME_BODY = (
+    rf"[A-Za-z0-9._-]{{0,{_READABLE_MAX}}}@0x[0-9a-f]{{8}}@[0-9a-f]{{1,8}}"
+    rf"@[0-9a-f]{{0,{_HASH_HEX_MAX}}}@[0-9a-f]{{{2 * _DIGEST_BYTES}}}"
+)
+OWN_NAME = re.compile(_NAME_BODY + re.escape(SUFFIX))
+"""Names of the tier's object files (``scan`` touches nothing else)."""
+OWN_TMP_NAME = re.compile(_NAME_BODY + re.escape(SUFFIX) + r"\.\d+\.\d+" + re.escape(TMP_SUFFIX))
+"""Names of its temporary files (``<final name>.<pid>.<n>.tmp``)."""
+SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+"""Its shard folders: the first byte of the chunk hash in hex."""
 _tmp_counter = itertools.count()
 
 
 def file_name(oid: ObjectId) -> str:
-    """Readable, reversible-enough name (the header is authoritative)."""
-    base = (
-        f"{oid.model_name.translate(_SAFE)}@{oid.kv_rank:#010x}@{oid.object_group_id:x}"
-        f"@{oid.chunk_hash.hex()}"
+    """Bounded (< 200 bytes), filesystem-safe, collision-free name of ``oid`` (NOTE 1)."""
+    readable = _UNSAFE.sub("_", oid.model_name[:_READABLE_MAX])[:_READABLE_MAX]
+    digest = hashlib.blake2b(encode_id(oid), digest_size=_DIGEST_BYTES).hexdigest()
+    return (
+        f"{readable}@{oid.kv_rank:#010x}@{oid.object_group_id:x}"
+        f"@{oid.chunk_hash[: _HASH_HEX_MAX // 2].hex()}@{digest}{SUFFIX}"
     )
-    if oid.cache_salt:
-        base += f"@{oid.cache_salt.translate(_SAFE)}"
-    return base + SUFFIX
 
 
 def object_path(root: Path, oid: ObjectId) -> Path:
@@ -308,39 +331,42 @@ class ScanResult:
 
 
 def iter_files(root: Path) -> Iterator[Path]:
+    """Every file in the tier's shard folders (``SHARD_NAME``); nothing else is visited."""
     if not root.is_dir():
         return
     for shard in sorted(root.iterdir()):
-        if shard.is_dir():
+        if SHARD_NAME.fullmatch(shard.name) and shard.is_dir() and not shard.is_symlink():
             yield from sorted(shard.iterdir())
 
 
 def scan(root: Path) -> ScanResult:
-    """Index what survived in ``root``: remove temporaries and invalid files.
+    """Index what survived in ``root``: remove its own temporaries and invalid files.
 
-    Only headers are read (and checked against the file size): payload checksums are
-    verified on load. Files that are not ours (other suffixes) are left alone.
+    Invariant: only files whose names match ``OWN_TMP_NAME`` / ``OWN_NAME`` inside shard
+    folders are ever removed; anything else (another program's ``draft.tmp``, a
+    ``model.hsf`` with a foreign name, other folders) is left untouched. Only headers are
+    read (and checked against the file size): payload checksums are verified on load.
     """
     objects: list[tuple[Path, Header, float]] = []
     tmp = corrupt = 0
     for path in iter_files(root):
         name = path.name
-        if name.endswith(TMP_SUFFIX):
+        if OWN_TMP_NAME.fullmatch(name):
             with contextlib.suppress(OSError):
                 path.unlink()
                 tmp += 1
             continue
-        if not name.endswith(SUFFIX):
+        if not OWN_NAME.fullmatch(name) or path.is_symlink():
             continue
         try:
             header = read_header(path)
             st = path.stat()
-        except (FormatError, OSError):
-            with contextlib.suppress(OSError):
-                path.unlink()
-                corrupt += 1
-            continue
-        if path.name != file_name(header.oid):
+            valid = name == file_name(header.oid) and path.parent.name == object_path(
+                root, header.oid
+            ).parent.name
+        except (FormatError, OSError, ValueError, struct.error):
+            valid = False
+        if not valid:
             with contextlib.suppress(OSError):
                 path.unlink()
                 corrupt += 1

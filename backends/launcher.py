@@ -5,7 +5,8 @@
 1. Validates the YAML (``lmcache_histate.config``); a bad value fails here, before any
    import of lmcache, with a message naming the key (exit status 2). ``chunk_size: auto``
    is resolved from the engine (``resolve_engine_layout``: vLLM's block size and state
-   dtypes for the model on this machine, asked of vLLM without loading weights).
+   dtypes for the model on this machine, asked of vLLM without loading weights). So do
+   start-up faults (``preflight``: disk folder, free space, ports, hosts), in one line.
 2. Translates it into ``lmcache server`` flags: ``--separate-object-groups`` (one object
    group per attention/recurrent bucket: required for hybrid models), ``--chunk-size``,
    ``--l1-size-gb``, the disk tier as an ``--l2-adapter`` plugin, ``--l2-store-policy
@@ -18,8 +19,11 @@
 4. With ``policy: histate``: installs the HiState runtime, registers the ``histate`` store
    policy (LMCache validates ``--l2-store-policy`` against its registry when the CLI
    parser is built, so this must happen first, in this process) and hooks L1 eviction
-   (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). Then runs
-   ``lmcache.cli.main.main(["server", ...])`` in this process.
+   (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). With
+   ``auth_token_file`` it guards the HTTP API (``access``); it always installs the
+   shared-memory release on engine close (``upstream.install_shm_release``, an lmcache
+   0.5.6 leak). Then
+   runs ``lmcache.cli.main.main(["server", ...])`` in this process.
 
 ``--dry-run`` stops after printing the command line; ``--print-config`` prints the
 validated configuration (defaults filled in) as YAML.
@@ -39,6 +43,8 @@ from typing import Any
 import yaml
 
 from lmcache_histate.config import ConfigError, HiStateConfig, load_config
+
+from . import preflight
 
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
@@ -70,6 +76,9 @@ def kv_transfer_config(cfg: HiStateConfig) -> dict[str, Any]:
     }
     if cfg.kv_connector_module_path:
         out["kv_connector_module_path"] = cfg.kv_connector_module_path
+    if cfg.auth_token_file:
+        # HiState's RPCs need the secret: the connector reads it from this file.
+        out["kv_connector_extra_config"]["histate.auth_token_file"] = cfg.auth_token_file
     if cfg.policy != "histate" and cfg.kv_connector == "HiStateConnector":
         # A baseline server has no interval controller: save a state wherever vLLM
         # offers one, as stock LMCache does (the connector still brings CPU support).
@@ -129,6 +138,7 @@ def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
             "capacity_bytes": cfg.disk_bytes,
             "io_workers": cfg.disk_io_workers,
             "fsync": cfg.disk_fsync,
+            "adopt": cfg.disk_adopt,
         },
     }
     if cfg.policy == "lru":
@@ -274,12 +284,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("vLLM flags: " + shlex.join(vllm_flags(cfg)), flush=True)
     if args.dry_run:
         return 0
+    try:
+        preflight.check(cfg)
+    except ConfigError as exc:
+        print(f"histate-server: {exc}", file=sys.stderr)
+        return 2
     return run(cfg, lmcache_args)
 
 
 def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
     """Install HiState into this process and run ``lmcache server`` (blocks)."""
-    Path(cfg.disk_path).mkdir(parents=True, exist_ok=True)
+    guard_control_plane(cfg)
+    from .upstream import install_shm_release
+
+    install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
         from . import policies
         from .runtime import HiStateRuntime, install_runtime
@@ -291,6 +309,22 @@ def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
 
     lmcache_main(lmcache_args)
     return 0
+
+
+def guard_control_plane(cfg: HiStateConfig) -> None:
+    """With ``auth_token_file``: every HTTP route but ``/healthcheck`` needs the secret.
+
+    Must run before ``lmcache server`` starts its FastAPI app (``access``, NOTE 1).
+    """
+    if not cfg.auth_token_file:
+        return
+    from lmcache.v1.multiprocess.http_server import app
+
+    from lmcache_histate.exposure import read_secret
+
+    from .access import install_http_guard
+
+    install_http_guard(app, read_secret(cfg.auth_token_file))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ class HiStateRuntime(
         adapter.meta_provider = self.object_meta
         adapter.write_listener = self.on_disk_written
         adapter.loss_listener = self.on_disk_lost
+        adapter.capacity_listener = self.on_disk_capacity
 
     def attach_server(self, ctx: Any) -> None:
         """Called by the server module once the server context exists."""

@@ -17,7 +17,15 @@ handlers (``v1/multiprocess/ext_server_module.py``). It:
   metrics on ``GET /metrics`` (``histate_*``);
 * answers two extension RPCs (``server_module_call``): ``histate.status`` (JSON) and
   ``histate.plan`` (JSON ``{"start_tokens": s, "input_tokens": n}`` → the token
-  positions whose recurrent states HiState's interval controller wants saved).
+  positions whose recurrent states HiState's interval controller wants saved). Every
+  argument is checked before the runtime lock is taken (NOTE 1); with ``auth_token_file``
+  set both need ``"token"`` in the payload (``access.check_rpc_token``).
+
+NOTE 1: ``histate.plan`` returns one position per snapshot interval of the segment, so its
+work is proportional to ``input_tokens``; an unchecked 10^10 held the runtime lock for
+3.8 s and answered 116 MB. Arguments are bounded by ``max_model_tokens`` (the longest
+prompt the engine accepts), which bounds the plan to ``max_model_tokens / chunk_size``
+positions whatever a client sends.
 """
 
 from __future__ import annotations
@@ -32,20 +40,61 @@ from lmcache.v1.multiprocess.ext_server_module import (
     server_module_handler,
 )
 
+from lmcache_histate.exposure import read_secret
+
+from .access import check_rpc_token
 from .metrics import register_metrics
 from .runtime import HiStateRuntime, get_runtime
 
 logger = logging.getLogger("lmcache_histate.server_module")
 
-__all__ = ["HiStateServerModule", "build_server_modules"]
+__all__ = ["HiStateServerModule", "build_server_modules", "parse_plan_request"]
+
+MAX_RPC_PAYLOAD = 4096
+"""Bytes: an RPC payload is a small JSON object."""
+
+
+def _request(payload: bytes, method: str) -> dict[str, Any]:
+    if len(payload) > MAX_RPC_PAYLOAD:
+        raise ValueError(f"{method}: payload of {len(payload)} bytes (at most {MAX_RPC_PAYLOAD})")
+    try:
+        request = json.loads(payload or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{method}: payload is not JSON ({exc})") from None
+    if not isinstance(request, dict):
+        raise ValueError(f"{method}: payload must be a JSON object, got {type(request).__name__}")
+    return request
+
+
+def parse_plan_request(request: dict[str, Any], max_tokens: int) -> tuple[int, int]:
+    """``(start_tokens, input_tokens)`` of a ``histate.plan`` request, each checked:
+    integers with 0 <= start_tokens <= input_tokens <= ``max_tokens``."""
+    if "input_tokens" not in request:
+        raise ValueError("histate.plan: input_tokens is missing")
+    values = []
+    for name, default in (("start_tokens", 0), ("input_tokens", None)):
+        value = request.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_tokens:
+            raise ValueError(
+                f"histate.plan: {name} must be an integer in [0, {max_tokens}] "
+                f"(max_model_tokens), got {value!r}"[:300]
+            )
+        values.append(value)
+    start, end = values
+    if start > end:
+        raise ValueError(f"histate.plan: start_tokens {start} is after input_tokens {end}")
+    return start, end
 
 
 class HiStateServerModule:
     """The engine module LMCache composes into its server (status, RPCs, close)."""
 
-    def __init__(self, ctx: Any, runtime: HiStateRuntime | None) -> None:
+    def __init__(
+        self, ctx: Any, runtime: HiStateRuntime | None, secret: str | None = None
+    ) -> None:
         self._ctx = ctx
         self.runtime = runtime
+        self.secret = secret
 
     @property
     def context(self) -> Any:
@@ -60,20 +109,33 @@ class HiStateServerModule:
         if self.runtime is not None:
             self.runtime.close()
 
+    def _checked(self, payload: bytes, method: str) -> dict[str, Any]:
+        request = _request(payload, method)
+        check_rpc_token(request, self.secret)
+        return request
+
     @server_module_handler("histate.status")
     def status_rpc(self, payload: bytes) -> bytes:
+        self._checked(payload, "histate.status")
         return json.dumps(self.report_status()["histate"]).encode()
 
     @server_module_handler("histate.plan")
     def plan_rpc(self, payload: bytes) -> bytes:
-        request = json.loads(payload or b"{}")
-        start = int(request.get("start_tokens", 0))
-        end = int(request["input_tokens"])
-        plan = self.runtime.plan(start, end) if self.runtime is not None else []
-        return json.dumps({"boundaries": plan}).encode()
+        request = self._checked(payload, "histate.plan")
+        if self.runtime is None:
+            return json.dumps({"boundaries": []}).encode()
+        start, end = parse_plan_request(request, self.runtime.cfg.max_model_tokens)
+        return json.dumps({"boundaries": self.runtime.plan(start, end)}).encode()
 
 
 def _guarded(runtime: HiStateRuntime, what: str, fn: Any, *args: Any) -> None:
+    key = args[0]
+    tokens = getattr(key, "token_ids", ())
+    if len(tokens) > runtime.cfg.max_model_tokens:
+        # NOTE 1 again: the chain work under the runtime lock is per chunk of the request;
+        # a request longer than any prompt the engine accepts is served without HiState.
+        runtime.stats[f"over_max_model_tokens.{what}"] += 1
+        return
     try:
         fn(*args)
     except Exception:
@@ -129,5 +191,8 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
             f"(found hooks for {wrapped}); run with --supported-transfer-mode lmcache_driven"
         )
     register_metrics(runtime)
-    logger.info("HiState server module active: hooks on %s", ", ".join(wrapped))
-    return HiStateServerModule(ctx, runtime)
+    token_file = runtime.cfg.auth_token_file
+    secret = read_secret(token_file) if token_file else None
+    logger.info("HiState server module active: hooks on %s; RPCs %s", ", ".join(wrapped),
+                "need the shared secret" if secret else "open (loopback server, no secret)")
+    return HiStateServerModule(ctx, runtime, secret)

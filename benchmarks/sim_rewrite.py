@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from lmcache_histate.sim.config import SimSetup, load_setup
+from lmcache_histate.sim.capture import capacity_of
+from lmcache_histate.sim.config import GIB, SimSetup, load_setup
 from lmcache_histate.sim.report import HISTATE, OFFLOAD, token_hit_rate
 from lmcache_histate.sim.runner import policy_factories, rewrite_trace
 from lmcache_histate.sim.server import simulate
@@ -36,10 +37,13 @@ def main() -> None:
     shares = [float(x) for x in args.shares.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     names = (HISTATE, args.baseline)
+    factories = policy_factories(base)
+    memory = ", ".join(f"{n} {capacity_of(factories[n]()) / GIB:.0f} GiB" for n in names)
+    print(f"Memory per row: {memory}. Duration and rate: {names[0]}'s run / {names[1]}'s.\n")
     print(f"| share | seed | rewriting requests | {names[0]} rw mean (s) | {names[1]} rw mean (s) "
           f"| Δ rw mean | {names[0]} all mean (s) | {names[1]} all mean (s) | Δ all mean "
-          f"| hit % {names[0]} / {names[1]} |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          f"| hit % {names[0]} / {names[1]} | duration (h) | requests/h |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
     for share in shares:
         deltas: list[float] = []
         for seed in seeds:
@@ -57,10 +61,13 @@ def main() -> None:
                 deltas.append(d_rw)
             cells = (f"{rw[names[0]]:.3f} | {rw[names[1]]:.3f} | {d_rw:+.1%}" if n_rw
                      else "– | – | –")
+            hours = [runs[n].makespan / 3600 for n in names]
+            rates = [len(runs[n].results) / h for n, h in zip(names, hours, strict=True)]
             print(f"| {share:.0%} | {seed} | {n_rw} | {cells} | {al[names[0]]:.3f} | "
-                  f"{al[names[1]]:.3f} | {d_al:+.1%} | {hits[0]:.2f} / {hits[1]:.2f} |")
+                  f"{al[names[1]]:.3f} | {d_al:+.1%} | {hits[0]:.2f} / {hits[1]:.2f} | "
+                  f"{hours[0]:.2f} / {hours[1]:.2f} | {rates[0]:,.0f} / {rates[1]:,.0f} |")
         if deltas:
-            print(f"| {share:.0%} | mean | | | | {_mean(deltas):+.1%} | | | | |")
+            print(f"| {share:.0%} | mean | | | | {_mean(deltas):+.1%} | | | | | | |")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--sweep", action="store_true",
                    help="also sweep CPU/disk capacity for HiState and vLLM CPU+disk offload")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip PNG plots")
+    p.add_argument("--same-memory", action="store_true",
+                   help="also re-run every row with less memory than HiState with its slowest "
+                        "tier grown to HiState's total (the same-total-memory table)")
     p.add_argument("--list-policies", action="store_true", help="list policy names and exit")
     p.set_defaults(func=_simulate)
 
@@ -63,6 +66,7 @@ def _simulate(args: argparse.Namespace) -> int:
             trace=args.trace, synthetic=args.synthetic, rewrite_share=args.rewrite_share,
             config=args.config, policies=args.policies, max_input_tokens=args.max_input_tokens,
             out=args.out, seed=args.seed, sweep=args.sweep, plots=args.plots,
+            same_memory=args.same_memory,
         )
     )
     print(f"trace {exp.trace.name}: {len(exp.trace.sessions)} sessions, "

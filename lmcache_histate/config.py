@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .core.geometry import GeometryError, ModelGeometry, load_geometry
+from .exposure import check_exposure
 from .yamlfile import read_yaml
 
 __all__ = ["PLATFORMS", "POLICIES", "ConfigError", "HiStateConfig", "load_config", "parse_config"]
@@ -68,9 +69,13 @@ class HiStateConfig:
     disk_io: str = "thread"
     disk_io_workers: int = 4
     disk_fsync: bool = True
+    disk_adopt: bool = False
     l1_eviction_watermark: float = 0.9
     session_ttl_s: float = 3600.0
     request_ttl_s: float = 600.0
+    max_model_tokens: int = 1_048_576
+    allow_remote: bool = False
+    auth_token_file: str | None = None
     # HiState's connector (interval-driven saves, CPU support) subclasses LMCache's.
     kv_connector: str = "HiStateConnector"
     kv_connector_module_path: str | None = "lmcache_histate.backends.connector"
@@ -280,7 +285,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     ):
         if key in data:
             values[key] = _number_in(key, get(key), lo, hi, errors)
-    for key in ("max_interval_chunks", "disk_io_workers"):
+    for key in ("max_interval_chunks", "disk_io_workers", "max_model_tokens"):
         if key in data:
             values[key] = _positive_int(key, get(key), errors)
     for key in ("port", "http_port"):
@@ -289,7 +294,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("host", "http_host", "kv_connector"):
         if key in data:
             values[key] = _text(key, get(key), errors)
-    for key in ("refresh_all", "disk_fsync"):
+    for key in ("refresh_all", "disk_fsync", "disk_adopt", "allow_remote"):
         if key in data:
             values[key] = _boolean(key, get(key), errors)
     if get("kv_connector_module_path") is not None:
@@ -309,14 +314,29 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         values["supported_intervals"] = _intervals(
             get("supported_intervals"), values.get("chunk_size"), errors
         )
+    _check_rounding(values, errors)
+    check_exposure(data, values, base_dir, errors)
     port, http_port = values.get("port", 5555), values.get("http_port", 8080)
     if port is not None and port == http_port:
         errors.append("http_port: must differ from port (both are opened by the server)")
 
+    if len(errors) == 1:  # one problem, one line
+        raise ConfigError(f"invalid HiState configuration: {errors[0]}")
     if errors:
         raise ConfigError("invalid HiState configuration:\n  " + "\n  ".join(errors))
     clean = {k: v for k, v in values.items() if v is not None}
     return HiStateConfig(**clean)
+
+
+def _check_rounding(values: dict[str, Any], errors: list[str]) -> None:
+    """Sizes are turned into whole bytes: one that rounds to 0 would start nothing."""
+    for key in ("cpu_gib", "disk_gib"):
+        gib = values.get(key)
+        if gib is not None and int(gib * 2**30) < 1:
+            errors.append(
+                f"{key}: {gib:g} GiB rounds to 0 bytes; must be at least 1 byte "
+                f"({1 / 2**30:.3g} GiB)"
+            )
 
 
 def _intervals(value: Any, chunk: int | None, errors: list[str]) -> tuple[int, ...] | None:

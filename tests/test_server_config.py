@@ -51,6 +51,15 @@ def test_minimal_config_gets_defaults() -> None:
         ("supported_intervals", [], "supported_intervals: must be a non-empty list"),
         ("extra_server_args", "--foo", "extra_server_args: must be a list of strings"),
         ("disk_io", "aiofiles", "disk_io: must be one of thread; got 'aiofiles'"),
+        ("cpu_gib", 1e-12, "cpu_gib: 1e-12 GiB rounds to 0 bytes; must be at least 1 byte"),
+        ("disk_gib", 5e-10, "disk_gib: 5e-10 GiB rounds to 0 bytes; must be at least 1 byte"),
+        ("disk_adopt", "yes", "disk_adopt: must be true or false, got 'yes'"),
+        ("max_model_tokens", 0, "max_model_tokens: must be a positive integer, got 0"),
+        ("host", "0.0.0.0", "host: '0.0.0.0' is not a loopback address"),
+        ("http_host", "10.1.2.3", "http_host: '10.1.2.3' is not a loopback address"),
+        ("http_host", "cache.example", "http_host: 'cache.example' is not a loopback address"),
+        ("allow_remote", True, "auth_token_file: required when allow_remote is true"),
+        ("auth_token_file", "/no/such/token", "auth_token_file: cannot read '/no/such/token'"),
     ],
 )
 def test_bad_values_name_the_key(key: str, value: object, message: str) -> None:
@@ -130,3 +139,51 @@ def test_with_overrides_revalidates() -> None:
     assert cfg.with_overrides(cpu_gib=2).cpu_gib == 2
     with pytest.raises(ConfigError, match="cpu_gib"):
         cfg.with_overrides(cpu_gib="lots")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_hosts_need_no_opt_in(host: str) -> None:
+    assert parse_config({**VALID, "host": host, "http_host": host}).host == host
+
+
+def _token(tmp_path: Path, text: str, mode: int) -> Path:
+    path = tmp_path / "token"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_remote_binding_needs_opt_in_and_a_private_secret(tmp_path: Path) -> None:
+    remote = {**VALID, "host": "0.0.0.0", "http_host": "0.0.0.0", "allow_remote": True}
+    secret = "s3cret-" * 4
+    ok = parse_config({**remote, "auth_token_file": str(_token(tmp_path, secret, 0o600))})
+    assert (ok.allow_remote, ok.auth_token_file) == (True, str(tmp_path / "token"))
+    for text, mode, message in [
+        (secret, 0o644, r"is readable by other users \(mode 644\); chmod 600 it"),
+        ("short\n", 0o600, "the secret in .* must be at least 16 characters"),
+    ]:
+        path = _token(tmp_path, text, mode)
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**remote, "auth_token_file": str(path)})
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        parse_config({**remote, "auth_token_file": str(tmp_path)})
+
+
+def test_command_line_host_override_is_held_to_the_same_rule() -> None:
+    cfg = parse_config(VALID)
+    with pytest.raises(ConfigError, match=r"host: '0\.0\.0\.0' is not a loopback address"):
+        cfg.with_overrides(host="0.0.0.0")
+
+
+def test_the_connector_is_told_where_the_secret_is(tmp_path: Path) -> None:
+    from lmcache_histate.backends.launcher import disk_adapter_spec, kv_transfer_config
+
+    path = _token(tmp_path, "s3cret-" * 4, 0o600)
+    cfg = parse_config({**VALID, "auth_token_file": str(path), "disk_adopt": True})
+    extra = kv_transfer_config(cfg)["kv_connector_extra_config"]
+    assert extra["histate.auth_token_file"] == str(path)
+    assert "s3cret" not in repr(kv_transfer_config(cfg))  # the path, never the secret
+    assert disk_adapter_spec(cfg)["adapter_params"]["adopt"] is True
+    assert "histate.auth_token_file" not in kv_transfer_config(parse_config(VALID))[
+        "kv_connector_extra_config"
+    ]

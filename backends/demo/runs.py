@@ -135,7 +135,7 @@ def run_variant(
         status = server.settle()
         result.server = status.get("histate") or {}
         disk = Path(yaml.safe_load(config.read_text())["disk_path"])
-        files = [p for p in disk.rglob("*") if p.is_file()]
+        files = [p for p in disk.rglob("*.hsf") if p.is_file()]  # objects, not the marker
         result.disk_files = len(files)
         result.disk_bytes = sum(p.stat().st_size for p in files)
     finally:

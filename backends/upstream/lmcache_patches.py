@@ -14,6 +14,9 @@ idempotent) and is called from one entry point, never at import time:
   tensors and re-points only the tensors it is given. Called by
   ``cpu_support.prepare_kv_caches_for_lmcache`` from ``HiStateConnector.register_kv_caches``
   in the vLLM worker.
+* :func:`install_shm_release` -- bug: the server never unmaps an engine's shared-memory KV
+  tensors (one mapping and one fd per tensor per engine registration, for the server's
+  life). Called by the launcher (``launcher.run``) for every policy.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from .patching import patch
 
 __all__ = [
+    "install_shm_release",
     "install_strided_fallback_kernel",
     "route_cpu_shm_wrapping",
     "route_l1_eviction_policy",
@@ -208,3 +212,72 @@ def route_cpu_shm_wrapping(describe: Callable[[torch.Tensor], Any | None]) -> No
         return migrate_to_shm_and_wrap
 
     patch(shm, "migrate_to_shm_and_wrap", make, package="lmcache", mark="_histate_strided_shm")
+
+
+# ------------------------------------------------------- shm release on session close
+
+_PINS = "_histate_pinned_storages"
+_WRAPPERS = "_histate_kv_wrappers"
+
+
+def install_shm_release() -> None:
+    """Release an engine's shared-memory mappings when its session closes.
+
+    Upstream bug (lmcache 0.5.6, ``lmcache/v1/platform/devices/cpu/shm.py``,
+    ``CpuShmTensorWrapper.to_tensor``): the server maps each KV tensor an engine registers
+    from POSIX shared memory and means to ``munmap`` it when the tensor's storage is
+    garbage-collected (``weakref.finalize`` on the storage). But the same function pins the
+    base buffer in the module-level ``_CPU_SHM_KEEP_ALIVE`` dict, and that buffer shares the
+    very storage the finalizer waits for, so the storage is never collected: every engine
+    register keeps one mapping and one file descriptor (the ``mmap``'s duplicate) per KV
+    tensor for the life of the server, after the engine unregisters or dies. The CPU cache
+    context's ``close()`` (called on unregister and when a dead engine is reaped) is a no-op,
+    and ``CpuShmTensorWrapper`` does not override ``DeviceIPCWrapper.close()``, the hook
+    meant for exactly this. A stock ``lmcache server`` leaks the same way (measured:
+    docs/reliability.md).
+
+    The fix is local and scoped to session close (three patches): ``CPUCacheContext``
+    remembers the wrappers it was built from, each wrapper remembers the storages its
+    ``to_tensor`` pinned, and ``CPUCacheContext.close()`` drops those pins. When LMCache then
+    drops the context (``_release_entries``), the storages die and upstream's own finalizer
+    unmaps them. While a session is open nothing changes; harmless where the CPU path is
+    unused.
+    """
+    from lmcache.v1.platform.devices.cpu import cache_context, shm
+
+    def make_to_tensor(original: Any) -> Any:
+        @functools.wraps(original)
+        def to_tensor(self: Any) -> Any:
+            out = original(self)
+            if self.nbytes:
+                pins = self.__dict__.setdefault(_PINS, [])
+                pins.append(id(out.untyped_storage()))
+            return out
+
+        return to_tensor
+
+    def make_init(original: Any) -> Any:
+        @functools.wraps(original)
+        def __init__(self: Any, kv_caches: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, kv_caches, *args, **kwargs)
+            setattr(self, _WRAPPERS, list(kv_caches))
+
+        return __init__
+
+    def make_close(original: Any) -> Any:
+        @functools.wraps(original)
+        def close(self: Any) -> None:
+            original(self)
+            wrappers, self.__dict__[_WRAPPERS] = self.__dict__.get(_WRAPPERS, []), []
+            for wrapper in wrappers:
+                for storage_id in wrapper.__dict__.pop(_PINS, []):
+                    shm._CPU_SHM_KEEP_ALIVE.pop(storage_id, None)
+
+        return close
+
+    patch(shm.CpuShmTensorWrapper, "to_tensor", make_to_tensor, package="lmcache",
+          mark="_histate_shm_release_pins")
+    patch(cache_context.CPUCacheContext, "__init__", make_init, package="lmcache",
+          mark="_histate_shm_release_wrappers")
+    patch(cache_context.CPUCacheContext, "close", make_close, package="lmcache",
+          mark="_histate_shm_release_close")

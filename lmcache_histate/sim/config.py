@@ -27,6 +27,7 @@ from typing import Any
 
 from ..core.geometry import GeometryError, ModelGeometry, load_geometry
 from ..yamlfile import read_yaml
+from .capture import ENGINE_STEP_TOKENS, STEP_OVERHEAD_S, Capture, capture_time
 
 __all__ = [
     "DEFAULT_COST_MODEL",
@@ -58,6 +59,8 @@ _COST_KEYS = (
     "decode_s_per_token",
     "request_overhead_s",
 )
+# Optional keys: the capture cost's constants (``capture``), defaults there.
+_OPTIONAL_COST_KEYS = ("step_overhead_s", "engine_step_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +81,16 @@ class CostModel:
     attention_s_per_token_pair: float
     decode_s_per_token: float
     request_overhead_s: float
+    step_overhead_s: float = STEP_OVERHEAD_S
+    engine_step_tokens: int = ENGINE_STEP_TOKENS
 
     def __post_init__(self) -> None:
-        for key in _COST_KEYS:
+        if not isinstance(self.engine_step_tokens, int) or self.engine_step_tokens <= 0:
+            raise ConfigError(
+                f"cost model {self.name!r}: engine_step_tokens must be a positive integer, "
+                f"got {self.engine_step_tokens!r}"
+            )
+        for key in (*_COST_KEYS, "step_overhead_s"):
             value = getattr(self, key)
             bandwidth = key.endswith("bytes_per_s")
             if not isinstance(value, int | float) or isinstance(value, bool) or not (
@@ -116,6 +126,15 @@ class CostModel:
 
     def decode_time(self, output_tokens: int) -> float:
         return self.decode_s_per_token * output_tokens
+
+    def capture_time(
+        self, capture: Capture, recomputed_tokens: int, snapshot_bytes: int
+    ) -> tuple[float, float]:
+        """``(compute, copy)`` seconds of a request's state capture (``capture.Capture``)."""
+        return capture_time(
+            capture, recomputed_tokens, snapshot_bytes, step_overhead_s=self.step_overhead_s,
+            engine_step_tokens=self.engine_step_tokens, copy_bytes_per_s=self.pcie_bytes_per_s,
+        )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -154,13 +173,13 @@ def load_cost_model(spec: str | Path = DEFAULT_COST_MODEL, base: Path | None = N
     if path is None:
         raise ConfigError(f"cost_model: no such file or shipped model {str(spec)!r}")
     data = _read_yaml(path)
-    unknown = sorted(set(data) - {"name", *_COST_KEYS})
+    unknown = sorted(set(data) - {"name", *_COST_KEYS, *_OPTIONAL_COST_KEYS})
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
     missing = [k for k in _COST_KEYS if k not in data]
     if missing:
         raise ConfigError(f"{path}: missing key {missing[0]!r}")
-    values = {k: _yaml_float(data[k]) for k in _COST_KEYS}
+    values = {k: _yaml_float(data[k]) for k in (*_COST_KEYS, *_OPTIONAL_COST_KEYS) if k in data}
     try:
         return CostModel(name=str(data.get("name", path.stem)), **values)
     except ConfigError as e:
@@ -274,7 +293,7 @@ class SimSetup:
 
 
 _TOP_KEYS = {"name", "model", "chunk_tokens", "capacity", "max_sessions", "max_think_s",
-             "session_gap_s", "gpu_scheduling", "seed", "histate", "cost_model"}
+             "session_gap_s", "gpu_scheduling", "seed", "histate", "cost_model", "capture"}
 _HISTATE_KEYS = {"tau", "max_interval_multiple", "ema_alpha"}
 
 
@@ -302,6 +321,19 @@ def load_setup(path: str | Path) -> SimSetup:
     except GeometryError as e:
         raise ConfigError(f"{path}: model: {e}") from e
     kw["cost"] = load_cost_model(data.get("cost_model", DEFAULT_COST_MODEL), base=path.parent)
+    capture = data.get("capture", {})
+    if not isinstance(capture, dict):
+        raise ConfigError(f"{path}: capture: expected a mapping")
+    for key in capture:
+        if key not in _OPTIONAL_COST_KEYS:
+            raise ConfigError(f"{path}: capture: unknown key {key!r}")
+    if capture:  # overrides of the cost model's capture constants (``capture``)
+        kinds = {"step_overhead_s": float, "engine_step_tokens": int}
+        values = {k: _number(capture, k, f"{path}: capture.", kinds[k]) for k in capture}
+        try:
+            kw["cost"] = replace(kw["cost"], **values)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: capture: {e}") from e
     for key, kind in (("chunk_tokens", int), ("max_sessions", int), ("seed", int),
                       ("max_think_s", float), ("session_gap_s", float)):
         if key in data:

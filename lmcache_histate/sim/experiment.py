@@ -19,6 +19,7 @@ from .report import (
     OFFLOAD,
     REFERENCE,
     PolicySummary,
+    load_line,
     markdown,
     reuse_sensitive,
     summarize,
@@ -32,6 +33,7 @@ from .runner import (
     run_policies,
     select_policies,
     sweep_capacity,
+    sweep_table,
 )
 from .server import RunResult
 from .traces import Trace
@@ -53,6 +55,7 @@ class SimulateOptions:
     seed: int | None = None
     sweep: bool = False
     plots: bool = True
+    same_memory: bool = False
 
 
 @dataclass(slots=True)
@@ -64,10 +67,15 @@ class Experiment:
     sensitive: int | None
     sweep: list[SweepPoint] = field(default_factory=list)
     paths: dict[str, Path] = field(default_factory=dict)
+    same: list[PolicySummary] = field(default_factory=list)
 
     @property
     def table(self) -> str:
-        return markdown(self.summaries)
+        out = markdown(self.summaries, self.same)
+        if self.sweep:
+            out += "\nCapacity sweep (CPU and disk scaled together, GPU fixed):\n\n"
+            out += sweep_table(self.sweep, self.setup.gpu_bytes)
+        return out
 
 
 def _trace(opts: SimulateOptions, setup: SimSetup) -> Trace:
@@ -92,6 +100,7 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
     runs = run_policies(trace, setup, factories, console=console)
     sensitive = reuse_sensitive(runs)
     summaries = summarize(runs, sensitive)
+    same = _same_memory(trace, setup, runs, console) if opts.same_memory else []
     points: list[SweepPoint] = []
     if opts.sweep:
         swept = [n for n in (HISTATE, OFFLOAD) if n in policy_factories(setup)]
@@ -114,16 +123,36 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
         "reuse_sensitive_requests": len(sensitive) if sensitive is not None else None,
         "reuse_sensitive_rows": f"{REFERENCE}, {OFFLOAD}, {HISTATE}",
         "capped_think_gaps": max((r.capped_gaps for r in runs.values()), default=0),
+        "load": load_line(summaries),
+        "capture": f"step overhead {setup.cost.step_overhead_s * 1e3:g} ms per extra prefill "
+        f"step, engine steps of {setup.cost.engine_step_tokens} tokens",
     }
     if opts.synthetic:
         meta["rewrite_share"] = opts.rewrite_share
     paths = write_report(
-        Path(opts.out), summaries, meta, runs=runs, sweep=points, plots=opts.plots
+        Path(opts.out), summaries, meta, runs=runs, sweep=points, plots=opts.plots, same=same
     )
     return Experiment(
         setup, trace, runs, summaries, len(sensitive) if sensitive is not None else None,
-        points, paths,
+        points, paths, same,
     )
+
+
+def _same_memory(
+    trace: Trace, setup: SimSetup, runs: dict[str, RunResult], console: Console | None
+) -> list[PolicySummary]:
+    """The same-total-memory view: HiState's run, then every selected baseline that has
+    less memory than it, re-run with its slowest tier grown to HiState's total."""
+    if HISTATE not in runs:
+        raise ValueError("the same-total-memory view needs the histate row")
+    total = runs[HISTATE].capacity_bytes
+    grown = policy_factories(setup, same_memory=True)
+    chosen = {
+        n: grown[n] for n, run in runs.items()
+        if n != HISTATE and run.capacity_bytes < total and n in grown
+    }
+    again = run_policies(trace, setup, chosen, console=console, label="same memory ")
+    return summarize({HISTATE: runs[HISTATE], **again}, None)
 
 
 def policy_names(config: str | None = None) -> Sequence[str]:

@@ -144,7 +144,17 @@ class HiStatePolicy:
         before = Counter(self.counter.written_bytes)
         if self.promote_tier is not None:
             self._promote(handle, self.promote_tier, now)
-        self.cache.complete(handle, request.input_tokens, now)
+        # The snapshot plan ends at the last HASHED chunk, like the baselines' end state
+        # (``len(keys)``): a trace may hash fewer chunks than ``input_tokens // chunk``
+        # (the trailing blocks it does not list), and a plan ending past the stored chain
+        # would skip the segment's final snapshot. ``input_tokens`` stays the session's
+        # context length.
+        chunk = self.cache.config.chunk_tokens
+        plan = self.cache.snapshot_plan(
+            handle.match.kv_chunks * chunk,
+            min(request.input_tokens, len(handle.keys) * chunk),
+        )
+        self.cache.complete(handle, request.input_tokens, now, boundaries=plan)
         after = self.counter.written_bytes
         return {name: after[name] - before[name] for name in after if after[name] != before[name]}
 

@@ -10,6 +10,13 @@
 * **Speedups vs HiState**: baseline statistic / HiState statistic (> 1: HiState faster).
 * **Tier traffic**: bytes read per tier (loads on hits) and written per tier (stores,
   demotions) over the run.
+* **Memory and load**: every table gives each row's memory (GiB over all its tiers,
+  ``RunResult.capacity_bytes``; ∞ for the unlimited reference) and is headed by the
+  simulated duration and request rate (the replay is a closed loop, so rows differ a
+  little: the range over the rows is printed). A *same-total-memory* table (``same``)
+  repeats the rows that have less memory than HiState with their slowest tier grown to
+  HiState's total, so that a gap between two rows can be told apart into what the
+  memory gives and what the policy does with it.
 
 Percentiles interpolate linearly between order statistics (numpy's default), so small
 request sets give stable numbers. Plots need matplotlib (the ``sim`` extra) and are
@@ -34,6 +41,7 @@ __all__ = [
     "REFERENCE",
     "PolicySummary",
     "TtftStats",
+    "load_line",
     "markdown",
     "percentile",
     "plot_cdf",
@@ -113,6 +121,13 @@ class PolicySummary:
     makespan_s: float = 0.0
     wall_s: float = 0.0
     capped_gaps: int = 0
+    capacity_bytes: float = 0.0
+    capture_s: float = 0.0  # Σ capture time (``capture``) over the requests
+
+    @property
+    def request_rate(self) -> float:
+        """Requests per simulated hour."""
+        return 3600.0 * self.requests / self.makespan_s if self.makespan_s > 0 else 0.0
 
 
 def reuse_sensitive(
@@ -168,6 +183,8 @@ def summarize(
                 makespan_s=run.makespan,
                 wall_s=run.wall_s,
                 capped_gaps=run.capped_gaps,
+                capacity_bytes=run.capacity_bytes,
+                capture_s=sum(r.capture_s for r in res),
             )
         )
     base = next((s for s in out if s.name == histate), None)
@@ -184,56 +201,102 @@ def _f(x: float | None, digits: int = 3) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def markdown(summaries: Sequence[PolicySummary]) -> str:
-    """The results as Markdown: TTFT table, reuse-sensitive/rewrite table, traffic table."""
+def _memory(s: PolicySummary) -> str:
+    if math.isinf(s.capacity_bytes):
+        return "∞"
+    return f"{s.capacity_bytes / GIB:.0f}" if s.capacity_bytes else "–"
+
+
+def load_line(summaries: Sequence[PolicySummary]) -> str:
+    """Simulated duration and request rate (their range over the rows)."""
+    hours = [s.makespan_s / 3600 for s in summaries]
+    rates = [s.request_rate for s in summaries]
+    if not hours:
+        return ""
+
+    def span(xs: list[float], fmt: str) -> str:
+        lo, hi = format(min(xs), fmt), format(max(xs), fmt)
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    n = max(s.requests for s in summaries)
+    return (f"Simulated duration {span(hours, '.2f')} h, {n:,} requests: "
+            f"{span(rates, ',.0f')} requests/h (range over the rows: closed loop).")
+
+
+def _ttft_table(summaries: Sequence[PolicySummary]) -> list[str]:
     lines = [
-        "| policy | token hit % | TTFT mean (s) | p50 | p95 | p99 | p99 ×HiState | mean ×HiState |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | memory (GiB) | token hit % | TTFT mean (s) | p50 | p95 | p99 | p99 ×HiState "
+        "| mean ×HiState |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         t = s.ttft
         lines.append(
-            f"| {s.name} | {100 * s.token_hit_rate:.2f} | {_f(t.mean)} | {_f(t.p50)} | "
-            f"{_f(t.p95)} | {_f(t.p99)} | {_f(s.speedup.get('p99'), 2)} | "
+            f"| {s.name} | {_memory(s)} | {100 * s.token_hit_rate:.2f} | {_f(t.mean)} | "
+            f"{_f(t.p50)} | {_f(t.p95)} | {_f(t.p99)} | {_f(s.speedup.get('p99'), 2)} | "
             f"{_f(s.speedup.get('mean'), 2)} |"
         )
+    return lines
+
+
+def markdown(
+    summaries: Sequence[PolicySummary], same: Sequence[PolicySummary] = ()
+) -> str:
+    """The results as Markdown: the load line, then the TTFT table, reuse-sensitive and
+    rewrite tables, traffic table, and (``same``) the same-total-memory table."""
+    lines = [load_line(summaries), "", *_ttft_table(summaries)]
     if any(s.sensitive for s in summaries):
         n = next(s.sensitive.n for s in summaries if s.sensitive)
         lines += [
             "",
             f"Reuse-sensitive requests ({n}):",
             "",
-            "| policy | mean (s) | p50 | p95 | p99 | p99 ×HiState | mean ×HiState |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| policy | memory (GiB) | mean (s) | p50 | p95 | p99 | p99 ×HiState "
+            "| mean ×HiState |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in summaries:
             t = s.sensitive
             if t is None:
                 continue
             lines.append(
-                f"| {s.name} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p95)} | {_f(t.p99)} | "
-                f"{_f(s.speedup_sensitive.get('p99'), 2)} | "
+                f"| {s.name} | {_memory(s)} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p95)} | "
+                f"{_f(t.p99)} | {_f(s.speedup_sensitive.get('p99'), 2)} | "
                 f"{_f(s.speedup_sensitive.get('mean'), 2)} |"
             )
     if any(s.rewriting for s in summaries):
-        lines += ["", "Rewriting requests:", "", "| policy | n | mean TTFT (s) | p50 | p99 |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["", "Rewriting requests:", "",
+                  "| policy | memory (GiB) | n | mean TTFT (s) | p50 | p99 |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for s in summaries:
             if s.rewriting is not None:
                 t = s.rewriting
-                lines.append(f"| {s.name} | {t.n} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p99)} |")
+                lines.append(f"| {s.name} | {_memory(s)} | {t.n} | {_f(t.mean)} | "
+                             f"{_f(t.p50)} | {_f(t.p99)} |")
     tiers = ("gpu", "cpu", "disk")
     lines += [
         "",
-        "Tier traffic (GiB):",
+        "Tier traffic (GiB) and state-capture time (s, summed over the requests):",
         "",
-        "| policy | read cpu | read disk | written gpu | written cpu | written disk |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| policy | memory (GiB) | read cpu | read disk | written gpu | written cpu "
+        "| written disk | capture (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         r = [s.read_bytes.get(t, 0) / GIB for t in tiers[1:]]
         w = [s.written_bytes.get(t, 0) / GIB for t in tiers]
-        lines.append(f"| {s.name} | " + " | ".join(f"{v:.1f}" for v in (*r, *w)) + " |")
+        lines.append(f"| {s.name} | {_memory(s)} | " + " | ".join(f"{v:.1f}" for v in (*r, *w))
+                     + f" | {s.capture_s:.1f} |")
+    if same:
+        total = max(s.capacity_bytes for s in same) / GIB
+        lines += [
+            "",
+            f"Same total memory: every row with {total:.0f} GiB (each row's slowest tier "
+            "grown to HiState's total; a GPU-only row gets that much GPU). "
+            + load_line(same),
+            "",
+            *_ttft_table(same),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -255,16 +318,18 @@ def write_report(
     runs: Mapping[str, RunResult] | None = None,
     sweep: Sequence[Any] = (),
     plots: bool = True,
+    same: Sequence[PolicySummary] = (),
 ) -> dict[str, Path]:
     """Write ``report.md``, ``report.json`` and (``plots``) PNGs into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out_dir / "report.md", "json": out_dir / "report.json"}
     head = [f"# Simulation: {meta.get('trace', '?')}", ""]
     head += [f"* {k}: {v}" for k, v in meta.items() if k != "trace"]
-    paths["markdown"].write_text("\n".join(head) + "\n\n" + markdown(summaries))
+    paths["markdown"].write_text("\n".join(head) + "\n\n" + markdown(summaries, same))
     doc = {
         "meta": dict(meta),
         "policies": [asdict(s) for s in summaries],
+        "same_memory": [asdict(s) for s in same],
         "sweep": [asdict(p) for p in sweep],
     }
     paths["json"].write_text(json.dumps(_jsonable(doc), indent=2) + "\n")

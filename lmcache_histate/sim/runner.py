@@ -32,6 +32,7 @@ __all__ = [
     "run_policies",
     "select_policies",
     "sweep_capacity",
+    "sweep_table",
 ]
 
 Factory = Callable[[], Policy]
@@ -80,8 +81,11 @@ def rewrite_trace(setup: SimSetup, share: float) -> Trace:
     return Trace(trace.name, trace.chunk_tokens, tuple(sessions))
 
 
-def policy_factories(setup: SimSetup) -> dict[str, Factory]:
-    """Every known policy: HiState variants first, then the baselines (if installed)."""
+def policy_factories(setup: SimSetup, *, same_memory: bool = False) -> dict[str, Factory]:
+    """Every known policy: HiState variants first, then the baselines (if installed).
+
+    ``same_memory``: the baselines get HiState's total memory (``baseline_policies``).
+    """
     out: dict[str, Factory] = dict(histate_variants(setup))
     try:
         module = importlib.import_module("lmcache_histate.sim.baselines")
@@ -92,7 +96,7 @@ def policy_factories(setup: SimSetup) -> dict[str, Factory]:
     registry = getattr(module, "baseline_policies", None)
     if registry is None:
         return out
-    for name, factory in _call_registry(registry, setup).items():
+    for name, factory in _call_registry(registry, setup, same_memory).items():
         if name in out:
             raise ValueError(f"baseline {name!r} clashes with a HiState variant name")
         out[name] = factory
@@ -100,12 +104,14 @@ def policy_factories(setup: SimSetup) -> dict[str, Factory]:
 
 
 def _call_registry(
-    registry: Callable[..., dict[str, Factory]], setup: SimSetup
+    registry: Callable[..., dict[str, Factory]], setup: SimSetup, same_memory: bool = False
 ) -> dict[str, Factory]:
     """``registry(setup)``; registries that take the set-up's fields by name also work."""
     params = inspect.signature(registry).parameters
     if "setup" in params or len(params) == 1:
         return registry(setup)
+    if same_memory and "same_memory" not in params:
+        raise ValueError("the baselines' registry has no same-total-memory view")
     fields = {
         "chunk_tokens": setup.chunk_tokens,
         "kv_bytes_per_token": setup.kv_bytes_per_token,
@@ -115,6 +121,8 @@ def _call_registry(
         "disk_bytes": setup.disk_bytes,
         "seed": setup.seed,
     }
+    if same_memory:
+        fields["same_memory"] = True
     return registry(**{k: v for k, v in fields.items() if k in params})
 
 
@@ -178,6 +186,8 @@ class SweepPoint:
     token_hit_rate: float
     ttft_mean: float
     ttft_p99: float
+    makespan_s: float = 0.0
+    requests: int = 0
 
 
 def sweep_capacity(
@@ -205,6 +215,28 @@ def sweep_capacity(
                 SweepPoint(
                     name, f, scaled.cpu_bytes, scaled.disk_bytes, token_hit_rate(run.results),
                     sum(ttfts) / len(ttfts) if ttfts else 0.0, percentile(ttfts, 99.0),
+                    run.makespan, len(run.results),
                 )
             )
     return points
+
+
+def sweep_table(points: Sequence[SweepPoint], gpu_bytes: int) -> str:
+    """The capacity sweep as Markdown: one line per (factor, policy), with each run's
+    memory (GPU + CPU + disk), duration and request rate."""
+    gib = float(1 << 30)
+    lines = [
+        "| policy | CPU+disk (GiB) | memory (GiB) | token hit % | TTFT mean (s) | p99 (s) "
+        "| duration (h) | requests/h |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in sorted(points, key=lambda p: (p.factor, p.policy)):
+        hours = p.makespan_s / 3600
+        rate = p.requests / hours if hours > 0 else 0.0
+        lines.append(
+            f"| {p.policy} | {(p.cpu_bytes + p.disk_bytes) / gib:.1f} | "
+            f"{(gpu_bytes + p.cpu_bytes + p.disk_bytes) / gib:.1f} | "
+            f"{100 * p.token_hit_rate:.2f} | {p.ttft_mean:.3f} | {p.ttft_p99:.3f} | "
+            f"{hours:.2f} | {rate:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -28,11 +28,16 @@ The model, and why each part is there:
   memory-bound, prefills compute-bound) and only delay the session's next request.
 * **Service time** of a request = ``request_overhead_s`` + the time to load what hit
   (bytes per tier over that tier's bandwidth; GPU-resident data is free) + recompute of
-  the uncached suffix (linear + attention-quadratic prefill cost). The policy's
-  ``begin`` runs when service starts (the cache is consulted when the engine schedules
-  the request), ``complete`` when the prefill ends (what it computed is stored).
+  the uncached suffix (linear + attention-quadratic prefill cost) + the cost of
+  capturing its states (``config.Capture``: extra prefill steps, GPU time shared like
+  the recompute; device → host copies of mid-prefill states, charged with the loads).
+  The policy's ``begin`` runs when service starts (the cache is consulted when the
+  engine schedules the request), ``complete`` when the prefill ends (what it computed
+  is stored). What a row captures: ``capture.capture_of``.
 * **TTFT** = queueing wait for the GPU (``fifo``) or slow-down from sharing it
   (``shared``) + service time.
+* **Memory** of a row (``RunResult.capacity_bytes``, ``capture.capacity_of``): the bytes
+  of all its tiers / pools (∞ for the unlimited reference).
 
 Events live in one ``heapq`` keyed by (time, sequence number): O(log n) per event, no
 scan over sessions, and ties resolve in insertion order, so a replay is deterministic.
@@ -46,6 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .capture import capacity_of, capture_of
 from .config import SimSetup
 from .policy import Lookup, Policy
 from .traces import Request, Session, Trace
@@ -73,10 +79,11 @@ class RequestResult:
     load_bytes: dict[str, int]
     written_bytes: dict[str, int]
     rewrite: bool = False
+    capture_s: float = 0.0
 
     @property
     def ttft(self) -> float:
-        return self.queue_s + self.overhead_s + self.load_s + self.recompute_s
+        return self.queue_s + self.overhead_s + self.load_s + self.recompute_s + self.capture_s
 
     @property
     def hit_rate(self) -> float:
@@ -99,6 +106,12 @@ class RunResult:
     wall_s: float
     capped_gaps: int
     slot_wait: dict[str, float] = field(default_factory=dict)
+    capacity_bytes: float = 0.0
+
+    @property
+    def request_rate(self) -> float:
+        """Requests per simulated second over the whole replay."""
+        return len(self.results) / self.makespan if self.makespan > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -177,6 +190,7 @@ def simulate(
             f"uses {setup.chunk_tokens}"
         )
     cost = setup.cost
+    snapshot_bytes = setup.snapshot_bytes
     cap = setup.max_think_s
     wall0 = time.perf_counter()
     events: list[tuple[float, int, int, object]] = []
@@ -225,13 +239,18 @@ def simulate(
             )
         load = cost.load_time(lookup.load_bytes)
         recompute = cost.prefill_time(hit, req.input_tokens)
-        service = cost.request_overhead_s + load + recompute
+        capture = capture_cost(req, lookup)
+        service = cost.request_overhead_s + load + recompute + sum(capture)
         gpu_busy = True
-        push(at + service, _DONE, (req, lookup, arrived, at, load, recompute))
+        push(at + service, _DONE, (req, lookup, arrived, at, load, recompute, capture))
+
+    def capture_cost(req: Request, lookup: Lookup) -> tuple[float, float]:
+        cap = capture_of(policy, req, lookup)
+        return cost.capture_time(cap, req.input_tokens - lookup.hit_tokens, snapshot_bytes)
 
     def finish(
         at: float, req: Request, lookup: Lookup, arrived: float, started: float,
-        load: float, recompute: float,
+        load: float, recompute: float, capture: tuple[float, float],
     ) -> None:
         """The request's prefill ended at ``at``: store, record, issue the next request."""
         nonlocal capped
@@ -241,7 +260,7 @@ def simulate(
                 req.session_id, req.index, req.input_tokens, req.output_tokens,
                 lookup.hit_tokens, arrived, started, started - arrived,
                 cost.request_overhead_s, load, recompute, dict(lookup.load_bytes),
-                dict(written), req.rewrite,
+                dict(written), req.rewrite, sum(capture),
             )
         )
         if progress is not None:
@@ -282,33 +301,40 @@ def simulate(
                 )
             load = cost.load_time(lookup.load_bytes)
             recompute = cost.prefill_time(lookup.hit_tokens, obj.input_tokens)
-            push(now + load, _LOADED, (obj, lookup, now, load, recompute))
+            capture = capture_cost(obj, lookup)
+            # Device → host copies go with the transfers; extra steps are GPU time.
+            push(now + load + capture[1], _LOADED, (obj, lookup, now, load, recompute, capture))
         elif kind == _LOADED:
-            req, lookup, arrived, load, recompute = obj  # type: ignore[misc]
+            req, lookup, arrived, load, recompute, capture = obj  # type: ignore[misc]
             assert shared is not None
             jobs += 1
-            shared.add(now, jobs, cost.request_overhead_s + recompute, obj)
+            shared.add(now, jobs, cost.request_overhead_s + recompute + capture[0], obj)
             schedule_shared()
         elif kind == _SHARED_DONE:
             assert shared is not None
             version, job_id = obj  # type: ignore[misc]
             if version != shared.version:
                 continue  # superseded by a later arrival or completion
-            req, lookup, arrived, load, recompute = shared.pop(now, job_id)  # type: ignore[misc]
+            req, lookup, arrived, load, recompute, capture = shared.pop(  # type: ignore[misc]
+                now, job_id
+            )
             schedule_shared()
-            service = cost.request_overhead_s + load + recompute
-            finish(now, req, lookup, arrived, max(arrived, now - service), load, recompute)
+            service = cost.request_overhead_s + load + recompute + sum(capture)
+            finish(
+                now, req, lookup, arrived, max(arrived, now - service), load, recompute,
+                capture,
+            )
         elif kind == _ARRIVE:
             assert isinstance(obj, Request)
             gpu_queue.append((obj, now))
             if not gpu_busy:
                 start_next(now)
         elif kind == _DONE:
-            req, lookup, arrived, started, load, recompute = obj  # type: ignore[misc]
+            req, lookup, arrived, started, load, recompute, capture = obj  # type: ignore[misc]
             gpu_busy = False
             if gpu_queue:
                 start_next(now)
-            finish(now, req, lookup, arrived, started, load, recompute)
+            finish(now, req, lookup, arrived, started, load, recompute, capture)
         elif kind == _ELIGIBLE:
             assert isinstance(obj, Session)
             eligible_at[obj.id] = now
@@ -327,4 +353,5 @@ def simulate(
         wall_s=time.perf_counter() - wall0,
         capped_gaps=capped,
         slot_wait=slot_wait,
+        capacity_bytes=capacity_of(policy),
     )

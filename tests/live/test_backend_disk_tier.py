@@ -7,9 +7,11 @@ corruption handling and lookup locks. The server-level behaviour is in
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,7 @@ def test_round_trip_files_and_accounting(tmp_path: Path) -> None:
         assert store(a, [key(1), key(2)], payloads)
         files = sorted(p.name for p in tmp_path.rglob("*.hsf"))
         assert len(files) == 2 and all("@1@" in f for f in files)
+        assert all(f.startswith("org_model@0x01000100@1@") for f in files)
         usage = a.get_usage()
         assert usage.total_bytes_used == sum(p.stat().st_size for p in tmp_path.rglob("*.hsf"))
         assert usage.total_capacity_bytes == 1 << 20
@@ -109,7 +112,8 @@ def test_restart_rebuilds_index_and_removes_leftovers(tmp_path: Path) -> None:
     used = a.get_usage().total_bytes_used
     a.close()
     shard = next(p for p in tmp_path.iterdir() if p.is_dir())
-    (shard / ("leftover" + df.SUFFIX + ".1.2" + df.TMP_SUFFIX)).write_bytes(b"partial")
+    leftover = df.file_name(df.ObjectId(MODEL, 1, 1, b"t" * 32)) + ".1.2" + df.TMP_SUFFIX
+    (shard / leftover).write_bytes(b"partial")
     (shard / df.file_name(df.ObjectId(MODEL, 1, 1, b"z" * 32))).write_bytes(b"HSD1garbage")
     (tmp_path / "README").write_text("not ours")  # foreign files are left alone
     b = adapter(tmp_path)
@@ -198,3 +202,147 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         HiStateDiskAdapter({"path": str(tmp_path), "capacity_bytes": 0})
     with pytest.raises(ValueError, match="unknown adapter_params"):
         HiStateDiskAdapter({"path": str(tmp_path), "capacity_bytes": 1, "size": 2})
+
+
+# ------------------------------------------------------------ hardening: whose files, bad keys
+def test_scan_touches_only_its_own_layout(tmp_path: Path) -> None:
+    """A restart removes its own temporaries and invalid objects, never a foreign file:
+    not one at the top, not one in a shard folder, not one in another folder."""
+    a = adapter(tmp_path)
+    assert store(a, [key(1)], [b"a" * 100])
+    a.close()
+    shard = a.path_of(key(1)).parent
+    foreign = [
+        tmp_path / "draft.tmp", tmp_path / "model.hsf", shard / "draft.tmp",
+        shard / "model.hsf", shard / ("model" + df.SUFFIX + ".1.2" + df.TMP_SUFFIX),
+        tmp_path / "notes" / "x.tmp", tmp_path / "zz" / "model.hsf",
+    ]
+    for path in foreign:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"user data")
+    own_tmp = shard / (df.file_name(df.ObjectId(MODEL, 1, 1, b"t" * 32)) + ".7.7.tmp")
+    own_tmp.write_bytes(b"partial")
+    b = adapter(tmp_path)
+    try:
+        assert [p for p in foreign if p.read_bytes() != b"user data"] == []
+        assert not own_tmp.exists()
+        assert (b.stats["restart_objects"], b.stats["restart_tmp_removed"]) == (1, 1)
+        assert b.stats["restart_invalid_removed"] == 0
+    finally:
+        b.close()
+
+
+def test_refuses_a_foreign_folder_unless_adopted(tmp_path: Path) -> None:
+    """A non-empty folder without the tier's marker is not used (nothing is touched);
+    with adopt the marker is written, the tier works there and the folder's files stay."""
+    (tmp_path / "draft.tmp").write_bytes(b"mine")
+    (tmp_path / "model.hsf").write_bytes(b"mine too")
+    with pytest.raises(ValueError, match=r"not empty \(2 entries: draft.tmp, model.hsf\)"):
+        adapter(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.tmp", "model.hsf"]
+    a = adapter(tmp_path, adopt=True)
+    try:
+        assert (tmp_path / ".histate-disk").is_file()
+        assert store(a, [key(1)], [b"x" * 10])
+    finally:
+        a.close()
+    b = adapter(tmp_path)  # the marker makes it the tier's own from now on
+    try:
+        assert lookup(b, [key(1)]) == [0]
+        assert (tmp_path / "draft.tmp").read_bytes() == b"mine"
+        assert (tmp_path / "model.hsf").read_bytes() == b"mine too"
+    finally:
+        b.close()
+
+
+def test_an_empty_folder_or_a_new_one_is_claimed(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "lost+found").mkdir()  # the root of a dedicated filesystem
+    for root in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        adapter(root).close()
+        assert (root / ".histate-disk").is_file()
+
+
+def odd_key(model: str, i: int = 1) -> ObjectKey:
+    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name=model, kv_rank=0, object_group_id=0)
+
+
+@pytest.fixture
+def tier_log() -> Iterator[list[str]]:
+    """Warnings of the disk tier's write path (lmcache loggers do not propagate)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("lmcache_histate.backends.disk_writes")
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+
+
+def test_odd_and_long_model_names_are_stored_under_bounded_names(tmp_path: Path) -> None:
+    """A NUL byte, separators, 300 bytes, or two names that read alike: each object gets
+    its own file (name under 200 bytes) and loads back byte-exact."""
+    names = ["a/b", "a_b", "a\0b", "../../etc/x", "é" * 150, "m" * 300]
+    keys = [odd_key(m) for m in names]
+    payloads = [os.urandom(64 + i) for i in range(len(names))]
+    a = adapter(tmp_path)
+    try:
+        assert store(a, keys, payloads)
+        files = list(tmp_path.rglob("*" + df.SUFFIX))
+        assert len(files) == len(names)
+        assert max(len(f.name.encode()) for f in files) < 200
+        assert all(f.parent.parent == tmp_path for f in files)
+        assert lookup(a, keys) == list(range(len(names)))
+        hits, data = load(a, keys, [len(p) for p in payloads])
+        assert hits == list(range(len(names))) and data == payloads
+    finally:
+        a.close()
+
+
+def test_every_write_task_completes_and_each_cause_is_logged_once(
+    tmp_path: Path, tier_log: list[str]
+) -> None:
+    """A key that cannot be written (a model name over the header's 65,535 bytes) fails
+    its object only: the task completes, the good objects are stored, the reservation is
+    released, the failure is counted, and a second one is counted but not logged again."""
+    a = adapter(tmp_path)
+    try:
+        huge = [odd_key("m" * 70_000, i) for i in (1, 2)]
+        assert not store(a, [huge[0], key(1)], [b"x" * 10, b"y" * 10])
+        assert lookup(a, [key(1)]) == [0]
+        assert not store(a, [huge[1]], [b"z" * 10])
+        assert a.stats["not_persisted_bad_key"] == 2
+        status = a.report_status()
+        assert status["writes_in_flight"] == 0 and status["files"] == 1
+        assert a._reserved == 0
+        assert [line for line in tier_log if "bad_key" in line] == [tier_log[0]]
+        assert len(tier_log) == 1
+        # A buffer that is not one: the demotion path reports it failed, nothing escapes.
+        outcome: list[tuple[list, list]] = []
+        a.write_objects([key(2)], [None], lambda ok, failed: outcome.append((ok, failed)))
+        deadline = time.monotonic() + 10
+        while not outcome and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert outcome == [([], [key(2)])]
+        assert a.stats["not_persisted_error"] == 1
+    finally:
+        a.close()
+
+
+def test_a_folder_serves_one_tier_at_a_time(tmp_path: Path) -> None:
+    """A second tier on a folder in use is refused (its start scan would delete the first
+    one's temporary files); once the first closes, the folder is free again."""
+    a = adapter(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="is in use by another HiState disk tier"):
+            adapter(tmp_path)
+        assert store(a, [key(1)], [b"still mine"])  # the refusal touched nothing
+    finally:
+        a.close()
+    b = adapter(tmp_path)
+    try:
+        assert lookup(b, [key(1)]) == [0]
+    finally:
+        b.close()

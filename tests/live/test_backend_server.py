@@ -26,6 +26,7 @@ import pytest
 import yaml
 from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 from lmcache_histate.backends import diskfile as df
+from support.filesystems import fill_to, tmpfs
 from support.lmcache_mp import (
     ATTN_GROUP,
     REC_GROUP,
@@ -246,8 +247,9 @@ def test_clear_l1_then_hit_from_disk_and_restart(tmp_path: Path, tokens: TokenSo
             assert on_disk(disk, engine, r, REC_GROUP) == [3]
         assert server.kill() == -9  # no clean shutdown
 
-    shard = next(d for d in disk.iterdir() if d.is_dir())
-    (shard / ("torn" + df.SUFFIX + ".9.9" + df.TMP_SUFFIX)).write_bytes(b"half a file")
+    torn = df.object_path(disk, df.ObjectId("histate-toy", 0, 0, b"\xab" * 32))
+    torn.parent.mkdir(exist_ok=True)
+    (torn.parent / (torn.name + ".9.9" + df.TMP_SUFFIX)).write_bytes(b"half a file")
     with (
         histate(tmp_path / "srv2", disk, cpu_fill=fill) as server,
         HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine,
@@ -366,49 +368,51 @@ def test_tiny_disk_degrades_to_not_persisted(tmp_path: Path, tokens: TokenSource
         assert server.http("GET", "/healthcheck") == {"status": "healthy"}
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 64 KiB filesystem (tmpfs; needs root). Skips where it cannot be mounted."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    try:
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64k", "histate-test", str(mount)],
-            capture_output=True, text=True, check=False, timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot run mount here: {exc}")
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip() or result.stdout}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+FS_BYTES = 256 * 1024  # the real filesystem under the disk tier (tmpfs)
+FREE_AFTER_FILL = 40 * 1024  # what another program leaves free on it after the start
 
 
-def test_real_full_filesystem_degrades_to_not_persisted(
-    tmp_path: Path, tokens: TokenSource, small_tmpfs: Path
+def test_real_full_filesystem_feeds_its_size_back_to_the_policy(
+    tmp_path: Path, tokens: TokenSource
 ) -> None:
-    """The configured disk is large but the filesystem fills up (ENOSPC): writes fail,
-    the objects are 'not persisted', the server keeps serving correct bytes."""
-    disk = small_tmpfs / "disk"
-    with (
-        histate(tmp_path / "srv", disk, disk_gib=1) as server,
-        HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine,
-    ):
-        stored = []
-        for _ in range(4):
-            prefix = tokens.tokens(4 * CHUNK)
-            stored.append((prefix, engine.store_chunks(prefix, snapshot_chunks=[0, 1, 2, 3])))
-        status = settle(server)
-        assert status["disk"]["stats"].get("not_persisted_io_error", 0) >= 1
-        assert status["counters"].get("snapshot_not_persisted", 0) >= 1
-        assert not list(disk.rglob("*" + df.TMP_SUFFIX))  # failed writes leave nothing
-        for prefix, sp in stored:
-            got = engine.lookup_and_retrieve(prefix)
-            assert got.hit_chunks == 4  # finals stay on the CPU tier
-            assert engine.matches(sp, got)
-        assert server.http("GET", "/healthcheck") == {"status": "healthy"}
+    """The disk tier starts with room (160 KiB configured on a 256 KiB filesystem), then
+    another program fills the filesystem. The first ENOSPC lowers the tier's capacity to
+    what it holds + what is free, the core learns it and evicts by H: later snapshots are
+    persisted again, failures stay few, nothing is left half-written, and whatever is
+    served is byte-exact (the newest session in full)."""
+    with tmpfs(tmp_path / "fs", "256k") as mount:
+        disk = mount / "disk"
+        with (
+            histate(tmp_path / "srv", disk, disk_gib=160 * 1024 / 2**30) as server,
+            HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine,
+        ):
+            assert hs(server)["disk"]["capacity_bytes"] == 160 * 1024
+            fill_to(mount, FREE_AFTER_FILL)
+            stored = []
+            for _ in range(6):
+                prefix = tokens.tokens(4 * CHUNK)
+                sp = engine.store_chunks(prefix, snapshot_chunks=[0, 1, 2, 3], wait=False)
+                stored.append((prefix, sp))
+                settle(server)
+            status = settle(server)
+            stats = status["disk"]["stats"]
+            assert stats.get("not_persisted_no_space", 0) >= 1
+            # The tier and the core now fit the filesystem, not the configured 160 KiB.
+            assert status["disk"]["capacity_bytes"] <= FREE_AFTER_FILL
+            tier = status["tiers"]["disk"]
+            assert tier["used_bytes"] <= tier["capacity_bytes"] <= FREE_AFTER_FILL
+            assert status["counters"]["disk_capacity_changes"] >= 1
+            # Room was made by evicting: the newest session's snapshots reached the disk,
+            # and only the writes in flight when the disk filled failed (24 were tried).
+            assert on_disk(disk, engine, stored[-1][0], REC_GROUP)
+            assert stats["not_persisted_no_space"] <= 8
+            assert not list(disk.rglob("*" + df.TMP_SUFFIX))  # failed writes leave nothing
+            for prefix, sp in stored:
+                got = engine.lookup_and_retrieve(prefix)
+                assert got.hit_chunks == 0 or engine.matches(sp, got)  # never wrong bytes
+            got = engine.lookup_and_retrieve(stored[-1][0])
+            assert got.hit_chunks == 4 and engine.matches(stored[-1][1], got)
+            assert server.http("GET", "/healthcheck") == {"status": "healthy"}
 
 
 def test_bad_yaml_fails_at_start_naming_the_key(tmp_path: Path) -> None:

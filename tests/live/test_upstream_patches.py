@@ -107,12 +107,13 @@ import lmcache_histate.backends.policies, lmcache_histate.backends.cpu_support
 import lmcache_histate.backends.cpu_server_module, lmcache_histate.backends.server_module
 import lmcache_histate.backends.upstream
 from lmcache.v1.distributed.storage_controllers import eviction_controller
-from lmcache.v1.platform.devices.cpu import shm
+from lmcache.v1.platform.devices.cpu import cache_context, shm
 from lmcache.v1.platform.torch_ops import mp_mem_kernels
 import vllm.triton_utils.dispatcher as dispatcher
-ec = eviction_controller
+ec, ctx = eviction_controller, cache_context.CPUCacheContext
 targets = [ec.CreateEvictionPolicy, ec.L1EvictionController.__init__,
            shm.migrate_to_shm_and_wrap, mp_mem_kernels._normalize_paged_layers,
+           shm.CpuShmTensorWrapper.to_tensor, ctx.__init__, ctx.close,
            dispatcher._rebind_kernels]
 print(sum(hasattr(t, "__histate_original__") for t in targets))
 """

@@ -23,6 +23,7 @@ from lmcache_histate.sim.baselines.sglang import sglang_hicache_policy
 from lmcache_histate.sim.baselines.tiered_lru import KV, STATE, TieredLRU
 from lmcache_histate.sim.baselines.unlimited import UnlimitedPolicy
 from lmcache_histate.sim.baselines.vllm import vllm_align_policy
+from lmcache_histate.sim.capture import Capture
 from lmcache_histate.sim.policy import HiStatePolicy, Policy
 from lmcache_histate.sim.traces import Request, load_trace
 
@@ -156,10 +157,12 @@ def test_marconi_written_bytes_at_most_two_states() -> None:
 def test_marconi_flop_aware_victim(alpha: float, victim: str) -> None:
     """Recency + α·FLOP efficiency, min-max normalised over the candidates.
 
-    FLOPs linear in tokens (pair = 0). X: 10 chunks + state at t=1, efficiency
-    1000/(1000+50) ≈ 0.95; Y: 1 chunk + state at t=2, 100/(100+50) ≈ 0.67. Normalised:
-    X (recency 0, efficiency 1), Y (1, 0). Scores X = α, Y = 1: α < 1 evicts the older X,
-    α > 1 the less efficient Y. Z (1 chunk + state = 150 B) does not fit in 1200 B.
+    FLOPs linear in tokens (pair = 0). X: 10 chunks + state stored at t=1.5, efficiency
+    1000/(1000+50) ≈ 0.95; Y: 1 chunk + state stored at t=2.5, 100/(100+50) ≈ 0.67. Z
+    (1 chunk + state = 150 B) does not fit in 1200 B; it evicts at t=3.5: recency
+    1/(3.5−1.5) = 0.5 for X, 1/(3.5−2.5) = 1 for Y. Normalised: X (recency 0,
+    efficiency 1), Y (1, 0). Scores X = α, Y = 1: α < 1 evicts the older X, α > 1 the
+    less efficient Y.
     """
     p = MarconiPolicy(
         **GEO, gpu_bytes=1200, flops=FlopModel(linear=1.0, pair=0.0), alpha=alpha, tune=False
@@ -190,29 +193,73 @@ def test_marconi_single_child_state_is_a_candidate() -> None:
     assert p.begin(req(a, 400), 9.0).hit_tokens == 400
 
 
-def test_marconi_alpha_tuning_runs_and_stays_on_grid() -> None:
+def test_marconi_score_order_on_a_four_node_tree() -> None:
+    """Marconi's eviction order, by hand (FLOPs = tokens: linear 1, pair 0).
+
+    Requests (begin at t, complete at t + 0.5): A = s0 s1 a2 a3 (t=1), B = s0 s1 b2
+    (t=2: KV match 2 ends inside A's edge, so the branch point P = s1 gets a state with
+    B's end), C = s0 s1 c2..c5 (t=3: hits P, refreshing it). The tree: P (@2, three
+    children: no candidate) and three leaves with a state each, all above P:
+
+    ====  ======  ===========================  ================  ==============
+    node  stored  span over P (FLOPs saved)    prefix memory     efficiency
+    ====  ======  ===========================  ================  ==============
+    A     1.5     400 − 200 = 200              50 + 400 = 450    0.4444
+    B     2.5     300 − 200 = 100              50 + 300 = 350    0.2857
+    C     3.5     600 − 200 = 400              50 + 600 = 650    0.6154
+    ====  ======  ===========================  ================  ==============
+
+    At now = 4: recency 1/(now − t) = 0.4, 0.667, 2 → min-max 0, 1/6, 1; efficiency
+    min-max: A (0.4444 − 0.2857) / (0.6154 − 0.2857) = 0.4815, B 0, C 1. Scores
+    (lowest evicted first): α = 0: A 0, B 0.167, C 1 → A B C; α = 0.5: A 0.241, B 0.167,
+    C 1.5 → B A C; α = 2: A 0.963, B 0.167, C 3 → B A C. (With the recency of the last
+    access time itself and FLOPs of the whole prefix per edge byte — A 400/250 = 1.6,
+    B 2, C 1.33 — α = 0.5 would give A C B.)
+    """
+    s = chunks(1, 2)
+    a, b, c = [*s, 2002, 2003], [*s, 3002], [*s, 4002, 4003, 4004, 4005]
+    for alpha, order in ((0.0, "ABC"), (0.5, "BAC"), (2.0, "BAC")):
+        p = MarconiPolicy(
+            **GEO, gpu_bytes=BIG, flops=FlopModel(linear=1.0, pair=0.0), alpha=alpha,
+            tune=False,
+        )
+        assert drive(p, [(a, 400), (b, 300), (c, 600)]) == [0, 0, 200]
+        cache = p.cache
+        leaf = {cache.index.get(a[-1]): "A", cache.index.get(b[-1]): "B",
+                cache.index.get(c[-1]): "C"}
+        assert cache.index.get(s[1]).has_snapshot  # type: ignore[union-attr]
+        assert [round(cache.efficiency(n), 4) for n in leaf] == [0.4444, 0.2857, 0.6154]
+        assert "".join(leaf[n] for n in cache.victim_order(4.0)) == order, alpha
+
+
+def test_marconi_alpha_tuned_once_on_its_grid_by_flops_saved() -> None:
     rng = random.Random(7)
-    p = MarconiPolicy(
-        **GEO, gpu_bytes=2000, min_window=10, max_window=30, window_factor=2, min_retune=20
-    )
+    p = MarconiPolicy(**GEO, gpu_bytes=2000, min_window=10, max_window=30, window_factor=2)
+    assert p.alpha_grid == tuple(round(0.1 * i, 1) for i in range(21))
     steps = []
     for _ in range(150):
         fam, var, n = rng.randrange(6), rng.randrange(4), rng.randrange(1, 12)
         steps.append((variant(fam, var, n), n * C))
     drive(p, steps)
-    assert p.tunings >= 3
+    assert p.tunings == 1
     assert p.cache.alpha in p.alpha_grid
     assert p.window is not None and 10 <= p.window <= 30
+    # The α kept saves the most FLOPs in the replay (ties: the smaller).
+    scores = p.alpha_scores
+    assert sorted(scores) == sorted(p.alpha_grid)
+    best = max(scores.values())
+    assert p.cache.alpha == min(a for a, v in scores.items() if v == best)
 
 
 # ------------------------------------------------------------------ vLLM
-def test_vllm_align_keeps_only_prompt_end_states() -> None:
-    """One state per request, after the prompt's last full chunk.
+def test_vllm_align_keeps_replay_boundary_and_junction_states() -> None:
+    """States at the replay boundary ((P − 1) // N) and at the shared-prefix junction.
 
     R1 a0..a4, 550 tok: hit 0, state @5. R2 a0..a7, 830 tok: hit 500 (@5), state @8.
-    R3 rewrite after chunk 7 (a0..a6 + r7 r8): KV match 7, states @5 and @8: only @5
-    lies within, hit 500 (Marconi / unlimited would get 700 there). R4 rewrite after
-    chunk 4: KV match 4, no state within: hit 0.
+    R3 rewrite after chunk 7 (a0..a6 + r7 r8), 900 tok: KV match 7, states @5 and @8:
+    only @5 lies within, hit 500 (Marconi / unlimited get 700 there); it saves the
+    junction @7 and its replay boundary @8 (899 // 100: a block-aligned prompt keeps the
+    block before its end). R4 rewrite after chunk 4: KV match 4, no state within: hit 0.
     """
     a = chunks(1, 9)
     steps = [(a[:5], 550), (a[:8], 830), (fork(a, 7, 2, 9), 900), (fork(a, 4, 3, 6), 600)]
@@ -222,16 +269,16 @@ def test_vllm_align_keeps_only_prompt_end_states() -> None:
 
 
 def test_vllm_gpu_lru_over_blocks_keeps_dead_tails() -> None:
-    """GPU 700 B. A (3 chunks + state = 350 B, t=1), B (350 B, t=2) fill it. C needs
-    100 + 50: the least recent block is A's leaf a2 (t=1; on a tie the KV leaf goes
-    first and takes its state): 150 B freed. A's a0 a1 stay (vLLM has no early free of
-    blocks without a state) but cannot be hit: A again gets 0."""
+    """GPU 700 B. A (350 tokens: 3 chunks + state @3 = 350 B, t=1), B (350 B, t=2) fill
+    it. C needs 100 + 50: the least recent block is A's leaf a2 (t=1; on a tie the KV
+    leaf goes first and takes its state): 150 B freed. A's a0 a1 stay (vLLM has no early
+    free of blocks without a state) but cannot be hit: A again gets 0."""
     p = vllm_align_policy("v", **GEO, tiers=[("gpu", 700)])
     a, b, c = chunks(1, 3), chunks(2, 3), chunks(3, 1)
-    drive(p, [(a, 300), (b, 300), (c, 100)])
+    drive(p, [(a, 350), (b, 350), (c, 150)])
     assert a[2] not in p.engine.index
     assert p.resident(p.engine.index.get(a[1])) == ("gpu", None)  # type: ignore[arg-type]
-    assert p.begin(req(a, 300), 9.0).hit_tokens == 0
+    assert p.begin(req(a, 350), 9.0).hit_tokens == 0
 
 
 def test_vllm_cpu_offload_cascade_and_loads() -> None:
@@ -241,34 +288,103 @@ def test_vllm_cpu_offload_cascade_and_loads() -> None:
     state @3 on the GPU: hit 300, reading 100 + 50 B from GPU and 200 B from CPU."""
     p = vllm_align_policy("v", **GEO, tiers=[("gpu", 700), ("cpu", 1000)])
     a, b, c = chunks(1, 3), chunks(2, 3), chunks(3, 1)
-    drive(p, [(a, 300), (b, 300), (c, 100)])
+    drive(p, [(a, 350), (b, 350), (c, 150)])
     idx = p.engine.index
     assert [p.resident(idx.get(k))[0] for k in a] == ["gpu", "cpu", "cpu"]  # type: ignore[arg-type]
     assert p.resident(idx.get(a[2])) == ("cpu", "gpu")  # type: ignore[arg-type]
-    lookup = p.begin(req(a, 300), 9.0)
+    lookup = p.begin(req(a, 350), 9.0)
     assert lookup.hit_tokens == 300
     assert lookup.load_bytes == {"gpu": 100 + 50, "cpu": 200}
     # The hit brings A back to the GPU (B's older blocks make room and go to CPU).
-    written = p.complete(req(a, 300), lookup, 9.5)
+    written = p.complete(req(a, 350), lookup, 9.5)
     assert written["gpu"] == 200
     assert [p.resident(idx.get(k))[0] for k in a] == ["gpu"] * 3  # type: ignore[arg-type]
     p.engine.check()
 
 
+def test_vllm_junction_state_lets_a_second_rewrite_resume() -> None:
+    """vLLM's shared-prefix junction (``get_computed_blocks``' ``shared_prefix_boundary``).
+
+    R1 a0..a7, 830 tok: hit 0; replay boundary @8.
+    R2 rewrite after chunk 5: a0..a4 x5 x6, 750 tok: KV match 5 (a0..a4), no state
+       within (only @8): hit 0. The GPU KV match (5) goes beyond the hit (0): the
+       scheduler ends a step at the junction and its state @5 is kept, with the replay
+       boundary @7 (749 // 100). One extra step; the offload rows copy @5 to host.
+    R3 another rewrite after chunk 5: a0..a4 y5..y7, 850 tok: KV match 5, state @5
+       (R2's junction): hit 500. KV match = hit: no junction.
+    R4 a0..a7 again, 830 tok: KV match 8, states @5 and @8 within: hit 800.
+    Without the junction rule R3 would recompute everything.
+    """
+    a = chunks(1, 8)
+    r2, r3 = fork(a, 5, 2, 7), fork(a, 5, 3, 8)
+    steps = [(a, 830), (r2, 750), (r3, 850), (a, 830)]
+    for tiers, host in (([("gpu", BIG)], 0), ([("gpu", BIG), ("cpu", BIG)], 1)):
+        p = vllm_align_policy("v", **GEO, tiers=tiers)
+        assert drive(p, steps) == [0, 0, 500, 800]
+        with_state = sorted(n.depth + 1 for n in p.engine.index.nodes.values() if n.snap_tiers)
+        assert with_state == [5, 7, 8, 8]  # @7 on R2's branch, @8 on R1's and R3's
+        r = req(fork(a, 5, 4, 7), 750)  # a third rewrite at 5: resumes, no junction
+        lookup = p.begin(r, 99.0)
+        assert lookup.hit_tokens == 500
+        assert p.capture(r, lookup) == Capture()
+        p.complete(r, lookup, 99.5)
+        r = req(fork(a, 6, 5, 7), 750)  # diverges at 6: junction @6 beyond the hit @5
+        lookup = p.begin(r, 100.0)
+        assert p.capture(r, lookup) == Capture(splits=1, host_states=host)
+        p.complete(r, lookup, 100.5)
+        assert p.engine.index.get(a[5]).has_snapshot  # type: ignore[union-attr]
+
+
 # ------------------------------------------------------------------ SGLang
+def test_sglang_states_at_prefill_chunks_and_branch_point() -> None:
+    """The ``extra_buffer`` rule: one state per prefill chunk (here 300 tokens = 3 chunks),
+    the branching point instead when it lies inside the chunk, and the end.
+
+    R1 a0..a9, 1000 tok: hit 0. Prefill chunks [0,300) [300,600) [600,900) [900,1000):
+       states @3 @6 @9, end @10.
+    R2 rewrite after chunk 5: a0..a4 x5..x11, 1200 tok: KV match 5, deepest state
+       within @3: hit 300. Branching point @5 (the KV hit, beyond the state). Chunks
+       from 300: [300,600) holds the branch (500): @5 instead of @6; [600,900): @9 (x8);
+       [900,1200): the end @12.
+    R3 a0..a4 y5 y6, 700 tok: KV match 5, state @5: hit 500.
+    R4 a0..a4 x5..x9 z10, 1100 tok: KV match 10, states @3 @5 @9 within: hit 900.
+    vLLM on the same requests keeps R2's junction @5 and replay boundary @11 only: R4
+    resumes at @5 (hit 500).
+    """
+    a = chunks(1, 10)
+    x = fork(a, 5, 2, 12)
+    steps = [(a, 1000), (x, 1200), (fork(a, 5, 3, 7), 700), ([*x[:10], 4010], 1100)]
+    p = sglang_hicache_policy(
+        "s", **GEO, gpu_bytes=BIG, cpu_bytes=BIG, chunked_prefill_tokens=3 * C
+    )
+    r1 = req(a, 1000)
+    lookup = p.begin(r1, 1.0)
+    assert lookup.handle.plan.chunks == [3, 6, 9, 10]
+    assert p.capture(r1, lookup) == Capture(host_states=3)  # write-through backups
+    p.complete(r1, lookup, 1.5)
+    r2 = req(x, 1200)
+    lookup = p.begin(r2, 2.0)
+    assert lookup.hit_tokens == 300
+    assert lookup.handle.plan.chunks == [5, 9, 12]
+    p.complete(r2, lookup, 2.5)
+    assert drive(p, steps[2:], t0=3.0) == [500, 900]
+    v = vllm_align_policy("v", **GEO, tiers=[("gpu", BIG)])
+    assert drive(v, steps) == [0, 0, 500, 500]
 def test_sglang_small_state_pool_evicts_states_while_kv_stays() -> None:
     """GPU 1600 B split 1/16 for states: a Mamba pool of 100 B (2 states) and a KV pool of
     1500 B (15 chunks); no host memory (cpu 0). Times t = 1..6.
 
-    1 A1  a0..a3, 400 tok: hit 0; KV 4 chunks; states {@4 a3: t1}.
-    2 B1  b0, 100 tok: hit 0; KV 5; states {a3: t1, b0: t2}.
-    3 A2  a0..a5, 600 tok: hit 400 (a3, in use). New state a5: the pool is full, the
+    Prompts end 50 tokens into a chunk (so vLLM's replay boundary is the last full one).
+
+    1 A1  a0..a3, 450 tok: hit 0; KV 4 chunks; states {@4 a3: t1}.
+    2 B1  b0, 150 tok: hit 0; KV 5; states {a3: t1, b0: t2}.
+    3 A2  a0..a5, 650 tok: hit 400 (a3, in use). New state a5: the pool is full, the
           LRU state not in use is b0 (t2): dropped (no host room); b0 is then a KV leaf
           without state, deleted as a tombstone leaf. States {a3: t3, a5: t3}; KV 6.
     4 A3  a0..a5 again: hit 600 (a5 refreshed to t4; a3 not touched: t3).
-    5 B2  b0 b1, 200 tok: b0 is gone: hit 0. KV 8 (the KV pool has room). New state
+    5 B2  b0 b1, 250 tok: b0 is gone: hit 0. KV 8 (the KV pool has room). New state
           b1: the LRU state is a3 (t3) → dropped; a3 has a child (a4): its KV stays.
-    6 A4  rewrite a0..a3 z4, 500 tok: KV match 4 (a0..a3 kept) but no state within:
+    6 A4  rewrite a0..a3 z4, 550 tok: KV match 4 (a0..a3 kept) but no state within:
           hit falls back to 0.
     vLLM with the same 1600 B as one pool never fills (8 chunks + 4 states): b0's state
     survives (B2 hits 100) and so does a3's (A4 hits 400).
@@ -276,12 +392,12 @@ def test_sglang_small_state_pool_evicts_states_while_kv_stays() -> None:
     a = chunks(1, 6)
     b = chunks(2, 2)
     steps = [
-        (a[:4], 400),
-        (b[:1], 100),
-        (a, 600),
-        (a, 600),
-        (b, 200),
-        (fork(a, 4, 3, 5), 500),
+        (a[:4], 450),
+        (b[:1], 150),
+        (a, 650),
+        (a, 650),
+        (b, 250),
+        (fork(a, 4, 3, 5), 550),
     ]
     p = sglang_hicache_policy("s", **GEO, gpu_bytes=1600, cpu_bytes=0, gpu_state_fraction=1 / 16)
     assert [pool.capacity for pool in p.engine.pools] == [1500, 100, 0, 0]
@@ -291,12 +407,21 @@ def test_sglang_small_state_pool_evicts_states_while_kv_stays() -> None:
     assert drive(v, steps) == [0, 0, 400, 600, 100, 400]
 
 
-def test_sglang_host_pools_split_by_ratio() -> None:
+def test_sglang_host_pools_split_like_the_device() -> None:
+    """--mamba-full-memory-ratio 0.9 (state : KV) on the GPU; --hicache-size split in
+    proportion to the device pools on the host (1000 · 1/1.9 = 526 B of KV); an L3 pool
+    of ``disk_bytes`` holds both kinds."""
     p = sglang_hicache_policy("s", **GEO, gpu_bytes=1900, cpu_bytes=1000)
     kv_gpu, st_gpu, kv_cpu, st_cpu = (pool.capacity for pool in p.engine.pools)
-    assert (kv_gpu, st_gpu) == (1000, 900)  # --mamba-full-memory-ratio 0.9 (state : KV)
-    assert (kv_cpu, st_cpu) == (500, 500)  # the half-and-half host split
+    assert (kv_gpu, st_gpu) == (1000, 900)
+    assert (kv_cpu, st_cpu) == (526, 474)
     assert [pool.kinds for pool in p.engine.pools] == [(KV,), (STATE,), (KV,), (STATE,)]
+    half = sglang_hicache_policy("s", **GEO, gpu_bytes=1900, cpu_bytes=1000, host_kv_fraction=0.5)
+    assert [pool.capacity for pool in half.engine.pools][2:] == [500, 500]
+    l3 = sglang_hicache_policy("s", **GEO, gpu_bytes=1900, cpu_bytes=1000, disk_bytes=3000)
+    assert (l3.engine.pools[-1].tier, l3.engine.pools[-1].capacity) == ("disk", 3000)
+    assert l3.engine.pools[-1].kinds == (KV, STATE)
+    assert l3.capacity_bytes() == 1900 + 1000 + 3000
 
 
 # ------------------------------------------------------------------ tiered LRU properties
@@ -374,6 +499,31 @@ def test_baseline_rows_and_factories() -> None:
     assert lru.cache.config.tau == 0 and not lru.cache.config.refresh_all
     assert lra.cache.config.tau == 0 and lra.cache.config.refresh_all
     assert lru.tier_names == ["gpu", "cpu", "disk"]
+
+
+def test_memory_per_row_and_the_same_total_memory_view() -> None:
+    """GPU 5,000 B, CPU 6,000 B, disk 7,000 B: GPU-only rows 5,000; GPU + CPU rows 11,000;
+    three-tier rows 18,000; the unlimited reference ∞. ``same_memory`` grows each row's
+    slowest tier to 18,000 in all: the GPU of Marconi and vLLM GPU-only to 18,000, the
+    CPU of vLLM CPU offload and SGLang HiCache to 13,000."""
+    from lmcache_histate.sim.capture import capacity_of
+
+    caps = {"gpu_bytes": 5000, "cpu_bytes": 6000, "disk_bytes": 7000}
+    mem = {n: capacity_of(f()) for n, f in baseline_policies(**GEO, **caps).items()}
+    assert mem == {
+        "unlimited": float("inf"), "marconi": 5000, "vllm-align-gpu": 5000,
+        "vllm-cpu-offload": 11000, "vllm-cpu-disk-offload": 18000, "sglang-hicache": 11000,
+        "sglang-hicache-l3": 18000, "lru": 18000, "lru-refresh-all": 18000,
+    }
+    same = baseline_policies(**GEO, **caps, same_memory=True)
+    assert {n: capacity_of(f()) for n, f in same.items() if n != "unlimited"} == dict.fromkeys(
+        [n for n in BASELINES if n != "unlimited"], 18000
+    )
+    assert same["marconi"]().cache.capacity == 18000  # type: ignore[attr-defined]
+    cpu = same["vllm-cpu-offload"]().engine.pools  # type: ignore[attr-defined]
+    assert [(p.tier, p.capacity) for p in cpu] == [("gpu", 5000), ("cpu", 13000)]
+    sg = same["sglang-hicache"]().engine.pools  # type: ignore[attr-defined]
+    assert sum(p.capacity for p in sg if p.tier == "cpu") == 13000
 
 
 @pytest.mark.parametrize("refresh_all", [False, True])

@@ -70,3 +70,22 @@ def test_sweep_and_plots(tmp_path: Path) -> None:
     assert "histate" in swept and len(doc["sweep"]) >= 2 * len(swept) + 1
     assert (out / "ttft_cdf.png").stat().st_size > 0
     assert (out / "hit_rate_vs_capacity.png").stat().st_size > 0
+
+
+def test_same_memory_view_reruns_the_smaller_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The paper's memory: HiState 45 + 96 + 150 = 291 GiB, vLLM GPU-only 45 GiB, vLLM CPU
+    offload 45 + 96 = 141 GiB; the same-memory table re-runs the two smaller rows at 291
+    GiB (vLLM CPU+disk already has it, so it is not repeated)."""
+    out = tmp_path / "same"
+    argv = ["simulate", "--policies", "histate,vllm-align-gpu,vllm-cpu-offload,"
+            "vllm-cpu-disk-offload", "--same-memory", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| vllm-align-gpu | 45 |" in printed and "| vllm-cpu-offload | 141 |" in printed
+    assert "Same total memory: every row with 291 GiB" in printed
+    doc = json.loads((out / "report.json").read_text())
+    same = {p["name"]: p["capacity_bytes"] / 2**30 for p in doc["same_memory"]}
+    assert same == {"histate": 291, "vllm-align-gpu": 291, "vllm-cpu-offload": 291}
+    assert "requests/h" in doc["meta"]["load"]

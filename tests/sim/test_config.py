@@ -76,3 +76,29 @@ def test_parse_bytes() -> None:
     assert parse_bytes(1024, "k") == 1024
     with pytest.raises(ConfigError, match="k:"):
         parse_bytes("-3 GiB", "k")
+
+
+def test_capture_time_by_hand() -> None:
+    """100K recomputed tokens in 528-token steps instead of 8,192: ceil(100000/528) = 190
+    vs ceil(100000/8192) = 13, + 1 forced split = 178 steps × 2 ms = 0.356 s; two
+    51,511,296-byte states over 50 GB/s = 2.06 ms."""
+    from lmcache_histate.sim.capture import Capture
+
+    c = load_cost_model()
+    assert (c.step_overhead_s, c.engine_step_tokens) == (2e-3, 8192)
+    compute, copy = c.capture_time(Capture(528, 1, 2), 100_000, 51_511_296)
+    assert compute == pytest.approx(0.356)
+    assert copy == pytest.approx(2 * 51_511_296 / 50e9)
+    assert c.capture_time(Capture(528), 500, 1) == (0.0, 0.0)  # one step either way
+
+
+def test_capture_constants_can_be_overridden(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("capture:\n  step_overhead_s: 0.004\n")
+    assert load_setup(f).cost.step_overhead_s == 0.004
+    f.write_text("capture:\n  step_overhead: 1\n")
+    with pytest.raises(ConfigError, match="capture: unknown key 'step_overhead'"):
+        load_setup(f)
+    f.write_text("capture:\n  engine_step_tokens: 0\n")
+    with pytest.raises(ConfigError, match="engine_step_tokens"):
+        load_setup(f)

@@ -59,4 +59,26 @@ def test_hit_rate_and_speedups() -> None:
     assert sums[1].sensitive == TtftStats(1, 4.0, 4.0, 4.0, 4.0)
     assert sums[0].read_bytes == {"disk": 150}
     table = markdown(sums)
-    assert "| histate | 75.00 |" in table and "Reuse-sensitive requests (1)" in table
+    assert "| histate | – | 75.00 |" in table and "Reuse-sensitive requests (1)" in table
+
+
+def test_every_table_says_memory_duration_and_rate() -> None:
+    """Memory per row in every table (GiB; ∞ for the unlimited reference), the duration and
+    request rate above them. 2 requests over 1,800 s = 0.5 h → 4 requests/h; over 3,600 s
+    → 2/h: the line gives the range over the rows."""
+    from dataclasses import replace
+
+    h = replace(run("histate", [50, 100]), makespan=1800.0, capacity_bytes=291 * 2**30)
+    b = replace(run("vllm-align-gpu", [0, 100]), makespan=3600.0, capacity_bytes=45 * 2**30)
+    u = replace(run("unlimited", [50, 100]), makespan=1800.0, capacity_bytes=math.inf)
+    sums = summarize({"histate": h, "vllm-align-gpu": b, "unlimited": u}, None)
+    assert [s.request_rate for s in sums] == [4.0, 2.0, 4.0]
+    same = summarize({"histate": h, "vllm-align-gpu": replace(b, capacity_bytes=291 * 2**30)},
+                     None)
+    table = markdown(sums, same)
+    assert table.startswith("Simulated duration 0.50–1.00 h, 2 requests: 2–4 requests/h")
+    assert "| histate | 291 | 75.00 |" in table
+    assert "| vllm-align-gpu | 45 | 50.00 |" in table and "| unlimited | ∞ |" in table
+    assert "| histate | 291 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 |" in table  # traffic (B, not GiB)
+    assert "Same total memory: every row with 291 GiB" in table
+    assert "| vllm-align-gpu | 291 | 50.00 |" in table

@@ -181,3 +181,50 @@ def test_histate_hits_on_a_growing_session() -> None:
     hits = [r.hit_tokens for r in run.results]
     # Turn k resumes from the final snapshot of turn k-1 (its last full chunk).
     assert hits == [0] + [(4000 * k // 528) * 528 for k in range(1, 4)]
+
+
+def test_capture_cost_is_on_the_request_path() -> None:
+    """A row that needs one-chunk steps and copies states to host pays both (``Capture``).
+
+    Cost model: 0.5 s per extra step, engine default 8-token steps, PCIe 100 B/s. A
+    16-token prompt, nothing hit, chunk 4: ceil(16/4) − ceil(16/8) = 4 − 2 = 2 extra steps
+    + 1 forced split = 3 steps = 1.5 s of GPU time; 2 mid-prefill states of S bytes
+    copied at 100 B/s. The copy runs with the loads, the steps with the recompute."""
+    from dataclasses import replace
+
+    from lmcache_histate.sim.capture import Capture
+
+    class Capturing(FixedPolicy):
+        def capture(self, request: Request, lookup: Lookup) -> Capture:
+            return Capture(step_tokens=CHUNK, splits=1, host_states=2)
+
+    cost = replace(COST, step_overhead_s=0.5, engine_step_tokens=8)
+    s = SimSetup.paper(cost=cost, chunk_tokens=CHUNK)
+    run = simulate(trace(Session("a", None, (req("a", 0, 16),))), Capturing(), s)
+    (r,) = run.results
+    copy = 2 * s.snapshot_bytes / 100.0
+    recompute = 0.5 * 16 + 0.01 * 256 / 2
+    assert r.capture_s == pytest.approx(1.5 + copy)
+    assert r.ttft == pytest.approx(0.125 + recompute + 1.5 + copy)
+    fifo = simulate(trace(Session("a", None, (req("a", 0, 16),))), Capturing(),
+                    s.with_(gpu_scheduling="fifo"))
+    assert fifo.results[0].ttft == pytest.approx(r.ttft)
+
+
+def test_histate_rows_capture_their_planned_states() -> None:
+    """``histate`` plans interval states (one-chunk steps, mid states to host); the
+    ``histate-align`` ablation only the final state (the engine's own steps)."""
+    from lmcache_histate.sim.capture import Capture, capture_of
+    from lmcache_histate.sim.variants import VARIANTS
+
+    s = SimSetup.paper()
+    tr = synthetic_agent(1, 1, 20_000, 0.0, chunk_tokens=528, seed=0)
+    (r,) = tr.sessions[0].requests
+    full = histate_policy(s)
+    cap = capture_of(full, r, full.begin(r, 0.0))
+    # 20,000 tokens = 37 full chunks; N_s = 51,511,296 / 32,768 = 1,572 tokens, factor 1:
+    # I* = sqrt(2 · 19,536 · 1,572) ≈ 7,837 tokens → 15 chunks (7,920): states @15 @30,
+    # final @37: two mid-prefill states.
+    assert cap == Capture(step_tokens=528, host_states=2)
+    align = histate_policy(s, "histate-align", **dict(VARIANTS["histate-align"]))
+    assert capture_of(align, r, align.begin(r, 0.0)) == Capture()

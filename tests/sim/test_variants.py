@@ -54,3 +54,30 @@ def test_promotion_makes_repeat_hits_free() -> None:
     assert set(lk.load_bytes) == {"gpu"}
     pol.complete(reqs[2], lk, 5.0)
     pol.cache.check()
+
+
+def test_final_snapshot_of_a_request_whose_hashes_stop_short() -> None:
+    """Finding 4 of issue 8: a 650-token prompt at 100-token chunks has 6 full chunks, but
+    its trace hashes only 4 (the trailing blocks are not listed). The stored chain is
+    those 4 chunks, so the segment's final snapshot belongs after chunk 4; a plan that
+    ended at 600 tokens pointed past the chain and saved nothing. The next request
+    (the same 4 hashed chunks + 2 more) resumes at chunk 4: 400 tokens.
+
+    Final-only plan (``fixed_interval = 0``) and the interval controller alike: the
+    final snapshot sits after chunk 4, on the final tier (the GPU)."""
+    from lmcache_histate.sim.traces import Request
+    from lmcache_histate.sim.variants import three_tier_policy
+
+    keys = tuple(range(1, 5))
+    for knobs in ({"fixed_interval": 0}, {}):
+        pol = three_tier_policy(
+            "h", chunk_tokens=100, kv_bytes_per_token=1, snapshot_bytes=50,
+            gpu_bytes=10**6, cpu_bytes=10**6, disk_bytes=10**6, **knobs,
+        )
+        r1 = Request("s", 0, 0.0, 0.0, 650, 1, keys)
+        pol.complete(r1, pol.begin(r1, 1.0), 1.5)
+        last = pol.cache.index.get(keys[-1])
+        assert last is not None and last.snap_tiers == 1, knobs  # tier 0 = gpu
+        r2 = Request("s", 1, 2.0, 0.0, 650, 1, (*keys, 5, 6))
+        assert pol.begin(r2, 2.0).hit_tokens == 400, knobs
+        pol.cache.check()

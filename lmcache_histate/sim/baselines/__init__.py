@@ -4,21 +4,32 @@
 ``unlimited``              never evicts, a state at every chunk end: the reference
                            (``unlimited``).
 ``marconi``                Marconi on vLLM, GPU only: sequence-end + branch-point states,
-                           recency + α·FLOP-efficiency eviction, α tuned online
-                           (``marconi``, ``marconi_policy``).
-``vllm-align-gpu``         vLLM align mode: one state per request at the prompt's last
-                           full block, LRU over blocks, GPU only (``vllm``).
+                           recency + α·FLOP-efficiency eviction, α tuned once from a
+                           replay (``marconi``, ``marconi_policy``).
+``vllm-align-gpu``         vLLM align mode: states at the replay boundary (the prompt's
+                           last full block) and at the shared-prefix junction, LRU over
+                           blocks, GPU only (``vllm``).
 ``vllm-cpu-offload``       the same + a CPU tier (LRU, cascading).
 ``vllm-cpu-disk-offload``  the same + CPU and disk tiers.
-``sglang-hicache``         SGLang HiCache + MambaRadixCache: separate KV / Mamba pools on
-                           GPU and host (host split by ratio), LRU per pool, states at
-                           request ends (``sglang``).
+``sglang-hicache``         SGLang HiCache + the hybrid radix cache: separate KV / Mamba
+                           pools on GPU and host (host split like the device), LRU per
+                           pool, states at every chunked-prefill chunk, at the branching
+                           point and at the end (``sglang``).
+``sglang-hicache-l3``      the same + an L3 storage tier of ``disk_bytes`` (HiState's
+                           disk capacity).
 ``lru``                    the paper's generic LRU: the REAL HiState core (same tiers,
                            placement, GPU promotion and interval-driven snapshots as the
                            ``histate`` row, ``sim/variants.py``) with ``tau = 0`` and no
                            refresh-all (the paper's file-level LRU ablation).
 ``lru-refresh-all``        the same with refresh-all.
 =========================  ==============================================================
+
+Memory per row (``capacity_bytes``; the paper's set-up in brackets): Marconi and vLLM
+GPU-only have the GPU pool (45 GiB), vLLM CPU offload and SGLang HiCache GPU + CPU
+(141 GiB), vLLM CPU+disk, SGLang HiCache + L3 and the HiState/LRU rows GPU + CPU + disk
+(291 GiB). ``same_memory=True`` grows each row's slowest tier so that every row has
+GPU + CPU + disk bytes in all (a GPU-only row then gets an impossibly large GPU: the
+view separates what a policy does with memory from how much memory it had).
 
 The vLLM and SGLang rows share one engine (``tiered_lru``: exclusive tiers, LRU per
 pool) and one adapter (``end_state``). Every row reports ``load_bytes`` per tier name
@@ -35,7 +46,7 @@ from ..policy import Policy
 from ..variants import three_tier_policy
 from .marconi import DEFAULT_FLOPS, FlopModel
 from .marconi_policy import MarconiPolicy
-from .sglang import DEFAULT_HOST_KV_FRACTION, sglang_hicache_policy
+from .sglang import sglang_hicache_policy
 from .unlimited import UnlimitedPolicy
 from .vllm import vllm_align_policy
 
@@ -48,6 +59,7 @@ BASELINES: tuple[str, ...] = (
     "vllm-cpu-offload",
     "vllm-cpu-disk-offload",
     "sglang-hicache",
+    "sglang-hicache-l3",
     "lru",
     "lru-refresh-all",
 )
@@ -62,12 +74,14 @@ def baseline_policies(
     seed: int = 0,
     *,
     flops: FlopModel = DEFAULT_FLOPS,
-    host_kv_fraction: float = DEFAULT_HOST_KV_FRACTION,
+    host_kv_fraction: float | None = None,
+    same_memory: bool = False,
 ) -> dict[str, Callable[[], Policy]]:
     """Row name → factory of a fresh policy, in report order (``BASELINES``).
 
     ``flops``: Marconi's FLOP model (only the linear : attention ratio matters);
-    ``host_kv_fraction``: SGLang's host KV share (the "half-and-half split" = 0.5).
+    ``host_kv_fraction``: SGLang's host KV share (None: in proportion to its device
+    pools); ``same_memory``: every row gets GPU + CPU + disk bytes in all (module doc).
     """
     del seed  # no baseline is randomised
     geo = {
@@ -76,21 +90,29 @@ def baseline_policies(
         "snapshot_bytes": snapshot_bytes,
     }
     caps = {"gpu_bytes": gpu_bytes, "cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes}
+    total = gpu_bytes + cpu_bytes + disk_bytes
+    # The slowest tier of each row: as configured, or grown to the common total.
+    gpu_only = total if same_memory else gpu_bytes
+    host = total - gpu_bytes if same_memory else cpu_bytes
     gpu, cpu, disk = ("gpu", gpu_bytes), ("cpu", cpu_bytes), ("disk", disk_bytes)
+    sglang = {**geo, "gpu_bytes": gpu_bytes, "host_kv_fraction": host_kv_fraction}
     return {
         "unlimited": lambda: UnlimitedPolicy(**geo),
-        "marconi": lambda: MarconiPolicy(**geo, gpu_bytes=gpu_bytes, flops=flops),
-        "vllm-align-gpu": lambda: vllm_align_policy("vllm-align-gpu", **geo, tiers=[gpu]),
-        "vllm-cpu-offload": lambda: vllm_align_policy("vllm-cpu-offload", **geo, tiers=[gpu, cpu]),
+        "marconi": lambda: MarconiPolicy(**geo, gpu_bytes=gpu_only, flops=flops),
+        "vllm-align-gpu": lambda: vllm_align_policy(
+            "vllm-align-gpu", **geo, tiers=[("gpu", gpu_only)]
+        ),
+        "vllm-cpu-offload": lambda: vllm_align_policy(
+            "vllm-cpu-offload", **geo, tiers=[gpu, ("cpu", host)]
+        ),
         "vllm-cpu-disk-offload": lambda: vllm_align_policy(
             "vllm-cpu-disk-offload", **geo, tiers=[gpu, cpu, disk]
         ),
         "sglang-hicache": lambda: sglang_hicache_policy(
-            "sglang-hicache",
-            **geo,
-            gpu_bytes=gpu_bytes,
-            cpu_bytes=cpu_bytes,
-            host_kv_fraction=host_kv_fraction,
+            "sglang-hicache", **sglang, cpu_bytes=host
+        ),
+        "sglang-hicache-l3": lambda: sglang_hicache_policy(
+            "sglang-hicache-l3", **sglang, cpu_bytes=cpu_bytes, disk_bytes=disk_bytes
         ),
         # The HiState core with plain-recency eviction (tau = 0): no second implementation.
         "lru": lambda: three_tier_policy("lru", tau=0.0, refresh_all=False, **geo, **caps),

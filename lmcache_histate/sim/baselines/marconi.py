@@ -26,13 +26,18 @@ What is modelled (DESIGN.md §3) and how it maps onto ``core.index.PrefixIndex``
   and its state) and single-child nodes with a state (evicting one frees the state;
   the edge merges into the child's). Nodes on a running request's path are locked.
   The victim minimises ``recency + α · flop_efficiency``, both min-max normalised over
-  the current candidates (recency = last access time; higher = keep). FLOP efficiency
-  = FLOPs a hit at the node saves (prefilling its whole prefix, ``FlopModel``) / bytes
-  the node holds (its edge's KV + its state); a leaf without a state saves nothing.
-  Our reading where the paper leaves room: the node's own memory (edge + state) is the
-  denominator also for single-child nodes, whose eviction frees only the state.
-* α is tuned online by ``marconi_policy`` (a replay grid search); this module takes
-  it as given.
+  the current candidates (higher = keep), as in Marconi's ``radix_cache_hybrid.py``
+  (its repository was not reachable from here; the formulas follow the audit in issue
+  8 and DESIGN.md §3):
+
+  - recency = ``1 / (now − last access)`` (a node touched at ``now`` itself counts as
+    ``_MIN_AGE_S`` old);
+  - flop_efficiency = FLOPs saved by the node's own span over its parent, i.e.
+    ``flops(L_node) − flops(L_parent)`` with ``L`` the prefix length in tokens at the
+    node and at the Marconi node above its edge, divided by the memory of the whole
+    prefix: the node's state plus the KV of all ``L_node`` tokens. A leaf without a
+    state saves nothing (no hit can land there): efficiency 0.
+* α is tuned by ``marconi_policy`` (once, from a replay); this module takes it as given.
 
 Scale: one GPU pool holds at most a few thousand chunks, and Marconi nodes are far
 fewer; the candidate scores are recomputed with one vectorised numpy pass per eviction
@@ -53,6 +58,7 @@ from ...core.units import tail_chain
 __all__ = ["DEFAULT_FLOPS", "FlopModel", "MarconiCache", "MarconiHandle"]
 
 _GPU = 1  # tier bitmask: Marconi runs on the GPU pool only
+_MIN_AGE_S = 1e-6  # recency 1/(now − t) of a node touched at ``now``
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ DEFAULT_FLOPS = FlopModel(linear=2 * 9.0e9, pair=4 * 8 * 16 * 256)
 
 
 class _Candidates:
-    """Eviction candidates with their (recency, efficiency), in numpy arrays.
+    """Eviction candidates with their (last access, efficiency), in numpy arrays.
 
     O(1) insert / update / swap-remove by node; ``order`` ranks all of them at once.
     """
@@ -124,10 +130,11 @@ class _Candidates:
             self.eff[i] = self.eff[last]
         self.nodes.pop()
 
-    def scores(self, alpha: float) -> np.ndarray:
-        """``norm(recency) + α · norm(efficiency)``; lowest = evict first."""
+    def scores(self, alpha: float, now: float) -> np.ndarray:
+        """``norm(1 / (now − access)) + α · norm(efficiency)``; lowest = evict first."""
         n = len(self.nodes)
-        return _normalised(self.rec[:n]) + alpha * _normalised(self.eff[:n])
+        recency = 1.0 / np.maximum(now - self.rec[:n], _MIN_AGE_S)
+        return _normalised(recency) + alpha * _normalised(self.eff[:n])
 
 
 def _normalised(x: np.ndarray) -> np.ndarray:
@@ -202,9 +209,9 @@ class MarconiCache:
         stored = start
         # Room for the whole new segment at once (the victims are the same as chunk by
         # chunk: the new chunks are locked); chunk by chunk only if it does not all fit.
-        whole = self._make_room((len(path) - start) * self.kv_chunk_bytes)
+        whole = self._make_room((len(path) - start) * self.kv_chunk_bytes, now)
         for node in path[start:]:
-            if not whole and not self._make_room(self.kv_chunk_bytes):
+            if not whole and not self._make_room(self.kv_chunk_bytes, now):
                 break
             self.index.set_kv(node, _GPU, self.kv_chunk_bytes, now)
             self.used += self.kv_chunk_bytes
@@ -215,7 +222,7 @@ class MarconiCache:
         for node in (handle.branch, end):
             if node is None or node.snap_tiers or not node.kv_tiers or node in saved:
                 continue
-            if self._make_room(self.state_bytes) and node.kv_tiers:
+            if self._make_room(self.state_bytes, now) and node.kv_tiers:
                 self.index.set_snapshot(node, _GPU, self.state_bytes, now)
                 self.used += self.state_bytes
                 written += self.state_bytes
@@ -253,12 +260,21 @@ class MarconiCache:
         if not self._is_candidate(node):
             self.candidates.discard(node)
             return
+        self.candidates.set(node, node.access, self.efficiency(node))
+
+    def efficiency(self, node: Node) -> float:
+        """FLOPs saved by ``node``'s own span over its parent Marconi node, per byte of
+        its whole prefix (state + KV of every token up to it)."""
+        if not node.snap_tiers:
+            return 0.0
         edge = 0
         for _ in tail_chain(node):
             edge += 1
-        memory = node.snap_bytes + edge * self.kv_chunk_bytes  # every chunk: same KV size
-        saved = self.flops.flops(self.index.end_tokens(node)) if node.snap_tiers else 0.0
-        self.candidates.set(node, node.access, saved / memory)
+        tokens = self.index.end_tokens(node)
+        parent_tokens = tokens - edge * self.index.chunk_tokens
+        saved = self.flops.flops(tokens) - self.flops.flops(parent_tokens)
+        memory = node.snap_bytes + (node.depth + 1) * self.kv_chunk_bytes
+        return saved / memory
 
     def _below(self, node: Node) -> Node:
         """The Marconi node whose edge contains ``node`` (``node`` or a descendant)."""
@@ -281,11 +297,11 @@ class MarconiCache:
                     self._refresh(self._below(child))
 
     # ---------------------------------------------------------------- eviction
-    def _make_room(self, need: int) -> bool:
+    def _make_room(self, need: int, now: float) -> bool:
         if need > self.capacity:
             return False
         while self.capacity - self.used < need:
-            victim = self._victim()
+            victim = self._victim(now)
             if victim is None:
                 return False
             self._evict(victim)
@@ -296,11 +312,18 @@ class MarconiCache:
             return node.pins > 0
         return any(n.pins for n in tail_chain(node))  # a leaf takes its whole edge
 
-    def _victim(self) -> Node | None:
+    def victim_order(self, now: float) -> list[Node]:
+        """Every unlocked candidate, first victim first (tests, debugging)."""
+        scores = self.candidates.scores(self.alpha, now)
+        order = sorted(range(len(scores)), key=lambda i: (scores[i], i))
+        nodes = [self.candidates.nodes[i] for i in order]
+        return [n for n in nodes if not self._locked(n)]
+
+    def _victim(self, now: float) -> Node | None:
         cands = self.candidates
         if not len(cands):
             return None
-        scores = cands.scores(self.alpha)
+        scores = cands.scores(self.alpha, now)
         for _ in range(len(cands)):
             i = int(np.argmin(scores))
             if not np.isfinite(scores[i]):
@@ -343,6 +366,4 @@ class MarconiCache:
         assert live == set(self.candidates.slot), "candidate set out of date"
         for node, i in self.candidates.slot.items():
             assert self.candidates.rec[i] == node.access, node
-            memory = node.snap_bytes + sum(n.kv_bytes for n in tail_chain(node))
-            saved = self.flops.flops(self.index.end_tokens(node)) if node.snap_tiers else 0.0
-            assert np.isclose(self.candidates.eff[i], saved / memory), node
+            assert np.isclose(self.candidates.eff[i], self.efficiency(node)), node

@@ -1,28 +1,22 @@
-"""The ``marconi`` row: ``MarconiCache`` behind the ``Policy`` interface, with online α.
+"""The ``marconi`` row: ``MarconiCache`` behind the ``Policy`` interface, with α tuned once.
 
 Marconi's score ``recency + α · flop_efficiency`` needs α, and the right α depends on the
-workload, so Marconi tunes it online by replaying recent requests. What we implement
-(our reading of Marconi's bootstrapping, DESIGN.md §3 "α tuned online"):
+workload, so Marconi tunes it by replaying recent requests (``config_tuner.py``; the
+repository was not reachable from here: the rule below is the one described by the
+audit in issue 8 and by DESIGN.md §3):
 
 * Until the cache first has to evict, α does not matter; it starts at 0 (pure recency).
 * At the first eviction the *window* is sized: ``window_factor`` (default 5) × the
   number of requests served so far (those that filled the cache), clamped to
   ``[min_window, max_window]``.
-* Once that many requests have been served since the first eviction, and again every
-  ``max(window, min_retune)`` requests (default 1,000) after each tuning (Marconi tunes
-  once after the bootstrap; we keep re-tuning on the latest window, which can only help
-  it on drifting traces), every α of ``alpha_grid`` is evaluated by replaying the last
-  ``window`` requests
-  through a fresh ``MarconiCache`` of the same capacity (cold start, requests in
-  order, each request's begin/complete at its recorded times), scored by the token
-  hit rate, and the best α is kept (ties: keep the current α, else the smaller).
-  The live cache keeps its contents; only α changes.
+* Once that many requests have been served since the first eviction, α is tuned ONCE:
+  every α of ``alpha_grid`` (0 to 2 in steps of 0.1) is evaluated by replaying the
+  window's requests through a fresh ``MarconiCache`` of the same capacity (cold start,
+  requests in order, each request's begin/complete at its recorded times), scored by
+  the prefill FLOPs its hits saved (``FlopModel.flops`` of each hit's length), and the
+  best α is kept (ties: the smaller). The live cache keeps its contents; only α changes.
 
-Cost: each tuning replays ``len(alpha_grid)`` × ``window`` requests once per
-``max(window, min_retune)`` requests: at most ``len(alpha_grid)`` times the policy's
-own cost, and far less when the window is short (on the full Weka folder at paper
-capacities the cache fills within ~30 requests, so the window is ~150 requests and the
-tuner costs about as much as the policy).
+Cost: one tuning replays ``len(alpha_grid)`` × ``window`` requests (21 × ≤ 2,000).
 """
 
 from __future__ import annotations
@@ -30,15 +24,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from ..capture import Capture
 from ..policy import Lookup
 from ..traces import Request
 from .marconi import DEFAULT_FLOPS, FlopModel, MarconiCache, MarconiHandle
 
 __all__ = ["ALPHA_GRID", "MarconiPolicy"]
 
-# Both scores are normalised to [0, 1]: α = 1 weighs them equally; the grid spans pure
-# recency (0) to efficiency-dominated (4).
-ALPHA_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+# Both scores are normalised to [0, 1]: α = 1 weighs them equally. Marconi's grid: 0 to
+# 2 in steps of 0.1.
+ALPHA_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(21))
 
 
 class MarconiPolicy:
@@ -55,7 +50,6 @@ class MarconiPolicy:
         window_factor: int = 5,
         min_window: int = 100,
         max_window: int = 2000,
-        min_retune: int = 1000,
         tune: bool = True,
         name: str = "marconi",
     ) -> None:
@@ -70,12 +64,12 @@ class MarconiPolicy:
         self.alpha_grid = tuple(alpha_grid)
         self.window_factor = window_factor
         self.min_window, self.max_window = min_window, max_window
-        self.min_retune = min_retune
         self.tune = tune
         self.served = 0
         self.window: int | None = None  # sized at the first eviction
         self.until_tune = 0
         self.tunings = 0
+        self.alpha_scores: dict[float, float] = {}  # α → FLOPs saved in the tuning replay
         self._recent: deque[tuple[tuple[int, ...], float, float]] = deque(maxlen=max_window)
 
     # ------------------------------------------------------------------ Policy
@@ -92,10 +86,18 @@ class MarconiPolicy:
         handle: MarconiHandle = lookup.handle
         written = self.cache.complete(handle, now)
         self.served += 1
-        if self.tune:
+        if self.tune and not self.tunings:
             self._recent.append((handle.keys, handle.start, now))
             self._maybe_tune()
         return {"gpu": written} if written else {}
+
+    def capture(self, request: Request, lookup: Lookup) -> Capture:
+        """A branch point is checkpointed by ending a prefill step there (vLLM's
+        junction split): one extra step. GPU only: nothing is copied to host."""
+        return Capture(splits=int(lookup.handle.branch is not None))
+
+    def capacity_bytes(self) -> int:
+        return self.cache.capacity
 
     def stats(self) -> dict[str, float]:
         cache = self.cache
@@ -111,6 +113,8 @@ class MarconiPolicy:
 
     # ------------------------------------------------------------------ tuning
     def _maybe_tune(self) -> None:
+        if self.tunings:
+            return
         if self.window is None:
             if not self.cache.evictions:
                 return
@@ -120,24 +124,27 @@ class MarconiPolicy:
         self.until_tune -= 1
         if self.until_tune > 0 or len(self._recent) < self.window:
             return
-        self.until_tune = max(self.window, self.min_retune)
         self.tunings += 1
         replay = list(self._recent)[-self.window :]
-        best_alpha, best_hits = self.cache.alpha, self.replay(self.cache.alpha, replay)
-        for alpha in self.alpha_grid:
-            if alpha == best_alpha:
-                continue
-            hits = self.replay(alpha, replay)
-            if hits > best_hits:  # ties keep the current α, else the first (smaller)
-                best_alpha, best_hits = alpha, hits
+        best_alpha, best_saved = None, -1.0
+        for alpha in sorted(self.alpha_grid):
+            saved = self.alpha_scores[alpha] = self.replay(alpha, replay)
+            if saved > best_saved:  # ties keep the smaller α
+                best_alpha, best_saved = alpha, saved
+        assert best_alpha is not None
         self.cache.alpha = best_alpha
+        self._recent.clear()
 
-    def replay(self, alpha: float, requests: Sequence[tuple[tuple[int, ...], float, float]]) -> int:
-        """Hit chunks of ``requests`` replayed through a cold cache with ``alpha``."""
+    def replay(
+        self, alpha: float, requests: Sequence[tuple[tuple[int, ...], float, float]]
+    ) -> float:
+        """Prefill FLOPs saved by the hits of ``requests`` replayed through a cold cache
+        with ``alpha``."""
         shadow = MarconiCache(*self._params, alpha=alpha, flops=self.cache.flops)
-        hits = 0
+        flops = self.cache.flops
+        saved = 0.0
         for keys, start, end in requests:
             handle = shadow.begin(keys, start)
-            hits += handle.match.hit_chunks
+            saved += flops.flops(handle.match.hit_chunks * self.chunk_tokens)
             shadow.complete(handle, end)
-        return hits
+        return saved

@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ...core.heap import IndexedHeap
 from ...core.index import Match, Node, PrefixIndex
@@ -85,6 +86,8 @@ class UseHandle:
     match: Match
     kv_nodes: list[Node]
     state_node: Node | None
+    gpu_kv_chunks: int = 0  # leading matched chunks whose KV is on the fastest tier
+    plan: Any = None  # the row's own bookkeeping between acquire and admit
 
 
 def _tier_of(mask: int) -> int:
@@ -161,11 +164,14 @@ class TieredLRU:
                 self.heaps[self.tier(hit, STATE)][STATE].discard(hit)
             self._state_users[hit] = self._state_users.get(hit, 0) + 1
         held = path[: match.kv_chunks]
+        on_gpu = 0
+        while on_gpu < len(held) and self.tier(held[on_gpu], KV) == 0:
+            on_gpu += 1
         for node in held:
             if not node.pins:
                 self.heaps[self.tier(node, KV)][KV].discard(node)
             node.pins += 1
-        return UseHandle(keys, match, held, hit), dict(loads)
+        return UseHandle(keys, match, held, hit, on_gpu), dict(loads)
 
     def admit(self, handle: UseHandle, state_chunks: Sequence[int], now: float) -> dict[str, int]:
         """Release a finished request: every chunk of its prompt (``handle.keys``) ends

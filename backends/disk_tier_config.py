@@ -1,0 +1,65 @@
+"""``adapter_params`` of the HiState disk tier, validated when LMCache builds the adapter."""
+
+from __future__ import annotations
+
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+
+__all__ = ["HiStateDiskAdapterConfig"]
+
+
+class HiStateDiskAdapterConfig(L2AdapterConfigBase):
+    """``adapter_params`` of the disk tier.
+
+    Fields: ``path`` (folder, created), ``capacity_bytes`` (> 0; hard limit on the sum of
+    file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true), ``adopt``
+    (default false: use a non-empty folder that has no tier marker; see ``disk_folder``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        io_workers: int = 4,
+        fsync: bool = True,
+        adopt: bool = False,
+    ) -> None:
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.io_workers = io_workers
+        self.fsync = fsync
+        self.adopt = adopt
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HiStateDiskAdapterConfig:
+        path = d.get("path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("path must be a non-empty string")
+        cap = d.get("capacity_bytes")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            raise ValueError(f"capacity_bytes must be a positive integer, got {cap!r}")
+        workers = d.get("io_workers", 4)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+            raise ValueError(f"io_workers must be a positive integer, got {workers!r}")
+        flags = {}
+        for name, default in (("fsync", True), ("adopt", False)):
+            flags[name] = d.get(name, default)
+            if not isinstance(flags[name], bool):
+                raise ValueError(f"{name} must be a boolean, got {flags[name]!r}")
+        unknown = sorted(set(d) - {"path", "capacity_bytes", "io_workers", "fsync", "adopt"})
+        if unknown:
+            raise ValueError(
+                f"unknown adapter_params {unknown}; allowed: path, capacity_bytes, "
+                "io_workers, fsync, adopt"
+            )
+        return cls(path, cap, workers, flags["fsync"], flags["adopt"])
+
+    @classmethod
+    def help(cls) -> str:
+        return (
+            "HiState disk tier fields:\n"
+            "- path (str): folder for the object files (required)\n"
+            "- capacity_bytes (int): hard limit on bytes on disk (required)\n"
+            "- io_workers (int): I/O threads (default 4)\n"
+            "- fsync (bool): fsync each file before it is renamed into place (default true)\n"
+            "- adopt (bool): use a non-empty folder without the tier's marker (default false)"
+        )

@@ -1,0 +1,202 @@
+"""The disk tier's write path: every write task completes, and the capacity follows the disk.
+
+Mixed into ``disk_tier.HiStateDiskAdapter`` (which holds the state and the lock).
+
+Invariants:
+
+* every object handed to ``_write_batch`` ends up stored or failed, whatever happens
+  (a key that cannot be encoded, an I/O error, a bug): its reservation is released, the
+  batch reports it, the store task completes. A failure is counted per cause
+  (``stats["not_persisted_<cause>"]``) and logged once per cause, so a full disk does
+  not flood the log with one warning per object;
+* the effective capacity (``_max_capacity_bytes``, what ``get_usage`` reports and what the
+  HiState core is told through ``capacity_listener``) never exceeds what the filesystem
+  can hold: ENOSPC lowers it to the bytes held + the free space (NOTE 1), and while it
+  is below the configured capacity it is re-measured at most every ``RECHECK_S`` seconds,
+  so it grows back when space is freed.
+
+NOTE 1: after ENOSPC the HiState core must learn the real size, or it keeps placing
+snapshots on a disk it believes has room and never evicts (the probe saw 48 MB used of a
+"1 GiB" tier on a 64 MiB filesystem). Lowering the capacity makes the core evict by H
+until what it holds fits, which frees real space for the next writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmcache.logging import init_logger
+
+from . import diskfile as df
+from .disk_folder import capacity_limit
+from .disk_keys import to_oid
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import ObjectKey
+
+logger = init_logger(__name__)
+
+RECHECK_S = 5.0
+"""While the capacity is below the configured one, free space is re-measured this often."""
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+CapacityListener = Callable[[int], None]
+
+
+def failure_cause(exc: BaseException) -> str:
+    """Short cause name of a failed write (the suffix of its ``not_persisted_*`` counter)."""
+    if isinstance(exc, OSError):
+        return "no_space" if exc.errno in _NO_SPACE else "io_error"
+    if isinstance(exc, ValueError | struct.error | OverflowError):
+        return "bad_key"  # e.g. a model name over 65,535 bytes, a rank over 32 bits
+    return "error"
+
+
+class DiskWritesMixin:
+    """``_write_batch`` and capacity feedback of ``HiStateDiskAdapter``."""
+
+    def _write_batch(
+        self, keys: list[ObjectKey], buffers: list[Any]
+    ) -> tuple[list[ObjectKey], list[ObjectKey], int]:
+        """Write ``keys``; returns (ok, failed, payload bytes written). Never raises."""
+        ok: list[ObjectKey] = []
+        failed: list[ObjectKey] = []
+        stored: list[ObjectKey] = []
+        written = 0
+        dirs: set[Path] = set()
+        self._maybe_recheck_capacity()
+        for i, key in enumerate(keys):
+            try:
+                outcome, nbytes, path = self._write_one(key, buffers[i])
+            except BaseException as exc:  # _write_one released its reservation
+                self._not_persisted(key, exc)
+                failed.append(key)
+                continue
+            if outcome == "failed":
+                failed.append(key)
+                continue
+            ok.append(key)
+            if outcome == "stored":
+                stored.append(key)
+                written += nbytes
+                dirs.add(path.parent)
+        if self.config.fsync:
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    df.fsync_dir(d)
+        self.stats["objects_written"] += len(stored)
+        self._tell(self.write_listener, "write", stored, failed)
+        return ok, failed, written
+
+    def _write_one(self, key: ObjectKey, buf: Any) -> tuple[str, int, Path]:
+        """Write one object: ``("stored" | "present" | "failed", payload bytes, path)``.
+
+        Raises whatever the write raised, after releasing the reservation it took.
+        """
+        view = memoryview(buf).cast("B")
+        kind, depth, parent = self._meta(key)
+        oid = to_oid(key)
+        size = df.header_size(oid, parent) + len(view)
+        path = df.object_path(self.root, oid)
+        with self._lock:
+            if key in self._index or key in self._writing:
+                # Already persisted (objects are immutable), or a concurrent writer owns
+                # it and reports its outcome.
+                return "present", 0, path
+            if self._total_bytes_used + self._reserved + size > self._max_capacity_bytes:
+                self.stats["not_persisted_capacity"] += 1
+                return "failed", 0, path
+            self._reserved += size
+            self._writing[key] = False
+        try:
+            df.write_object(
+                path, oid, view, kind=kind, depth=depth, parent=parent, fsync=self.config.fsync
+            )
+        except BaseException:
+            with self._lock:
+                self._reserved -= size
+                self._writing.pop(key, None)
+            raise
+        # NOTE 2: bytes are accounted before the key becomes visible in the index, so a
+        # delete (which only finds indexed keys) can never subtract them first.
+        self._notify_keys_stored([key], [size])
+        with self._lock:
+            self._reserved -= size
+            cancelled = self._writing.pop(key, False)
+            if not cancelled:
+                self._index[key] = self._entry(size, len(view), kind, depth, parent)
+        if cancelled:
+            # Deleted while being written: it must not outlive its delete.
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._notify_keys_deleted([key], [size])
+            self.stats["writes_cancelled"] += 1
+            return "present", 0, path
+        return "stored", len(view), path
+
+    def _not_persisted(self, key: ObjectKey, exc: BaseException) -> None:
+        cause = failure_cause(exc)
+        with self._lock:  # I/O threads fail together when a disk fills: log once
+            self.stats[f"not_persisted_{cause}"] += 1
+            first = cause not in self._logged_causes
+            self._logged_causes.add(cause)
+        if first:
+            logger.warning(
+                "HiState disk tier: object not persisted (%s: %s: %s); further failures "
+                "of this cause are only counted (stats not_persisted_%s)",
+                cause, type(exc).__name__, exc, cause,
+            )
+        if cause == "no_space":
+            self._recheck_capacity()
+
+    # --------------------------------------------------------------- capacity
+    def capacity_bytes(self) -> int:
+        """The effective capacity: configured, or less when the filesystem is smaller."""
+        return int(self._max_capacity_bytes)
+
+    def _maybe_recheck_capacity(self) -> None:
+        if self._max_capacity_bytes < self.config.capacity_bytes and (
+            time.monotonic() - self._capacity_checked >= RECHECK_S
+        ):
+            self._recheck_capacity()
+
+    def _recheck_capacity(self) -> None:
+        """Set the capacity to min(configured, held + in flight + free); tell the listener.
+
+        Writes in flight count as held: their temporary files already take the space.
+        """
+        try:
+            with self._lock:
+                held = self._total_bytes_used + self._reserved
+            limit = min(self.config.capacity_bytes, capacity_limit(self.root, held))
+        except OSError as exc:
+            logger.warning("HiState disk tier: cannot measure free space: %s", exc)
+            return
+        self._capacity_checked = time.monotonic()
+        with self._lock:
+            changed = limit != self._max_capacity_bytes
+            self._max_capacity_bytes = limit
+        if not changed:
+            return
+        self.stats["capacity_changes"] += 1
+        logger.warning(
+            "HiState disk tier: capacity now %d bytes (configured %d; %d held + free space)",
+            limit, self.config.capacity_bytes, held,
+        )
+        self._tell(self.capacity_listener, "capacity", limit)
+
+    @staticmethod
+    def _tell(listener: Callable[..., None] | None, what: str, *args: Any) -> None:
+        """Call a listener of the runtime; its failure is logged, never the tier's."""
+        if listener is None:
+            return
+        try:
+            listener(*args)
+        except Exception:
+            logger.exception("HiState disk tier: %s listener failed", what)

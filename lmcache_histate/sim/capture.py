@@ -1,0 +1,130 @@
+"""What capturing recurrent states costs a request, and how much memory a row has.
+
+A recurrent state exists only where a prefill step ends (vLLM ``align`` mode,
+DESIGN.md §4), so WHERE a row keeps states decides how the engine must run the prefill,
+and every state kept off the GPU is copied there from the device. ``Capture`` is a
+request's bill beyond a plain prefill; the server model (``server``) turns it into time
+with the cost model's constants (``capture_time``) and charges it on the request's path:
+
+* **Small steps.** A row that captures states at arbitrary chunk boundaries (HiState's
+  interval states, a state at every chunk for ``unlimited``) must run every prefill in
+  steps of one chunk (``max_num_batched_tokens`` in [N, 2N), ``docs/deployment.md``):
+  ``ceil(L / N) − ceil(L / engine_step_tokens)`` more steps for ``L`` recomputed tokens.
+* **Forced step ends**: vLLM's shared-prefix junction, Marconi's branch point (one step
+  each). SGLang reads its mid-chunk states from the chunked kernel's intermediate ``h``:
+  no split.
+* **Device → host copies** of mid-prefill states kept on a host tier (51.5 MB each for
+  Qwen3.5-9B), at the PCIe bandwidth. NOTE 1: charged serially on the request's path, an
+  upper bound: LMCache's server and vLLM's OffloadingConnector copy asynchronously, so
+  the true cost lies between 0 and this. The final state and the KV, which every tiered
+  row writes alike, are not charged.
+
+Constants (NOTE 2: no GPU was lent to this task to measure them on an H100; they are
+estimates with their sources, and ``benchmarks/sim_weka.md`` shows HiState's row with
+``step_overhead_s`` 0 and twice the default as well):
+
+* ``ENGINE_STEP_TOKENS`` = 8,192: vLLM's default ``max_num_batched_tokens`` for an
+  OpenAI server on a ≥ 70 GiB non-A100 GPU (vllm 0.32 ``engine/arg_utils.py``,
+  ``default_max_num_batched_tokens``); SGLang's ``--chunked-prefill-size`` on an 80 GB
+  GPU is the same (``arg_groups/memory_hook.py``).
+* ``STEP_OVERHEAD_S`` = 2 ms: the fixed cost of one more prefill step beyond its
+  per-token work: the scheduler pass, input preparation, the host sync that ends every
+  step, and the launch of a forward pass that is not CUDA-graphed (vLLM captures graphs
+  up to 512 tokens on Hopper, ``config/vllm.py`` ``default_max_graph_size``, so a
+  528-token step runs eagerly: ≈ 600 kernel launches for 32 layers at a few µs each,
+  mostly hidden behind the ~40 ms of GPU work of such a step) — 1 to 3 ms, we take the
+  middle. The lower matmul efficiency of 528-token steps (vs 8,192) is NOT charged: a
+  bias in favour of the rows that need small steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .policy import HiStatePolicy, Lookup, Policy
+from .traces import Request
+
+__all__ = [
+    "ENGINE_STEP_TOKENS",
+    "STEP_OVERHEAD_S",
+    "Capture",
+    "capacity_of",
+    "capture_of",
+    "capture_time",
+    "histate_capture",
+]
+
+ENGINE_STEP_TOKENS = 8192
+STEP_OVERHEAD_S = 2.0e-3
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """A request's state capture: the step budget it needs (``step_tokens``; None = the
+    engine's default is enough), extra forced step ends (``splits``) and mid-prefill
+    states copied device → host (``host_states``)."""
+
+    step_tokens: int | None = None
+    splits: int = 0
+    host_states: int = 0
+
+
+def capture_time(
+    capture: Capture,
+    recomputed_tokens: int,
+    snapshot_bytes: int,
+    *,
+    step_overhead_s: float,
+    engine_step_tokens: int,
+    copy_bytes_per_s: float,
+) -> tuple[float, float]:
+    """``(compute, copy)`` seconds: extra prefill steps (GPU time) and host copies."""
+    steps = capture.splits
+    if capture.step_tokens is not None and recomputed_tokens > 0:
+        small = -(-recomputed_tokens // capture.step_tokens)
+        default = -(-recomputed_tokens // engine_step_tokens)
+        steps += max(0, small - default)
+    return steps * step_overhead_s, capture.host_states * snapshot_bytes / copy_bytes_per_s
+
+
+def histate_capture(policy: HiStatePolicy, request: Request, lookup: Lookup) -> Capture:
+    """The capture of the HiState core's rows (``HiStatePolicy``), from its own plan.
+
+    The plan is the one ``HiStatePolicy.complete`` follows (same segment, same hashed
+    end), evaluated when the request is scheduled: the engine must know where to end
+    steps before it prefills (the live connector asks ``histate.plan`` then; the
+    pressure factor may move a little before ``complete``). Rows whose plan is the
+    segment's final state only (``fixed_interval = 0``: ``histate-align``) keep the
+    engine's step budget; the others need a step end at every chunk. Every planned
+    state but the final one goes to the snapshot tier, off the GPU.
+    """
+    cache = policy.cache
+    chunk = cache.config.chunk_tokens
+    handle = lookup.handle
+    plan = cache.snapshot_plan(
+        handle.match.kv_chunks * chunk,
+        min(request.input_tokens, len(handle.keys) * chunk),
+    )
+    small = cache.config.fixed_interval != 0
+    return Capture(step_tokens=chunk if small else None, host_states=max(0, len(plan) - 1))
+
+
+def capture_of(policy: Policy, request: Request, lookup: Lookup) -> Capture:
+    """A row's own ``capture(request, lookup)``, or the HiState core's, or nothing."""
+    own = getattr(policy, "capture", None)
+    if own is not None:
+        return own(request, lookup)
+    if isinstance(policy, HiStatePolicy):
+        return histate_capture(policy, request, lookup)
+    return Capture()
+
+
+def capacity_of(policy: Policy) -> float:
+    """Bytes of memory ``policy`` caches in over all its tiers (its ``capacity_bytes()``,
+    the HiState core's tier capacities; 0 if it does not say)."""
+    own = getattr(policy, "capacity_bytes", None)
+    if own is not None:
+        return float(own())
+    if isinstance(policy, HiStatePolicy):
+        return float(sum(t.capacity for t in policy.cache.config.tiers))
+    return 0.0
