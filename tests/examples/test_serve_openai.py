@@ -19,12 +19,17 @@ vLLM's own prefix cache is emptied before the repeated and the continued turn, s
   16 tokens past it, checked);
 * vLLM counts all of them as external (connector) hits and none as local hits, and the
   server counts the same tokens as served (``histate_recompute_tokens_avoided_total``).
+
+After the example returns, the vLLM worker's shared-memory KV pool (``/dev/shm/torch_<worker
+pid>_*``, named in vLLM's log) is gone: vLLM's shutdown kills torch's shm manager, so the
+example removes it (its NOTE 1).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -60,3 +65,6 @@ def test_chat_completions_through_histate_server_reuse_the_prefix(tmp_path: Path
     assert result["vllm_external_hit_tokens"] == reused
     assert result["vllm_local_hit_tokens"] == 0
     assert result["histate_hit_tokens"] == reused
+    workers = set(re.findall(r"\(Worker pid=(\d+)\)", (tmp_path / "work" / "vllm.log").read_text()))
+    assert workers, "no vLLM worker pid in the log"
+    assert [p for pid in workers for p in Path("/dev/shm").glob(f"torch_{pid}_*")] == []
