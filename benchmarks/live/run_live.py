@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache_histate.backends.engine_facts import probe
     from lmcache_histate.backends.tiny_model import ensure_tiny_model
 
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # servers run in their own working directories
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model()

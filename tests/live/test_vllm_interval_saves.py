@@ -384,3 +384,36 @@ def test_without_a_histate_server_module_the_connector_plans_locally(
     assert saves["source"] == "local"
     assert saves["plan"] == saves["kept"] == [6 * chunk, 10 * chunk]
     assert objects == 10 + 2  # every chunk's KV + the planned states
+
+
+@needs_live
+def test_the_connector_sends_the_servers_shared_secret(
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any
+) -> None:
+    """A server with auth_token_file refuses HiState RPCs without the secret; the connector,
+    configured with the transfer config the launcher prints, reads the file and gets the
+    server's plan (source "server", not its local fallback)."""
+    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.launcher import kv_transfer_config
+    from support.lmcache_mp import lmcache_server
+
+    from lmcache_histate.config import load_config
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret-for-the-test-0123456789\n")
+    secret.chmod(0o600)
+    cfg = histate_config(tmp_path / "histate.yaml", tiny_model, tmp_path / "disk",
+                         auth_token_file=str(secret))
+    command = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
+    chunk = tiny_layout.block_size
+    with lmcache_server(workdir=tmp_path / "server", chunk_size=None, l1_size_gb=0.1,
+                        command=command, startup_timeout=180) as server:
+        transfer = kv_transfer_config(load_config(cfg))
+        assert transfer["kv_connector_extra_config"]["histate.auth_token_file"] == str(secret)
+        transfer["kv_connector_extra_config"]["lmcache.mp.port"] = server.endpoints.zmq_port
+        with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk,
+                                         kv_transfer_config=transfer),
+                           workdir=tmp_path, name="engine", block_size=chunk) as engine:
+            out = engine.generate(session_prompts(chunk)[0],
+                                  kv_transfer_params={"histate_saves": True}, reset=True)
+    assert out["kv_transfer_params"]["histate_saves"]["source"] == "server"
