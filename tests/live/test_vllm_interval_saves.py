@@ -393,7 +393,7 @@ def test_the_connector_sends_the_servers_shared_secret(
     """A server with auth_token_file refuses HiState RPCs without the secret; the connector,
     configured with the transfer config the launcher prints, reads the file and gets the
     server's plan (source "server", not its local fallback)."""
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from lmcache_histate.backends.launcher import kv_transfer_config
     from support.lmcache_mp import lmcache_server
 
