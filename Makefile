@@ -2,7 +2,7 @@
 .PHONY: setup demo test test-avx2 lint
 
 VLLM_TESTS = tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py \
-             tests/live/test_vllm_demo.py
+             tests/live/test_vllm_demo.py tests/examples/test_serve_openai.py
 
 setup:
 	bash scripts/setup.sh

@@ -35,6 +35,9 @@ is unchanged. What it adds:
   default is the engine-driven path, which rejects more than one KV group, i.e. every hybrid
   model), and, before LMCache registers vLLM's KV caches, the whole KV storage moved into named
   shared memory in place, with LMCache's CPU wrapper describing each (strided) view of it.
+  Importing this module patches nothing. An in-process ``vllm.LLM`` on CPU
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs ``upstream.install_vllm_cpu_inprocess_fix()``
+  called before it is built (``demo.engine_proc`` does); ``histate serve`` / ``vllm serve`` do not.
 
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
         KVConnectorMetadata,
         KVConnectorRole,
     )
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -79,12 +83,6 @@ if TYPE_CHECKING:
 __all__ = ["HiStateConnector"]
 
 logger = logging.getLogger(__name__)
-
-# vLLM imports this module while it builds its config, i.e. before an in-process worker starts
-# (VLLM_ENABLE_V1_MULTIPROCESSING=0) and after lmcache (hence numba/llvmlite) is loaded: install
-# the CPU start-up fix now, or the worker dies in vllm/triton_utils/dispatcher.py. No-op on GPUs.
-if cpu_support.is_cpu_platform():
-    cpu_support.install_vllm_cpu_inprocess_fix()
 
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
 INTERVAL_SAVES_KEY = "histate.interval_saves"
@@ -111,6 +109,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         self._histate_cpu = cpu_support.is_cpu_platform()
+        self._histate_block_pool: BlockPool | None = None  # bind_gpu_block_pool (scheduler)
         extra: dict[str, Any] = {}
         if vllm_config.kv_transfer_config is not None:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -165,6 +164,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         super().register_kv_caches(kv_caches)
 
     # ============================================================ scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's hook handing the scheduler's block pool to the connector: keep our own
+        reference (state blocks are pinned in it, ``_pin``) instead of reading LMCache's
+        private attribute, then let LMCache bind it too."""
+        self._histate_block_pool = gpu_block_pool
+        super().bind_gpu_block_pool(gpu_block_pool)
 
     def _init_interval_saves(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
         from vllm.v1.core.sched.output import SchedulerOutput
@@ -338,7 +344,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         the server copies a STORE asynchronously, so without the reference another request
         could overwrite the block before the copy.
         """
-        pool = getattr(self, "_gpu_block_pool", None)
+        pool = self._histate_block_pool
         if pool is None or block_id == 0:
             if pool is None:
                 self._count("states_unpinned")
@@ -352,7 +358,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             saves = self._saves.pop(request_id, None)
         if saves is None or not saves.pinned:
             return
-        pool = getattr(self, "_gpu_block_pool", None)
+        pool = self._histate_block_pool
         if pool is not None:
             pool.free_blocks([pool.blocks[b] for b in saves.pinned])
         saves.pinned.clear()

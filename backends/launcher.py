@@ -21,7 +21,8 @@
    parser is built, so this must happen first, in this process) and hooks L1 eviction
    (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). With
    ``auth_token_file`` it guards the HTTP API (``access``); it always installs the
-   shared-memory release on engine close (``shm_release``, an lmcache 0.5.6 leak). Then
+   shared-memory release on engine close (``upstream.install_shm_release``, an lmcache
+   0.5.6 leak). Then
    runs ``lmcache.cli.main.main(["server", ...])`` in this process.
 
 ``--dry-run`` stops after printing the command line; ``--print-config`` prints the
@@ -99,7 +100,7 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
         *engine,
         "--enable-prefix-caching",
         # A state exists at every block boundary only if each step ends on one:
-        # N <= max_num_batched_tokens < 2N (DESIGN.md §4).
+        # N <= max_num_batched_tokens < 2N (docs/design.md §5.2).
         "--max-num-batched-tokens", str(n),
         # States only at block-aligned step ends, and every such boundary handed to the
         # connector (vLLM's default retention 0 keeps only the replay boundary).
@@ -294,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
     """Install HiState into this process and run ``lmcache server`` (blocks)."""
     guard_control_plane(cfg)
-    from .shm_release import install_shm_release
+    from .upstream import install_shm_release
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":

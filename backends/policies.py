@@ -16,18 +16,14 @@
   removals to the runtime, so objects removed behind HiState's back (``/cache/clear``)
   are known to be gone.
 
-LMCache 0.5.6 has no registry for L1 eviction policies: ``CreateEvictionPolicy`` is an
-if/elif over four names, also hard-coded in the CLI's ``choices``. ``install`` therefore
-replaces the name ``CreateEvictionPolicy`` bound in
-``lmcache.v1.distributed.storage_controllers.eviction_controller`` with a wrapper that
-returns the HiState policy when (and only when) it is called from
-``L1EvictionController.__init__`` — L2 adapters configured with LMCache eviction keep
-LMCache's policies — and the launcher passes ``--eviction-policy LRU`` to satisfy the CLI.
+LMCache 0.5.6 has no registry for L1 eviction policies: ``install`` routes the L1
+controller's policy to ``HiStateL1EvictionPolicy`` through
+``upstream.route_l1_eviction_policy`` (L2 adapters configured with LMCache eviction keep
+LMCache's policies), and the launcher passes ``--eviction-policy LRU`` to satisfy the CLI.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,7 +33,6 @@ from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.eviction import EvictionPolicy
 from lmcache.v1.distributed.internal_api import EvictionAction, EvictionDestination
-from lmcache.v1.distributed.storage_controllers import eviction_controller
 from lmcache.v1.distributed.storage_controllers.store_policy import (
     StorePolicy,
     get_registered_store_policies,
@@ -46,6 +41,7 @@ from lmcache.v1.distributed.storage_controllers.store_policy import (
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 
 from .runtime import HiStateRuntime, get_runtime
+from .upstream import route_l1_eviction_policy
 
 logger = init_logger(__name__)
 
@@ -155,26 +151,15 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
             return len(self._order)
 
 
-_ORIGINAL_FACTORY: Callable[..., Any] | None = None
-
-
-def _factory(eviction_config: Any) -> EvictionPolicy:
-    """``CreateEvictionPolicy`` replacement: HiState's policy for the L1 controller only."""
-    assert _ORIGINAL_FACTORY is not None
-    runtime = get_runtime()
-    caller = sys._getframe(1).f_code
-    l1_init = eviction_controller.L1EvictionController.__init__.__code__
-    if runtime is not None and runtime.cfg.policy == "histate" and caller is l1_init:
-        logger.info("HiState L1 eviction policy installed (unified H queue)")
-        return HiStateL1EvictionPolicy(runtime)
-    return _ORIGINAL_FACTORY(eviction_config)
-
-
 def install(runtime: HiStateRuntime) -> None:
-    """Register the store policy and the L1 eviction hook (before the CLI parser is built)."""
-    global _ORIGINAL_FACTORY
+    """Register the store policy and route L1 eviction (before the CLI parser is built)."""
     if STORE_POLICY_NAME not in get_registered_store_policies():
         register_store_policy(STORE_POLICY_NAME, HiStateStorePolicy)
-    if _ORIGINAL_FACTORY is None:
-        _ORIGINAL_FACTORY = eviction_controller.CreateEvictionPolicy
-        eviction_controller.CreateEvictionPolicy = _factory  # type: ignore[assignment]
+
+    def l1_policy(_eviction_config: Any) -> EvictionPolicy | None:
+        if runtime.cfg.policy != "histate":
+            return None  # LMCache's own policy
+        logger.info("HiState L1 eviction policy installed (unified H queue)")
+        return HiStateL1EvictionPolicy(runtime)
+
+    route_l1_eviction_policy(l1_policy)

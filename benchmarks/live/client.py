@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_histate.backends.demo_workload import DemoRequest
+from lmcache_histate.backends.demo.workload import DemoRequest
 
 
 @dataclass

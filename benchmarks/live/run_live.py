@@ -141,7 +141,7 @@ def _median_rows(runs: list[list[client.Row]]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lmcache_histate.backends.demo_workload import build_workload, unique_chunks
+    from lmcache_histate.backends.demo.workload import build_workload, unique_chunks
     from lmcache_histate.backends.engine_facts import probe
     from lmcache_histate.backends.tiny_model import ensure_tiny_model
 

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from lmcache_histate.backends.demo import ServerProcess, free_port
+from lmcache_histate.backends.demo.engine_proc import OFFLINE_ENV
+from lmcache_histate.backends.demo.servers import ServerProcess, free_port
 from lmcache_histate.backends.engine_facts import EngineFacts
 
 STACKS = ("vllm", "vllm-offload", "lmcache", "histate")
@@ -55,14 +56,7 @@ TITLES = {
     "histate": "vLLM + HiState",
     "reference": "vLLM, prefix cache reset before each prompt (reference)",
 }
-ENGINE_ENV = {
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENGINE_ENV = dict(OFFLINE_ENV)
 
 
 class StackError(RuntimeError):

@@ -2,10 +2,10 @@
 
 The HiState policy prices everything in bytes and in "KV-token units": a hit
 reads all KV of a prefix but only ONE recurrent-state snapshot, so the interval
-controller needs N_s = snapshot bytes / KV bytes per token (DESIGN.md §2.2), and
+controller needs N_s = snapshot bytes / KV bytes per token (docs/design.md §2.2), and
 eviction needs the bytes each item frees (§2.3). This module derives those
 numbers from a Hugging Face ``config.json`` so the simulator and the live
-backend use the same figures the engine would allocate (DESIGN.md §1, §4).
+backend use the same figures the engine would allocate (docs/design.md §1, §5.2).
 
 Pure: no torch/vllm/lmcache imports, no network. Presets are hand-transcribed
 config dicts that go through :func:`from_hf_config`, so the parser itself is
@@ -450,7 +450,7 @@ _PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2,
         torch_dtype="bfloat16",
     ),
-    # The CPU test model the live tests generate (DESIGN.md §4): keep the two in sync.
+    # The CPU test model the live tests generate (docs/design.md §5.3): keep the two in sync.
     "tiny-qwen3-next": dict(
         architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=256,
         num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],

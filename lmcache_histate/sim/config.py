@@ -4,7 +4,7 @@ One frozen ``SimSetup`` is what every policy (HiState variants and baselines) is
 from, so a comparison is always between policies that see the same model, the same
 capacities and the same clock. It is read from a YAML file (``configs/sim-paper.yaml``)
 whose defaults reproduce the paper's configuration: Qwen3.5-9B on one H100, vLLM block
-(= chunk) size 528 tokens (the size vLLM forces for this model, DESIGN.md §4), GPU pool
+(= chunk) size 528 tokens (the size vLLM forces for this model, docs/design.md §5.2), GPU pool
 45 GiB, CPU 96 GiB, disk 150 GiB, at most 24 concurrent sessions.
 
 Tiers are named ``gpu``, ``cpu`` and ``disk`` everywhere (``Lookup.load_bytes`` keys,

@@ -188,7 +188,7 @@ RECONNECTS = 24
 def test_engine_reconnects_do_not_grow_server_mappings(tmp_path: Path, tokens: TokenSource) -> None:
     """Each engine registers 4 KV tensors (2 attention, 2 recurrent layers), stores, and
     unregisters. lmcache 0.5.6 alone keeps 4 mappings + 4 fds per engine forever; with the
-    workaround (shm_release) the server's counts return to their level before the
+    workaround (upstream.install_shm_release) the server's counts return to their level before the
     engines came."""
     with histate(tmp_path / "srv", tmp_path / "disk") as server:
         pid = server.pid

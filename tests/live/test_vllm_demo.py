@@ -1,10 +1,11 @@
-"""The main job (``python -m lmcache_histate.backends.demo``): its workload and a small run.
+"""The main job (``examples/demo.py`` = ``make demo``): its workload and a small run.
 
 * the synthetic tokens keep the trace's prefix structure exactly: two requests share
   ``k * block_tokens`` leading tokens iff they share ``k`` leading hash ids in the trace, and
   the prompts are a pure function of (session file, block hash id, seed);
 * a reduced run (2 sessions x 3 requests, HiState and stock LMCache) of the real demo --
-  histate-server + vLLM CPU -- completes and reports sensible numbers.
+  histate-server + vLLM CPU -- started as a user does (``examples/demo.py``) completes and
+  reports sensible numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from lmcache_histate.backends.demo import SOURCE_BLOCK, build_workload, main
+from lmcache_histate.backends.demo import SOURCE_BLOCK, build_workload
 
 from lmcache_histate.sim.traces import load_weka, sample_trace_dir
 
@@ -63,13 +64,15 @@ def test_workload_keeps_the_trace_prefix_structure() -> None:
 
 
 @needs_live
-def test_small_demo_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HISTATE_CACHE_DIR", str(tmp_path / "models"))  # a fresh model cache
+def test_small_demo_run(tmp_path: Path) -> None:
+    from support.examples import run_example
+
     out = tmp_path / "demo.json"
-    rc = main(["--sessions", "2", "--requests", "3", "--variants", "histate,lru", "--gap", "0.2",
-               "--workdir", str(tmp_path / "work"),
-               "--json", str(out)])
-    assert rc == 0
+    run_example("demo.py", ["--sessions", "2", "--requests", "3", "--variants", "histate,lru",
+                            "--gap", "0.2", "--workdir", str(tmp_path / "work"),
+                            "--json", str(out)],
+                env={"HISTATE_CACHE_DIR": str(tmp_path / "models")},  # a fresh model cache
+                timeout=800)
     data = json.loads(out.read_text())
     rows = data["requests"]
     assert set(rows) == {"histate", "lru"}

@@ -60,7 +60,8 @@ TURN_CHUNKS = 7
 TAIL = 40
 FACTORS = (1.0, 0.05, 20.0)
 MAX_MODEL_LEN = 8192
-PRESSURE_MODULE = "lmcache_histate.backends.pressure_override"
+PRESSURE_MODULE = "pressure_override"
+"""Test-only server module in tests/support (on the server's PYTHONPATH)."""
 # Pure checks (no engine): 384 is an arbitrary block size for the arithmetic below; the live
 # tests take the engine's block size from ``tiny_layout``.
 CHUNK = 384
@@ -181,8 +182,8 @@ class Stack:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_layout: Any
 ) -> Iterator[Stack]:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
-    from support.lmcache_mp import lmcache_server
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
+    from support.lmcache_mp import lmcache_server, support_pythonpath
 
     work = tmp_path_factory.mktemp("interval")
     chunk = tiny_layout.block_size
@@ -192,7 +193,7 @@ def stack(
     with (
         lmcache_server(server_module_arg(PRESSURE_MODULE), workdir=work / "server",
                        chunk_size=None, l1_size_gb=0.1, command=command,
-                       startup_timeout=180) as server,
+                       startup_timeout=180, env=support_pythonpath()) as server,
         EngineProcess(
             engine_kwargs(tiny_model, chunk_tokens=chunk, max_model_len=MAX_MODEL_LEN,
                           kv_transfer_config=connector_config(server.endpoints.zmq_port)),
@@ -311,7 +312,7 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
 def test_settings_that_cannot_produce_the_boundaries_stop_the_engine(
     stack: Stack, tmp_path: Path
 ) -> None:
-    from lmcache_histate.backends.engine_proc import EngineError, EngineProcess
+    from lmcache_histate.backends.demo.engine_proc import EngineError, EngineProcess
 
     # The running engine's configuration (same model, same server), with a step budget of
     # 2,048 tokens: prefill steps would skip chunk boundaries.
@@ -330,7 +331,7 @@ def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
 ) -> None:
     """An explicit chunk_size that disagrees with the engine fails at vLLM start, naming
     both numbers and the fix (1.5 blocks: 576 with C = 384, 384 with C = 256)."""
-    from lmcache_histate.backends.engine_proc import EngineError, EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineError, EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
 
     chunk = tiny_layout.block_size
@@ -353,7 +354,7 @@ def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
 def test_without_a_histate_server_module_the_connector_plans_locally(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any
 ) -> None:
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server
 
     chunk = tiny_layout.block_size
@@ -392,7 +393,7 @@ def test_the_connector_sends_the_servers_shared_secret(
     """A server with auth_token_file refuses HiState RPCs without the secret; the connector,
     configured with the transfer config the launcher prints, reads the file and gets the
     server's plan (source "server", not its local fallback)."""
-    from lmcache_histate.backends.engine_proc import EngineProcess, engine_kwargs
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from lmcache_histate.backends.launcher import kv_transfer_config
     from support.lmcache_mp import lmcache_server
 

@@ -1,13 +1,14 @@
 """Real LMCache multiprocess-mode harness: a ``lmcache server`` subprocess and an engine client.
 
 Why this exists: hybrid (attention + recurrent) state reaches LMCache storage only in MP mode
-(DESIGN.md §4), so every live test of the HiState backend needs (a) a real ``lmcache server`` on
-free localhost ports and (b) something that behaves like vLLM's ``LMCacheMPConnector`` worker:
-it registers paged KV buffers for two object groups, stores chunks, looks prefixes up and
-retrieves them. Starting vLLM for that is slow and hides the protocol; this module drives the
-same protocol with LMCache's own client classes (``RequestClientFactory``,
-``create_transfer_context(mode="lmcache_driven")``, ``IPCCacheServerKey``, ``EngineGroupInfo``)
-on small CPU tensors, so a test can assert byte equality of what comes back.
+(docs/design.md §5.1), so every live test of the HiState backend needs (a) a real ``lmcache
+server`` on free localhost ports and (b) something that behaves like vLLM's
+``LMCacheMPConnector`` worker: it registers paged KV buffers for two object groups, stores
+chunks, looks prefixes up and retrieves them. Starting vLLM for that is slow and hides the
+protocol; this module drives the same protocol with LMCache's own client classes
+(``RequestClientFactory``, ``create_transfer_context(mode="lmcache_driven")``,
+``IPCCacheServerKey``, ``EngineGroupInfo``) on small CPU tensors, so a test can assert byte
+equality of what comes back.
 
 Nothing here is mocked: the server is the stock ``lmcache`` CLI (or any command that wraps it,
 e.g. the project's launcher), the buffers are shared with the server through POSIX shared
@@ -64,6 +65,18 @@ NULL_BLOCK = 0
 
 # LMCache phones home for usage telemetry by default; tests must not (and cannot) reach out.
 QUIET_ENV: Mapping[str, str] = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+
+SUPPORT_DIR = Path(__file__).resolve().parent
+"""``tests/support``: test-only server modules (``pressure_override``, ``zero_restore_hook``)
+live here, outside the installed package; a server that loads them needs this folder on its
+``PYTHONPATH`` (:func:`support_pythonpath`)."""
+
+
+def support_pythonpath() -> dict[str, str]:
+    """Environment for a server subprocess that loads test-only server modules by their
+    top-level names: ``PYTHONPATH`` = ``tests/support`` + the current one."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([str(SUPPORT_DIR), *paths])}
 
 
 class LMCacheServerError(RuntimeError):

@@ -7,14 +7,15 @@ produce a chosen value through real evictions. This module adds one RPC,
 to the learned value), which makes the server's interval controller use ``F`` for every
 following ``histate.plan``. Nothing else changes: eviction keeps its own residence tracker.
 
-Load it next to HiState's own module, e.g. in a test configuration::
+Load it next to HiState's own module, with ``tests/support`` on the server's ``PYTHONPATH``
+(``support.lmcache_mp.support_pythonpath``), e.g. in a test configuration::
 
     extra_server_args:
       - --server-module
-      - '{"module_path": "lmcache_histate.backends.pressure_override",
+      - '{"module_path": "pressure_override",
           "factory_name": "build_server_modules", "config": {}}'
 
-Never load it in production: it overrides HiState's interval control.
+It lives with the tests, not in the package: it overrides HiState's interval control.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
     ExtServerModuleBuildContext,
     server_module_handler,
 )
-
-from .runtime import get_runtime
+from lmcache_histate.backends.runtime import get_runtime
 
 __all__ = ["ForcedResidence", "PressureOverrideModule", "build_server_modules"]
 

@@ -1,9 +1,9 @@
 """A vLLM offline engine (``vllm.LLM``) in a child process, driven over a pipe.
 
-Used by the demo (``backends/demo.py``) and the live vLLM tests. Why a child process: vLLM
+Used by the demo (``backends/demo/runs.py``) and the live vLLM tests. Why a child process: vLLM
 binds CPU threads and keeps global state, a crashed engine must not take its caller down, two
 configurations (HiState and a baseline) must not share one process, and the child controls
-its import order (``cpu_support.install_vllm_cpu_inprocess_fix`` before vLLM resolves the
+its import order (``upstream.install_vllm_cpu_inprocess_fix`` before vLLM resolves the
 LMCache connector). The engine itself runs in-process inside the child
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: start-up in seconds).
 
@@ -22,7 +22,7 @@ pipe (vLLM logs to stdout/stderr, which go to a log file). Commands:
   plus the HiState connector's counters;
 * ``{"op": "exit"}``.
 
-Run as ``python -m lmcache_histate.backends.engine_proc --spec FILE --reply-fd N``.
+Run as ``python -m lmcache_histate.backends.demo.engine_proc --spec FILE --reply-fd N``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_ENV", "EngineError", "EngineProcess", "engine_kwargs"]
+__all__ = ["ENGINE_ENV", "OFFLINE_ENV", "EngineError", "EngineProcess", "engine_kwargs"]
 
-ENGINE_ENV: Mapping[str, str] = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+OFFLINE_ENV: Mapping[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "LMCACHE_TRACK_USAGE": "false",
@@ -50,6 +49,10 @@ ENGINE_ENV: Mapping[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+"""Any vLLM process started here: no telemetry, no hub access, quiet tokenizers."""
+
+ENGINE_ENV: Mapping[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **OFFLINE_ENV}
+"""The engine child: :data:`OFFLINE_ENV` + the in-process engine (start-up in seconds)."""
 
 
 class EngineError(RuntimeError):
@@ -121,7 +124,7 @@ class EngineProcess:
         self._log = self.log_path.open("wb")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lmcache_histate.backends.engine_proc",
+                [sys.executable, "-m", "lmcache_histate.backends.demo.engine_proc",
                  "--spec", str(spec), "--reply-fd", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
                 env=child_env, cwd=work, pass_fds=(write_fd,),
@@ -322,10 +325,8 @@ def child_main(argv: list[str] | None = None) -> int:
     try:
         kwargs = json.loads(Path(args.spec).read_text())
         # Before vLLM resolves the LMCache connector (which imports numba/llvmlite).
-        from lmcache_histate.backends.cpu_support import (
-            install_vllm_cpu_inprocess_fix,
-            is_cpu_platform,
-        )
+        from lmcache_histate.backends.cpu_support import is_cpu_platform
+        from lmcache_histate.backends.upstream import install_vllm_cpu_inprocess_fix
 
         if is_cpu_platform():
             install_vllm_cpu_inprocess_fix()

@@ -1,0 +1,146 @@
+"""One replay of the demo's workload against one server variant (HiState, ablation, LRU).
+
+A run starts a fresh ``histate-server`` with the variant's policy and a fresh vLLM CPU engine
+with ``HiStateConnector`` (``engine_proc``), replays the requests in order with vLLM's own
+prefix cache reset after each (every reuse goes through LMCache's tiers), and collects per
+request the cached tokens and the time to first token, then the server's status and the disk
+tier's files.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..engine_facts import EngineFacts
+from .servers import ServerProcess, free_port
+from .workload import DemoRequest
+
+__all__ = ["ENGINE_DTYPE", "VARIANTS", "RunResult", "Variant", "run_variant", "server_config"]
+
+ENGINE_DTYPE = "bfloat16"
+"""The tiny model's dtype in the demo's engines (and in the layout probe)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str
+    title: str
+    policy: str
+    interval_saves: bool
+
+
+VARIANTS = (
+    Variant("histate", "HiState", "histate", True),
+    Variant("histate-every", "HiState, state every chunk", "histate", False),
+    Variant("lru", "LMCache (LRU)", "lru", False),
+)
+"""HiState; an ablation (HiState's server, stock saves: a state at every chunk); the baseline."""
+
+
+@dataclass
+class RunResult:
+    variant: Variant
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    server: dict[str, Any] = field(default_factory=dict)
+    disk_files: int = 0
+    disk_bytes: int = 0
+
+
+def server_config(variant: Variant, model: Path, workdir: Path, cpu_gib: float,
+                  disk_gib: float, layout: EngineFacts) -> Path:
+    cfg: dict[str, Any] = {
+        "policy": variant.policy,
+        "model": str(model / "config.json"),
+        # What `chunk_size: auto` resolves to, probed once for all runs (engine_facts).
+        "chunk_size": layout.block_size,
+        "dtype": layout.kv_dtype,
+        "mamba_ssm_cache_dtype": layout.state_dtypes[-1],
+        "cpu_gib": cpu_gib,
+        "disk_path": str(workdir / f"{variant.key}-disk"),
+        "disk_gib": disk_gib,
+        "disk_fsync": False,
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "http_host": "127.0.0.1",
+        "http_port": free_port(),
+        "platform": "cpu",
+        "kv_connector": "HiStateConnector",
+        "kv_connector_module_path": "lmcache_histate.backends.connector",
+    }
+    path = workdir / f"{variant.key}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_variant(
+    variant: Variant,
+    workload: Sequence[DemoRequest],
+    *,
+    model: Path,
+    workdir: Path,
+    cpu_gib: float,
+    disk_gib: float,
+    layout: EngineFacts,
+    max_model_len: int,
+    gap: float,
+    progress: Any,
+) -> RunResult:
+    from lmcache_histate.backends.launcher import kv_transfer_config
+
+    from lmcache_histate.config import load_config
+
+    from .engine_proc import EngineProcess, engine_kwargs
+
+    config = server_config(variant, model, workdir, cpu_gib, disk_gib, layout)
+    transfer = kv_transfer_config(load_config(config))
+    transfer["kv_connector_extra_config"]["histate.interval_saves"] = variant.interval_saves
+    task = progress.add_task(f"{variant.title}: starting", total=len(workload))
+    result = RunResult(variant)
+    started = time.monotonic()
+    server = ServerProcess(config, workdir, variant.key)
+    try:
+        server.wait_ready()
+        kwargs = engine_kwargs(model, chunk_tokens=layout.block_size,
+                               kv_transfer_config=transfer, max_model_len=max_model_len,
+                               kv_cache_memory_bytes=64 << 20, dtype=ENGINE_DTYPE)
+        with EngineProcess(kwargs, workdir=workdir, name=f"{variant.key}-engine",
+                           block_size=layout.block_size) as engine:
+            progress.update(task, description=f"{variant.title}: replaying")
+            ask = {"histate_saves": True, "cached_token_stats": True}
+            last = 0.0
+            for request in workload:
+                time.sleep(max(0.0, last + gap - time.monotonic()))
+                last = time.monotonic()
+                out = engine.generate(list(request.prompt), kv_transfer_params=ask, reset=True)
+                params = out.get("kv_transfer_params") or {}
+                saves = params.get("histate_saves") or {}
+                result.rows.append({
+                    "session": request.session,
+                    "turn": request.turn,
+                    "prompt_tokens": len(request.prompt),
+                    "cached_tokens": out["num_cached_tokens"],
+                    "ttft_s": out["seconds"],
+                    "states_saved": len(saves.get("kept", [])) if variant.interval_saves
+                    else None,
+                })
+                progress.advance(task)
+        result.seconds = time.monotonic() - started
+        status = server.settle()
+        result.server = status.get("histate") or {}
+        disk = Path(yaml.safe_load(config.read_text())["disk_path"])
+        files = [p for p in disk.rglob("*.hsf") if p.is_file()]  # objects, not the marker
+        result.disk_files = len(files)
+        result.disk_bytes = sum(p.stat().st_size for p in files)
+    finally:
+        server.stop()
+    progress.update(task, description=f"{variant.title}: done")
+    return result
+
+

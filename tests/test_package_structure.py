@@ -1,0 +1,132 @@
+"""The installed package's import structure: no cycles, no test code.
+
+Static, from the sources (``ast``; nothing is imported, so it runs without the live extra):
+the package is ``lmcache_histate/`` plus ``backends/`` (installed as
+``lmcache_histate.backends``). An edge ``a -> b`` is any ``import`` / ``from ... import`` in
+``a`` naming package module ``b`` (also ``from pkg import submodule``), at module level or
+inside a function (a lazy import still ties the two modules together); imports under ``if
+TYPE_CHECKING:`` are not edges (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"lmcache_histate": ROOT / "lmcache_histate",
+                "lmcache_histate.backends": ROOT / "backends"}
+TEST_FRAMEWORKS = {"pytest", "hypothesis", "_pytest"}
+
+
+def package_modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package ``__init__``)."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for prefix, base in PACKAGE_DIRS.items():
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            if is_pkg:
+                parts.pop()
+            out[".".join([prefix, *parts])] = (path, is_pkg)
+    return out
+
+
+def imported_names(name: str, path: Path, is_pkg: bool) -> Iterator[str]:
+    """Every absolute module name (and ``module.attribute``) ``name``'s file imports."""
+    package = name if is_pkg else name.rpartition(".")[0]
+
+    def walk(node: ast.AST) -> Iterator[str]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                yield from (alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    module = ".".join([*base, *([child.module] if child.module else [])])
+                else:
+                    module = child.module or ""
+                yield module
+                yield from (f"{module}.{alias.name}" for alias in child.names)
+            yield from walk(child)
+
+    yield from walk(ast.parse(path.read_text(), str(path)))
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: {m for m in imported_names(name, path, is_pkg) if m in modules and m != name}
+            for name, (path, is_pkg) in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycle_finder_finds_a_planted_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = import_graph()
+    assert "lmcache_histate.backends.runtime" in graph  # both folders were scanned
+    assert "lmcache_histate.backends.upstream.patching" in graph
+    assert cycles(graph) == []
+
+
+def test_the_package_imports_no_test_code() -> None:
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests", "support"}
+    offending = []
+    for name, (path, is_pkg) in package_modules().items():
+        for module in imported_names(name, path, is_pkg):
+            top = module.split(".")[0]
+            if top in test_modules or top in TEST_FRAMEWORKS:
+                offending.append(f"{name} imports {module}")
+    assert offending == []
+    # The test-only server modules live under tests/support, not in the package.
+    for module in ("pressure_override", "zero_restore_hook"):
+        assert (ROOT / "tests" / "support" / f"{module}.py").is_file()
+        assert not [p for base in PACKAGE_DIRS.values() for p in base.rglob(f"{module}.py")]
