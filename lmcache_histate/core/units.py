@@ -23,13 +23,16 @@ of a new bundle made of the preceding segment. A cold prefix therefore peels off
 its tail one snapshot interval at a time, each step priced like any other unit, and the
 shared parts of branched prefixes stay as long as any branch below them does.
 
-``C`` (expected extra recompute tokens per access if the unit goes) weights hit
-positions as the paper does: every live session is equally likely to be accessed next;
-with probability ``p_end`` (an EMA over observed accesses) the access continues the
-session's context from its end, otherwise it lands uniformly on an internal position of
-the session's context. Removing the snapshot at ``p`` whose previous kept snapshot on the
-prefix is at ``p_prev`` makes every hit position in ``[p, next kept snapshot)`` fall back
-by ``p - p_prev`` tokens.
+``C`` (expected extra recompute tokens if the unit goes) weights hit positions as the
+paper does: with probability ``p_end`` (an EMA over observed accesses) an access
+continues the session's context from its end, otherwise it lands uniformly on an
+internal position of the session's context. Removing the snapshot at ``p`` whose
+previous kept snapshot on the prefix is at ``p_prev`` makes every hit position in
+``[p, next kept snapshot)`` fall back by ``p - p_prev`` tokens. ``C`` sums this over the
+sessions whose hits can need the snapshot, one access each: it is the loss *when they
+come back*. Whether they come back is the recency term's business (``score``); the
+paper's ``1/N`` (every live session equally likely to be next) is a constant factor that
+the score ignores by construction, so it is not applied.
 """
 
 from __future__ import annotations
@@ -126,17 +129,15 @@ def snapshot_ancestor(node: Node) -> Node | None:
     return None
 
 
-def expected_recompute(
-    node: Node, chunk_tokens: int, end_probability: float, num_sessions: int
-) -> float:
-    """``C`` of the snapshot at ``node``: expected extra recompute tokens per access.
+def expected_recompute(node: Node, chunk_tokens: int, end_probability: float) -> float:
+    """``C`` of the snapshot at ``node``: expected extra recompute tokens if it goes.
 
     Walks the snapshot's *zone* (descendants reachable without crossing another
     snapshot): sessions ending in the zone lose ``p - p_prev`` on end accesses and on
     internal hits in ``[p, P_s)``; sessions passing a boundary snapshot at ``q`` lose it
     on internal hits in ``[p, q)``, whose mass is ``(q - p) · weight(q)``.
     """
-    if not node.snap_tiers or num_sessions <= 0:
+    if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
     prev = snapshot_ancestor(node)
@@ -158,4 +159,4 @@ def expected_recompute(
                 else:
                     stack.append(child)
     mass = (1.0 - end_probability) * internal + end_probability * ends
-    return delta * mass / num_sessions
+    return delta * mass
