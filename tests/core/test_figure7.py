@@ -85,3 +85,46 @@ def test_figure7_eviction_through_a_store() -> None:
     # B's hit positions past S2 now fall back to S1, and the end still hits S3.
     assert cache.lookup(chain(1, 24)).hit_chunks == 24
     assert cache.lookup(chain(1, 22)).hit_chunks == 20
+
+
+def test_figure7_victim_flips_at_the_hand_computed_tau() -> None:
+    """HiState's S2 vs refresh-all's S6: the victim flips where τ·ln(C6/C2) = 1 s.
+
+    p_end: prior 0.9, three end accesses of B (t = 2, 3, 5) with α = 0.05:
+    1 − 0.1·0.95³ = 1 − 0.0857375 = 0.9142625.
+    C2: S2 at 1,050, previous snapshot S1 at 1,000 → δ = 50; its zone ends at S3
+    (1,200), B's density 1/1,200 → internal mass (1,200 − 1,050)/1,200 = 0.125;
+    C2 = 50 · (1 − p_end) · 0.125 = 0.535859.
+    C6: S6 is C's final at 1,000, no snapshot before it → δ = 1,000, one session end;
+    C6 = 1,000 · p_end = 914.2625.
+    Both free one snapshot (M = 1,572 tokens) in the snapshot tier; after B's read at
+    t = 5, H2 = 5 + τ·ln(C2/M) and H6 = 4 + τ·ln(C6/M), so H2 < H6 ⟺
+    τ > 1 / ln(C6/C2) = 1 / ln(1,706.16) = 1 / 7.44199 = 0.13437 s.
+    (S1, S3 stay above S2: same t = 5, larger C: C1 = 1,000·0.0857375·50/1,200 = 3.57,
+    C3 = 150·p_end = 137.1.)
+    """
+    by_tau = {}
+    for tau in (0.13, 0.14):
+        cache, names = build(tau, True)
+        found = cache.queue.victim(1)
+        assert found is not None
+        by_tau[tau] = {v: k for k, v in names.items()}[found[0].key]
+    assert by_tau == {0.13: "S6", 0.14: "S2"}
+
+
+def test_refresh_is_lazy_and_victim_reranks_stale_entries() -> None:
+    """B's read at t = 5 writes t = 5 into S1..S3 without re-ranking them (lazy).
+
+    Queued ranks (τ = 0, so H = the t it was ranked with): the request at t = 3 stored S3
+    and moved B's end off S2, which re-ranks S3, S2 and S2's parent S1 with t = 3; S6 was
+    ranked at its store at t = 4; nothing was re-ranked at t = 5. The top is S1 at 3,
+    stale; ``victim`` re-ranks S1, S2 and S3 to 5 and returns S6 (4), refresh-all's
+    victim.
+    """
+    cache, names = build(0.0, True)
+    heap = cache.queue.heaps[1]
+    node = {n: cache.index.get(k) for n, k in names.items()}
+    assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [3.0, 3.0, 3.0, 4.0]
+    found = cache.queue.victim(1)
+    assert found is not None and found[0] is node["S6"]
+    assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [5.0, 5.0, 5.0, 4.0]
