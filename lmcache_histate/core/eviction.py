@@ -24,6 +24,10 @@ back when its ``H`` rose, until the top is current: each refreshed unit is re-ra
 at most once per time it reaches the top, however often it was hit meanwhile (a hot
 prefix is hit every turn and almost never reaches the top). The same check absorbs
 the slow drift of ``τ`` and ``p_end`` (``score`` NOTE 2).
+
+NOTE 2 (tiers). Only the last tier's heap uses the cost term: a unit leaving any other
+tier is demoted, not lost, and its loss is proportional to its bytes (``score`` NOTE 3),
+so every tier but the last ranks by ``t`` alone.
 """
 
 from __future__ import annotations
@@ -79,9 +83,9 @@ class EvictionQueue:
     def cost(self, node: Node) -> float:
         return expected_recompute(node, self.index.chunk_tokens, self.hit_model.end_probability)
 
-    def _score(self, anchor: Node, freed: int, tau: float) -> float:
-        if not tau:
-            return anchor.access
+    def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
+        if not tau or tier < len(self.heaps) - 1:
+            return anchor.access  # τ = 0, or a demotion (``score`` NOTE 3): LRU
         c = self.cost(anchor) if anchor.snap_tiers else 0.0
         return score(anchor.access, c * self.token_bytes, freed, tau)
 
@@ -104,7 +108,7 @@ class EvictionQueue:
         freed = self._tier_bytes(anchor)[tier]
         if freed <= 0:
             return None
-        return self._score(anchor, freed, self.tau)
+        return self._score(anchor, freed, self.tau, tier)
 
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
@@ -115,7 +119,7 @@ class EvictionQueue:
         tau = self.tau
         for tier, heap in enumerate(self.heaps):
             if freed[tier] > 0:
-                heap.set(anchor, self._score(anchor, freed[tier], tau))
+                heap.set(anchor, self._score(anchor, freed[tier], tau, tier))
             else:
                 heap.discard(anchor)
 
