@@ -6,7 +6,7 @@ frees *in the tier that must make room*, in KV-token units (``bytes /
 kv_bytes_per_token``), ``τ`` the recency scale; why the cost enters through a logarithm
 and how ``τ`` is calibrated online is ``score``'s docstring. A unit holding nothing in a
 tier frees nothing there, so it is not a candidate for that tier: the queue keeps one
-addressable heap per tier, all ranked by the same formula.
+addressable heap per tier (the cost term ranks the last one only, NOTE 2).
 
 ``H`` depends on neighbours (inserting a snapshot shortens its predecessor's zone,
 evicting one lengthens it), so every structural change re-ranks the units around it
@@ -28,6 +28,13 @@ the slow drift of ``τ`` and ``p_end`` (``score`` NOTE 2).
 NOTE 2 (tiers). Only the last tier's heap uses the cost term: a unit leaving any other
 tier is demoted, not lost, and its loss is proportional to its bytes (``score`` NOTE 3),
 so every tier but the last ranks by ``t`` alone.
+
+NOTE 3 (ties go deepest first). Refresh-all gives every unit of a prefix the same
+``t``, and in the tiers ranked by ``t`` alone (NOTE 2) they tie; the heap then takes the
+deepest unit first (``tie = −depth``), as vLLM's reverse-order block freeing does. The
+head of a prefix is read by every hit through it, the tail only by hits that reach it,
+so a cold prefix leaves a tier from its tail: what stays is still a prefix. (Insertion
+order, the heap's default, would take the head first: it was stored earliest.)
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 from .heap import IndexedHeap
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
-from .units import HitModel, expected_recompute, unit_kind, unit_nodes
+from .units import HitModel, UnitKind, expected_recompute, unit_kind, unit_nodes
 
 __all__ = ["EvictionQueue"]
 
@@ -90,17 +97,33 @@ class EvictionQueue:
         return score(anchor.access, c * self.token_bytes, freed, tau)
 
     def _tier_bytes(self, anchor: Node) -> list[int]:
+        """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
+
+        Every tier but the last demotes (a snapshot unit carries its KV segment); the
+        last drops (a snapshot unit goes alone). Objects sit on one tier each, except
+        final snapshots with a write-through copy.
+        """
         last = len(self.heaps) - 1
-        out = [0] * len(self.heaps)
-        for demote in (True, False) if last else (False,):
-            snap, chain = unit_nodes(anchor, demote=demote)
-            for t in range(last) if demote else (last,):
-                bit = 1 << t
-                total = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
-                for node in chain:
-                    if node.kv_tiers & bit:
-                        total += node.kv_bytes
-                out[t] = total
+        out = [0] * (last + 1)
+        kind = unit_kind(anchor)
+        if kind is None:
+            return out
+        snap, chain = unit_nodes(anchor, demote=last > 0)
+        if snap is not None:
+            mask = snap.snap_tiers
+            while mask:
+                low = mask & -mask
+                out[low.bit_length() - 1] += snap.snap_bytes
+                mask ^= low
+        kv_on_last = kind is not UnitKind.SNAPSHOT
+        for node in chain:
+            mask = node.kv_tiers
+            while mask:
+                low = mask & -mask
+                t = low.bit_length() - 1
+                if t < last or kv_on_last:
+                    out[t] += node.kv_bytes
+                mask ^= low
         return out
 
     def rank(self, anchor: Node, tier: int) -> float | None:
@@ -119,7 +142,7 @@ class EvictionQueue:
         tau = self.tau
         for tier, heap in enumerate(self.heaps):
             if freed[tier] > 0:
-                heap.set(anchor, self._score(anchor, freed[tier], tau, tier))
+                heap.set(anchor, self._score(anchor, freed[tier], tau, tier), -anchor.depth)
             else:
                 heap.discard(anchor)
 
@@ -201,7 +224,7 @@ class EvictionQueue:
                 heap.discard(anchor)
                 continue
             if fresh > pri + 1e-9:
-                heap.set(anchor, fresh)
+                heap.set(anchor, fresh, -anchor.depth)
                 continue
             if self.pinned(anchor, tier):
                 heap.discard(anchor)
@@ -210,7 +233,7 @@ class EvictionQueue:
             found = (anchor, pri)
             break
         for anchor, pri in skipped:
-            heap.set(anchor, pri)
+            heap.set(anchor, pri, -anchor.depth)
         return found
 
     def check(self) -> None:
