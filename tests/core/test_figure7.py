@@ -128,3 +128,29 @@ def test_refresh_is_lazy_and_victim_reranks_stale_entries() -> None:
     found = cache.queue.victim(1)
     assert found is not None and found[0] is node["S6"]
     assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [5.0, 5.0, 5.0, 4.0]
+
+
+def test_a_cold_prefix_leaves_a_fast_tier_from_its_tail() -> None:
+    """LRU tiers break ties deepest first (eviction NOTE 3).
+
+    One session of 6 chunks (4 tokens each) with a snapshot every 2 chunks, all stored
+    at t = 1 on tier 0 (room for all of it) and never read again: its units are the
+    snapshot units at chunks 2 and 4 (each carrying the 2 KV chunks above it when
+    demoted) and the bundle at chunk 6, all with t = 1. Tier 0 is not the last, so it
+    ranks by t alone: the tie goes to the deepest unit, the bundle (depth 5), then the
+    snapshot unit at chunk 4 (depth 3), then chunk 2 (depth 1).
+    """
+    cfg = CacheConfig(
+        chunk_tokens=4, kv_chunk_bytes=40, snapshot_bytes=80,
+        tiers=(TierSpec("cpu", 10_000), TierSpec("disk", 10_000)),
+        rules=PlacementRules(kv_tier=0, snapshot_tier=0, final_tier=0),
+        fixed_interval=8, tau=5.0,
+    )
+    cache = HiStateCache(cfg)
+    keys = [1, 2, 3, 4, 5, 6]
+    cache.complete(cache.begin("A", keys, 1.0), 24, 1.0)
+    order = []
+    while (found := cache.queue.victim(0)) is not None and len(order) < 3:
+        order.append(found[0].key)
+        cache.queue.heaps[0].discard(found[0])
+    assert order == [6, 4, 2]
