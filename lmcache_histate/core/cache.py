@@ -183,6 +183,10 @@ class HiStateCache:
             stored_kv += 1
         if stored_kv < len(nodes):
             self.index.prune(nodes[-1])
+        # The session moves before the new snapshots are ranked: their cost depends on
+        # the hit density of the sessions through them (``index`` ``weight``), which
+        # moving the session changes along its whole path.
+        old_end = self._move_session(handle, nodes, stored_kv, input_tokens)
         # A chain may stop short of ``input_tokens`` (a trace that hashes fewer chunks):
         # the plan must end on the chain, or its final snapshot would have no node.
         plan = (
@@ -215,7 +219,7 @@ class HiStateCache:
             self.queue.update_around(nodes[start])
             for node in nodes[start:stored_kv]:
                 self.queue.update(node)
-        self._move_session(handle, nodes, stored_kv, input_tokens, now)
+        self._retire(old_end, nodes[stored_kv - 1] if stored_kv else None, now)
         return stored_kv - start, snaps
 
     def release(self, handle: RequestHandle) -> None:
@@ -269,9 +273,9 @@ class HiStateCache:
         return ok
 
     def _move_session(
-        self, handle: RequestHandle, nodes: list[Node], stored: int, input_tokens: int,
-        now: float,
-    ) -> None:
+        self, handle: RequestHandle, nodes: list[Node], stored: int, input_tokens: int
+    ) -> Node | None:
+        """Point the session at its new end; returns its previous end (or None)."""
         sid = handle.session_id
         old = self.index.sessions.get(sid)
         old_end = old.node if old is not None else None
@@ -280,12 +284,17 @@ class HiStateCache:
         if session.last_access is None:
             # A session's first request: its access was this handle's ``begin``.
             session.last_access = handle.began
+        return old_end
+
+    def _retire(self, old_end: Node | None, end: Node | None, now: float) -> None:
+        """The previous end stopped being a final snapshot: retire it, re-rank both."""
         if old_end is not None and old_end is not end and old_end.depth >= 0:
             # Still the end of another session: still somebody's final snapshot.
             if old_end.snap_tiers and old_end.key in self.index.nodes and not old_end.ends:
                 self.store.retire_final(old_end, now)
-            self.queue.update_around(old_end)
-        if end.depth >= 0:
+            if self.index.get(old_end.key) is old_end:
+                self.queue.update_around(old_end)
+        if end is not None and self.index.get(end.key) is end:
             self.queue.update_around(end)
 
     def score_status(self) -> dict[str, float | int | bool]:
