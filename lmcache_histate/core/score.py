@@ -68,6 +68,8 @@ from __future__ import annotations
 
 import math
 
+from .ema import SeededEMA
+
 __all__ = ["MIN_RATIO", "ReaccessScale", "score"]
 
 MIN_RATIO = 1e-9
@@ -81,25 +83,16 @@ def score(access: float, cost: float, freed: float, tau: float) -> float:
     return access + tau * math.log(ratio if ratio > MIN_RATIO else MIN_RATIO)
 
 
-class ReaccessScale:
+class ReaccessScale(SeededEMA):
     """EMA of the gaps between consecutive accesses of a session: the score's ``τ``."""
 
-    __slots__ = ("alpha", "gap_ema", "samples")
+    __slots__ = ()
 
-    def __init__(self, alpha: float = 0.05) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self.gap_ema = 0.0
-        self.samples = 0
-
-    def observe(self, gap: float) -> None:
-        gap = max(0.0, float(gap))
-        ema = self.gap_ema
-        self.gap_ema = gap if self.samples == 0 else ema + self.alpha * (gap - ema)
-        self.samples += 1
+    @property
+    def gap_ema(self) -> float:
+        return self.value
 
     @property
     def tau(self) -> float:
         """Seconds of recency per e-fold of expected loss per byte (0 until observed)."""
-        return self.gap_ema
+        return self.value

@@ -28,7 +28,7 @@ def test_placement_and_interval_are_histate_s() -> None:
     # I/2 + 8·48/I over multiples of 4: I = 24 → 12 + 16 = 28; I = 28 → 14 + 13.71 =
     # 27.71; I = 32 → 16 + 12 = 28. So I = 28: states at 28 tokens (chunk 7, an
     # intermediate → disk) and at 48 (chunk 12, the final → GPU); KV on the GPU.
-    pol = file_lru_policy("file-lru", **GEO, gpu_bytes=1000, cpu_bytes=1000, disk_bytes=1000)
+    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
     keys = list(range(1, 13))
     req = request("A", keys, 48)
     pol.complete(req, pol.begin(req, 1.0), 1.0)
@@ -47,7 +47,7 @@ def test_objects_leave_one_by_one_not_as_units() -> None:
     # were released at t = 1; KV wins ties and the deepest chunk was queued first, so
     # A's KV chunks 12, 11, 10, 9 move to the CPU while A's final state (chunk 12) stays
     # on the GPU without its KV: a split a bundle never makes.
-    pol = file_lru_policy("file-lru", **GEO, gpu_bytes=56, cpu_bytes=1000, disk_bytes=1000)
+    pol = file_lru_policy("file-lru", [("gpu", 56), ("cpu", 1000), ("disk", 1000)], **GEO)
     a = list(range(1, 13))
     req = request("A", a, 48)
     pol.complete(req, pol.begin(req, 1.0), 1.0)

@@ -102,5 +102,5 @@ def baseline_policies(
         "lru-refresh-all": lambda: three_tier_policy(
             "lru-refresh-all", tau=0.0, refresh_all=True, **geo, **caps
         ),
-        "file-lru": lambda: file_lru_policy("file-lru", **geo, **caps),
+        "file-lru": lambda: file_lru_policy("file-lru", [gpu, cpu, disk], **geo),
     }

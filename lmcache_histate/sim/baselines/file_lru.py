@@ -58,18 +58,16 @@ class _ObservedIndex(PrefixIndex):
 
 
 class FileLRU(TieredLRU):
-    """``TieredLRU`` whose intermediate snapshots are stored on ``snapshot_tier``."""
+    """``TieredLRU`` whose intermediate snapshots are stored on ``snapshot_tier``.
+
+    ``sizes``: (chunk tokens, KV bytes per chunk, snapshot bytes).
+    """
 
     def __init__(
-        self,
-        chunk_tokens: int,
-        kv_chunk_bytes: int,
-        state_bytes: int,
-        pools: Sequence[PoolSpec],
-        residence: ResidenceTracker,
+        self, sizes: tuple[int, int, int], pools: Sequence[PoolSpec], residence: ResidenceTracker
     ) -> None:
-        super().__init__(chunk_tokens, kv_chunk_bytes, state_bytes, pools)
-        self.index = _ObservedIndex(chunk_tokens, residence)
+        super().__init__(*sizes, pools)
+        self.index = _ObservedIndex(sizes[0], residence)
         self.snapshot_tier = len(self.tier_names) - 1
         self._final_chunks = 0
 
@@ -118,29 +116,25 @@ class FileLRUPolicy(EndStatePolicy):
 
 
 def file_lru_policy(
-    name: str,
-    *,
-    chunk_tokens: int,
-    kv_bytes_per_token: int,
-    snapshot_bytes: int,
-    gpu_bytes: int,
-    cpu_bytes: int,
-    disk_bytes: int,
-    max_interval_multiple: int = 64,
+    name: str, tiers: Sequence[tuple[str, int]], **geometry: int
 ) -> FileLRUPolicy:
-    """File-level LRU over HiState's gpu/cpu/disk tiers and interval control."""
+    """File-level LRU over ``tiers`` = [(name, capacity bytes), ...], fastest first (the
+    last one is the snapshot tier), with HiState's interval control. ``geometry``:
+    ``chunk_tokens``, ``kv_bytes_per_token``, ``snapshot_bytes`` (what every row gets)
+    and optionally ``max_interval_multiple`` (64)."""
+    chunk = geometry["chunk_tokens"]
+    per_token = geometry["kv_bytes_per_token"]
+    snapshot = geometry["snapshot_bytes"]
     residence = ResidenceTracker()
     engine = FileLRU(
-        chunk_tokens,
-        chunk_tokens * kv_bytes_per_token,
-        snapshot_bytes,
-        [PoolSpec("gpu", gpu_bytes), PoolSpec("cpu", cpu_bytes), PoolSpec("disk", disk_bytes)],
+        (chunk, chunk * per_token, snapshot),
+        [PoolSpec(tier, capacity) for tier, capacity in tiers],
         residence,
     )
     interval = IntervalController(
-        chunk_tokens,
-        snapshot_bytes / kv_bytes_per_token,
-        supported_intervals(chunk_tokens, max_interval_multiple),
+        chunk,
+        snapshot / per_token,
+        supported_intervals(chunk, geometry.get("max_interval_multiple", 64)),
         residence,
     )
     return FileLRUPolicy(name, engine, interval)
