@@ -16,6 +16,7 @@ the caller's (simulated time in the simulator, wall time in the server).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +37,10 @@ class CacheConfig:
     ``kv_chunk_bytes``: KV bytes of one chunk (chunk tokens × KV bytes per token);
     ``snapshot_bytes``: one recurrent-state snapshot. ``tau``: None calibrates the
     score's recency scale online (the design, ``score``); a number in seconds fixes it
-    (0 = LRU over units). ``fixed_interval`` (tokens) replaces the controller's choice, for
+    (0 = LRU over units). ``attention_tokens``: the context length at which causal
+    attention costs as much per recomputed token as the rest of the prefill (linear cost
+    ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
+    ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
     """
 
@@ -51,11 +55,14 @@ class CacheConfig:
     ema_alpha: float = 0.05
     end_probability_prior: float = 0.9
     fixed_interval: int | None = None
+    attention_tokens: float = math.inf
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.attention_tokens > 0:
+            raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
         if self.fixed_interval is not None and (
             self.fixed_interval < 0 or self.fixed_interval % self.chunk_tokens
         ):
@@ -96,6 +103,7 @@ class HiStateCache:
             hit_model=self.hit_model,
             reaccess=self.reaccess,
             refresh_all=config.refresh_all,
+            attention_tokens=config.attention_tokens,
         )
         self.store = TieredStore(
             self.index, self.queue, config.tiers, config.rules, self.residence, listener

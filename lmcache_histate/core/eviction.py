@@ -39,6 +39,8 @@ order, the heap's default, would take the head first: it was stored earliest.)
 
 from __future__ import annotations
 
+import math
+
 from .heap import IndexedHeap
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
@@ -66,6 +68,7 @@ class EvictionQueue:
         hit_model: HitModel | None = None,
         reaccess: ReaccessScale | None = None,
         refresh_all: bool = True,
+        attention_tokens: float = math.inf,
     ) -> None:
         if num_tiers <= 0:
             raise ValueError("num_tiers must be positive")
@@ -79,6 +82,7 @@ class EvictionQueue:
         self.hit_model = hit_model if hit_model is not None else HitModel()
         self.reaccess = reaccess if reaccess is not None else ReaccessScale()
         self.refresh_all = refresh_all
+        self.attention_tokens = attention_tokens
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
 
     # ----------------------------------------------------------------- ranking
@@ -88,7 +92,9 @@ class EvictionQueue:
         return self.reaccess.tau if self.fixed_tau is None else self.fixed_tau
 
     def cost(self, node: Node) -> float:
-        return expected_recompute(node, self.index.chunk_tokens, self.hit_model.end_probability)
+        return expected_recompute(
+            node, self.index.chunk_tokens, self.hit_model.end_probability, self.attention_tokens
+        )
 
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
         if not tau or tier < len(self.heaps) - 1:

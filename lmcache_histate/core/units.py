@@ -37,6 +37,7 @@ the score ignores by construction, so it is not applied.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from enum import Enum
 
@@ -129,8 +130,16 @@ def snapshot_ancestor(node: Node) -> Node | None:
     return None
 
 
-def expected_recompute(node: Node, chunk_tokens: int, end_probability: float) -> float:
-    """``C`` of the snapshot at ``node``: expected extra recompute tokens if it goes.
+def expected_recompute(
+    node: Node, chunk_tokens: int, end_probability: float, attention_tokens: float = math.inf
+) -> float:
+    """``C`` of the snapshot at ``node``: expected extra recompute if it goes.
+
+    In linear-token equivalents: every loss counted here is the recompute of
+    ``[p_prev, p)``, which with causal attention costs ``a·δ + b·(p² − p_prev²)/2``
+    seconds, i.e. ``δ · (1 + (p + p_prev) / (2K))`` tokens at the linear rate ``a``,
+    ``K = a/b`` = ``attention_tokens`` (the context length where attention costs as much
+    per token as the rest; ``inf`` = tokens only).
 
     Walks the snapshot's *zone* (descendants reachable without crossing another
     snapshot): sessions ending in the zone lose ``p - p_prev`` on end accesses and on
@@ -159,4 +168,4 @@ def expected_recompute(node: Node, chunk_tokens: int, end_probability: float) ->
                 else:
                     stack.append(child)
     mass = (1.0 - end_probability) * internal + end_probability * ends
-    return delta * mass
+    return delta * mass * (1.0 + (2 * p - delta) / (2.0 * attention_tokens))

@@ -47,6 +47,7 @@ GPU-only baseline gets only the ``gpu`` tier.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,14 @@ from ..core.placement import PlacementRules
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy
 
-__all__ = ["TIER_MODEL", "VARIANTS", "histate_policy", "histate_variants", "three_tier_policy"]
+__all__ = [
+    "TIER_MODEL",
+    "VARIANTS",
+    "attention_tokens",
+    "histate_policy",
+    "histate_variants",
+    "three_tier_policy",
+]
 
 TIER_MODEL = "exclusive gpu→cpu→disk with demotion; GPU reads free, CPU over PCIe, disk over SSD"
 
@@ -128,9 +136,24 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     )
 
 
+def attention_tokens(setup: SimSetup) -> float:
+    """The cost model's ``K = a/b`` (``CacheConfig.attention_tokens``): recompute priced
+    at its prefill rates, linear per token plus causal attention per token pair."""
+    cost = setup.cost
+    if cost.attention_s_per_token_pair <= 0:
+        return math.inf
+    return cost.prefill_s_per_token / cost.attention_s_per_token_pair
+
+
 def histate_variants(setup: SimSetup) -> dict[str, Callable[[], Policy]]:
-    """Factories for every HiState row, in report order (same shape as baselines')."""
+    """Factories for every HiState row, in report order (same shape as baselines').
+
+    Each prices recompute with the set-up's cost model (``attention_tokens``; it only
+    changes ranks where ``τ > 0``, so ``histate_policy``'s defaults stay the LRU rows'
+    object model).
+    """
+    k = attention_tokens(setup)
     return {
-        name: (lambda name=name, kw=kw: histate_policy(setup, name, **dict(kw)))
+        name: (lambda name=name, kw=kw: histate_policy(setup, name, attention_tokens=k, **dict(kw)))
         for name, kw in VARIANTS.items()
     }

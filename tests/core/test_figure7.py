@@ -154,3 +154,20 @@ def test_a_cold_prefix_leaves_a_fast_tier_from_its_tail() -> None:
         order.append(found[0].key)
         cache.queue.heaps[0].discard(found[0])
     assert order == [6, 4, 2]
+
+
+def test_cost_priced_with_causal_attention() -> None:
+    """``attention_tokens`` K: the recompute of [p_prev, p) costs δ·(1 + (p + p_prev)/2K).
+
+    With K = 10,000 (p_end and the zone masses as in the τ-flip test above):
+    S6: δ = 1,000 over [0, 1,000) → factor 1 + 1,000/20,000 = 1.05;
+        C6 = 914.2625 · 1.05 = 959.975625.
+    S2: δ = 50 over [1,000, 1,050) → factor 1 + 2,050/20,000 = 1.1025;
+        C2 = 0.535859375 · 1.1025 = 0.590785.
+    """
+    cache, names = build(600.0, True)
+    s6, s2 = cache.index.get(names["S6"]), cache.index.get(names["S2"])
+    assert cache.queue.cost(s6) == pytest.approx(914.2625)
+    cache.queue.attention_tokens = 10_000.0
+    assert cache.queue.cost(s6) == pytest.approx(959.975625)
+    assert cache.queue.cost(s2) == pytest.approx(0.590785, abs=1e-6)
