@@ -231,12 +231,15 @@ class HiStateCache:
         return stored_kv - start, snaps
 
     def release(self, handle: RequestHandle) -> None:
+        lost = []
         for node in handle.pinned:
             node.pins -= 1
+            if not node.kv_tiers:
+                lost.append(node)
         # A pinned node whose content was lost meanwhile (``lose``) was kept only for
         # the pin; deepest first, so each prune sees its children already gone.
-        for node in reversed(handle.pinned):
-            if not node.pins and not node.kv_tiers and node.key in self.index.nodes:
+        for node in reversed(lost):
+            if not node.pins and node.key in self.index.nodes:
                 self.index.prune(node)
         handle.pinned = []
 
