@@ -3,7 +3,8 @@
 A request's life in the cache:
 
 1. ``begin(session, chunk_hashes, now)`` matches the prompt, records whether the access
-   continued the session from its end (for the hit-position model), refreshes the hit
+   continued the session from its end (for the hit-position model) and the gap since
+   the session's previous access (for the score's ``τ``, ``score``), refreshes the hit
    prefix (refresh-all), and pins what the engine is about to load.
 2. ``complete(request, input_tokens, now)`` stores the KV of every newly computed chunk,
    the snapshots the interval controller chose for the new segment (its final one always),
@@ -15,6 +16,7 @@ the caller's (simulated time in the simulator, wall time in the server).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from .eviction import EvictionQueue
 from .index import Match, Node, PrefixIndex
 from .interval import IntervalController, ResidenceTracker
 from .placement import PlacementListener, PlacementRules, TieredStore, TierSpec
+from .score import ReaccessScale
 from .units import HitModel
 
 __all__ = ["CacheConfig", "HiStateCache", "RequestHandle"]
@@ -32,8 +35,12 @@ class CacheConfig:
     """Sizes and knobs of one cache instance.
 
     ``kv_chunk_bytes``: KV bytes of one chunk (chunk tokens × KV bytes per token);
-    ``snapshot_bytes``: one recurrent-state snapshot. ``tau`` in seconds (see
-    ``eviction``). ``fixed_interval`` (tokens) replaces the controller's choice, for
+    ``snapshot_bytes``: one recurrent-state snapshot. ``tau``: None calibrates the
+    score's recency scale online (the design, ``score``); a number in seconds fixes it
+    (0 = LRU over units). ``attention_tokens``: the context length at which causal
+    attention costs as much per recomputed token as the rest of the prefill (linear cost
+    ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
+    ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
     """
 
@@ -42,17 +49,20 @@ class CacheConfig:
     snapshot_bytes: int
     tiers: tuple[TierSpec, ...]
     rules: PlacementRules = field(default_factory=PlacementRules)
-    tau: float = 600.0
+    tau: float | None = None
     refresh_all: bool = True
     supported_intervals: tuple[int, ...] | None = None
     ema_alpha: float = 0.05
     end_probability_prior: float = 0.9
     fixed_interval: int | None = None
+    attention_tokens: float = math.inf
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.attention_tokens > 0:
+            raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
         if self.fixed_interval is not None and (
             self.fixed_interval < 0 or self.fixed_interval % self.chunk_tokens
         ):
@@ -73,6 +83,7 @@ class RequestHandle:
     match: Match
     pinned: list[Node]
     at_end: bool | None
+    began: float | None = None
 
 
 class HiStateCache:
@@ -83,13 +94,16 @@ class HiStateCache:
         self.index = PrefixIndex(config.chunk_tokens)
         self.hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
         self.residence = ResidenceTracker(config.ema_alpha)
+        self.reaccess = ReaccessScale(config.ema_alpha)
         self.queue = EvictionQueue(
             self.index,
             len(config.tiers),
             tau=config.tau,
             token_bytes=config.token_bytes,
             hit_model=self.hit_model,
+            reaccess=self.reaccess,
             refresh_all=config.refresh_all,
+            attention_tokens=config.attention_tokens,
         )
         self.store = TieredStore(
             self.index, self.queue, config.tiers, config.rules, self.residence, listener
@@ -134,18 +148,21 @@ class HiStateCache:
     def begin(self, session_id: str, keys: Sequence[int], now: float) -> RequestHandle:
         keys = tuple(keys)
         path = self.index.walk(keys)
-        match = self.index.match(keys)
+        match = self.index.match_path(path)
         session = self.index.sessions.get(session_id)
         at_end: bool | None = None
         if session is not None:
             end = session.node
             at_end = end.depth < 0 or (end.depth < len(path) and path[end.depth] is end)
             self.hit_model.observe(at_end)
+            if session.last_access is not None:
+                self.reaccess.observe(now - session.last_access)
+            session.last_access = now
         self.queue.touch(path, match.hit_chunks, now)
         pinned = path[: match.kv_chunks]
         for node in pinned:
             node.pins += 1
-        return RequestHandle(session_id, keys, match, pinned, at_end)
+        return RequestHandle(session_id, keys, match, pinned, at_end, now)
 
     def complete(
         self,
@@ -174,10 +191,18 @@ class HiStateCache:
             stored_kv += 1
         if stored_kv < len(nodes):
             self.index.prune(nodes[-1])
+        # The session moves before the new snapshots are ranked: their cost depends on
+        # the hit density of the sessions through them (``index`` ``weight``), which
+        # moving the session changes along its whole path.
+        old_end = self._move_session(handle, nodes, stored_kv, input_tokens)
+        # A chain may stop short of ``input_tokens`` (a trace that hashes fewer chunks):
+        # the plan must end on the chain, or its final snapshot would have no node.
         plan = (
             list(boundaries)
             if boundaries is not None
-            else self.snapshot_plan(handle.match.kv_chunks * chunk, input_tokens)
+            else self.snapshot_plan(
+                handle.match.kv_chunks * chunk, min(input_tokens, len(nodes) * chunk)
+            )
         )
         snaps = 0
         if stored_kv:
@@ -202,16 +227,19 @@ class HiStateCache:
             self.queue.update_around(nodes[start])
             for node in nodes[start:stored_kv]:
                 self.queue.update(node)
-        self._move_session(handle.session_id, nodes, stored_kv, input_tokens, now)
+        self._retire(old_end, nodes[stored_kv - 1] if stored_kv else None, now)
         return stored_kv - start, snaps
 
     def release(self, handle: RequestHandle) -> None:
+        lost = []
         for node in handle.pinned:
             node.pins -= 1
+            if not node.kv_tiers:
+                lost.append(node)
         # A pinned node whose content was lost meanwhile (``lose``) was kept only for
         # the pin; deepest first, so each prune sees its children already gone.
-        for node in reversed(handle.pinned):
-            if not node.pins and not node.kv_tiers and node.key in self.index.nodes:
+        for node in reversed(lost):
+            if not node.pins and node.key in self.index.nodes:
                 self.index.prune(node)
         handle.pinned = []
 
@@ -256,19 +284,46 @@ class HiStateCache:
         return ok
 
     def _move_session(
-        self, sid: str, nodes: list[Node], stored: int, input_tokens: int, now: float
-    ) -> None:
+        self, handle: RequestHandle, nodes: list[Node], stored: int, input_tokens: int
+    ) -> Node | None:
+        """Point the session at its new end; returns its previous end (or None)."""
+        sid = handle.session_id
         old = self.index.sessions.get(sid)
         old_end = old.node if old is not None else None
         end = nodes[stored - 1] if stored else self.index.root
-        self.index.set_session(sid, end, max(1, input_tokens))
+        session = self.index.set_session(sid, end, max(1, input_tokens))
+        if session.last_access is None:
+            # A session's first request: its access was this handle's ``begin``.
+            session.last_access = handle.began
+        return old_end
+
+    def _retire(self, old_end: Node | None, end: Node | None, now: float) -> None:
+        """The previous end stopped being a final snapshot: retire it, re-rank both."""
         if old_end is not None and old_end is not end and old_end.depth >= 0:
             # Still the end of another session: still somebody's final snapshot.
             if old_end.snap_tiers and old_end.key in self.index.nodes and not old_end.ends:
                 self.store.retire_final(old_end, now)
-            self.queue.update_around(old_end)
-        if end.depth >= 0:
+            if self.index.get(old_end.key) is old_end:
+                self.queue.update_around(old_end)
+        if end is not None and self.index.get(end.key) is end:
             self.queue.update_around(end)
+
+    def score_status(self) -> dict[str, float | int | bool]:
+        """The eviction score's knobs as they stand, for ``/status`` and ``/metrics``.
+
+        ``tau_s``: the ``τ`` in use (seconds of recency per e-fold of expected loss per
+        byte, ``score``); ``tau_calibrated``: whether it is the online estimate (else the
+        configured constant); ``reaccess_gap_s`` / ``reaccess_samples``: the session
+        re-access-gap EMA behind the estimate and how many gaps it has seen;
+        ``end_probability``: the hit model's ``p_end``.
+        """
+        return {
+            "tau_s": self.queue.tau,
+            "tau_calibrated": self.queue.fixed_tau is None,
+            "reaccess_gap_s": self.reaccess.gap_ema,
+            "reaccess_samples": self.reaccess.samples,
+            "end_probability": self.hit_model.end_probability,
+        }
 
     def end_session(self, sid: str) -> None:
         self.index.drop_session(sid)

@@ -1,39 +1,59 @@
-"""The unified cost-aware eviction queue: ``H = t + τ · C / M``, lowest ``H`` goes first.
+"""The unified cost-aware eviction queue: ``H = t + τ · ln(C / M)``, lowest ``H`` goes first.
 
 Intermediate snapshots, bundles and dead tails (see ``units``) compete in one ranking.
-``t`` is the unit's last access, ``C`` its expected recompute (tokens per access), ``M``
-the bytes it frees *in the tier that must make room*, expressed in KV-token units
-(``bytes / kv_bytes_per_token``) so that ``C/M`` is dimensionless and ``τ`` is in
-seconds: how much recency one recompute-token per stored token is worth. A unit holding
-nothing in a tier frees nothing there, so it is not a candidate for that tier: the queue
-keeps one addressable heap per tier, all ranked by the same formula.
+``t`` is the unit's last access, ``C`` its expected recompute (tokens), ``M`` the bytes it
+frees *in the tier that must make room*, in KV-token units (``bytes /
+kv_bytes_per_token``), ``τ`` the recency scale; why the cost enters through a logarithm
+and how ``τ`` is calibrated online is ``score``'s docstring. A unit holding nothing in a
+tier frees nothing there, so it is not a candidate for that tier: the queue keeps one
+addressable heap per tier (the cost term ranks the last one only, NOTE 2).
 
 ``H`` depends on neighbours (inserting a snapshot shortens its predecessor's zone,
 evicting one lengthens it), so every structural change re-ranks the units around it
-(``update_around``), and every access re-ranks the units on the accessed path. The hit
-model's ``p_end`` and the number of sessions drift slowly and globally; re-ranking every
-unit on each drift would cost O(n), so instead a candidate's ``H`` is recomputed when it
-reaches the top of a heap and it is pushed back if it rose (lazy verification).
+(``update_around``). Accesses and drift do not re-rank anything (NOTE 1).
 
 Pinned units (any node pinned by an in-flight load or by the request being stored)
 are never returned as victims.
+
+NOTE 1 (lazy refresh). An access only writes the new ``t`` into the nodes it refreshes
+(every node of the hit prefix with refresh-all, the hit node without): O(1) per node
+and no heap operation, so a hit costs the same whatever the number of units on its
+path. Since ``t`` only grows, a refreshed unit's queued rank is a lower bound of its
+true ``H``. ``victim`` re-ranks the top of the heap before returning it and pushes it
+back when its ``H`` rose, until the top is current: each refreshed unit is re-ranked
+at most once per time it reaches the top, however often it was hit meanwhile (a hot
+prefix is hit every turn and almost never reaches the top). The same check absorbs
+the slow drift of ``τ`` and ``p_end`` (``score`` NOTE 2).
+
+NOTE 2 (tiers). Only the last tier's heap uses the cost term: a unit leaving any other
+tier is demoted, not lost, and its loss is proportional to its bytes (``score`` NOTE 3),
+so every tier but the last ranks by ``t`` alone.
+
+NOTE 3 (ties go deepest first). Refresh-all gives every unit of a prefix the same
+``t``, and in the tiers ranked by ``t`` alone (NOTE 2) they tie; the heap then takes the
+deepest unit first (``tie = −depth``), as vLLM's reverse-order block freeing does. The
+head of a prefix is read by every hit through it, the tail only by hits that reach it,
+so a cold prefix leaves a tier from its tail: what stays is still a prefix. (Insertion
+order, the heap's default, would take the head first: it was stored earliest.)
 """
 
 from __future__ import annotations
 
+import math
+
 from .heap import IndexedHeap
 from .index import Node, PrefixIndex
-from .units import HitModel, expected_recompute, unit_kind, unit_nodes
+from .score import ReaccessScale, score
+from .units import HitModel, UnitKind, expected_recompute, unit_kind, unit_nodes
 
 __all__ = ["EvictionQueue"]
-
-_VERIFY_ROUNDS = 8
 
 
 class EvictionQueue:
     """One ranking over all units, one heap per tier.
 
-    ``tau`` = 0 gives plain LRU over units; ``refresh_all`` controls whether a hit
+    ``tau`` None calibrates ``τ`` online from ``reaccess`` (the design, ``score``); a
+    number fixes it (0 = plain LRU over units). ``refresh_all`` controls whether a hit
     refreshes every unit on the prefix up to the hit (the paper's refresh-all) or only
     the unit that was hit.
     """
@@ -43,45 +63,73 @@ class EvictionQueue:
         index: PrefixIndex,
         num_tiers: int,
         *,
-        tau: float,
+        tau: float | None,
         token_bytes: int,
         hit_model: HitModel | None = None,
+        reaccess: ReaccessScale | None = None,
         refresh_all: bool = True,
+        attention_tokens: float = math.inf,
     ) -> None:
         if num_tiers <= 0:
             raise ValueError("num_tiers must be positive")
-        if tau < 0:
-            raise ValueError(f"tau must be ≥ 0, got {tau}")
+        if tau is not None and not tau >= 0:
+            raise ValueError(f"tau must be ≥ 0 or None (calibrated), got {tau}")
         if token_bytes <= 0:
             raise ValueError(f"token_bytes must be positive, got {token_bytes}")
         self.index = index
-        self.tau = float(tau)
+        self.fixed_tau = None if tau is None else float(tau)
         self.token_bytes = token_bytes
         self.hit_model = hit_model if hit_model is not None else HitModel()
+        self.reaccess = reaccess if reaccess is not None else ReaccessScale()
         self.refresh_all = refresh_all
+        self.attention_tokens = attention_tokens
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
 
     # ----------------------------------------------------------------- ranking
+    @property
+    def tau(self) -> float:
+        """The ``τ`` in use now: the fixed one, or the calibrated re-access scale."""
+        return self.reaccess.tau if self.fixed_tau is None else self.fixed_tau
+
     def cost(self, node: Node) -> float:
         return expected_recompute(
-            node,
-            self.index.chunk_tokens,
-            self.hit_model.end_probability,
-            len(self.index.sessions),
+            node, self.index.chunk_tokens, self.hit_model.end_probability, self.attention_tokens
         )
 
+    def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
+        if not tau or tier < len(self.heaps) - 1:
+            return anchor.access  # τ = 0, or a demotion (``score`` NOTE 3): LRU
+        c = self.cost(anchor) if anchor.snap_tiers else 0.0
+        return score(anchor.access, c * self.token_bytes, freed, tau)
+
     def _tier_bytes(self, anchor: Node) -> list[int]:
+        """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
+
+        Every tier but the last demotes (a snapshot unit carries its KV segment); the
+        last drops (a snapshot unit goes alone). Objects sit on one tier each, except
+        final snapshots with a write-through copy.
+        """
         last = len(self.heaps) - 1
-        out = [0] * len(self.heaps)
-        for demote in (True, False) if last else (False,):
-            snap, chain = unit_nodes(anchor, demote=demote)
-            for t in range(last) if demote else (last,):
-                bit = 1 << t
-                total = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
-                for node in chain:
-                    if node.kv_tiers & bit:
-                        total += node.kv_bytes
-                out[t] = total
+        out = [0] * (last + 1)
+        kind = unit_kind(anchor)
+        if kind is None:
+            return out
+        snap, chain = unit_nodes(anchor, demote=last > 0)
+        if snap is not None:
+            mask = snap.snap_tiers
+            while mask:
+                low = mask & -mask
+                out[low.bit_length() - 1] += snap.snap_bytes
+                mask ^= low
+        kv_on_last = kind is not UnitKind.SNAPSHOT
+        for node in chain:
+            mask = node.kv_tiers
+            while mask:
+                low = mask & -mask
+                t = low.bit_length() - 1
+                if t < last or kv_on_last:
+                    out[t] += node.kv_bytes
+                mask ^= low
         return out
 
     def rank(self, anchor: Node, tier: int) -> float | None:
@@ -89,8 +137,7 @@ class EvictionQueue:
         freed = self._tier_bytes(anchor)[tier]
         if freed <= 0:
             return None
-        c = self.cost(anchor) if anchor.snap_tiers and self.tau else 0.0
-        return anchor.access + self.tau * c * self.token_bytes / freed
+        return self._score(anchor, freed, self.tau, tier)
 
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
@@ -98,10 +145,10 @@ class EvictionQueue:
             self.remove(anchor)
             return
         freed = self._tier_bytes(anchor)
-        c = self.cost(anchor) if anchor.snap_tiers and self.tau else 0.0
+        tau = self.tau
         for tier, heap in enumerate(self.heaps):
             if freed[tier] > 0:
-                heap.set(anchor, anchor.access + self.tau * c * self.token_bytes / freed[tier])
+                heap.set(anchor, self._score(anchor, freed[tier], tau, tier), -anchor.depth)
             else:
                 heap.discard(anchor)
 
@@ -143,22 +190,18 @@ class EvictionQueue:
 
     # ----------------------------------------------------------------- access
     def touch(self, path: list[Node], hit_chunks: int, now: float) -> None:
-        """A request read the prefix ``path[:hit_chunks]``: refresh and re-rank.
+        """A request read the prefix ``path[:hit_chunks]``: refresh it (NOTE 1).
 
         With refresh-all every node on the hit prefix gets ``now``; otherwise only the
-        hit node (the snapshot that was loaded) and the KV it needed.
+        hit node (the snapshot that was loaded). Nothing is re-ranked here.
         """
         if hit_chunks <= 0:
             return
-        hit = path[hit_chunks - 1]
         if self.refresh_all:
             for node in path[:hit_chunks]:
                 node.access = now
-                if node.snap_tiers or not node.kv_children:
-                    self.update(node)
         else:
-            hit.access = now
-            self.update(hit)
+            path[hit_chunks - 1].access = now
 
     # --------------------------------------------------------------- victims
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:
@@ -174,22 +217,21 @@ class EvictionQueue:
         heap = self.heaps[tier]
         skipped: list[tuple[Node, float]] = []
         found: tuple[Node, float] | None = None
-        rounds = 0
         while heap:
             top = heap.peek()
             assert top is not None
             anchor, pri = top
             if below is not None and pri >= below:
                 break
-            if rounds < _VERIFY_ROUNDS:
-                fresh = self.rank(anchor, tier)
-                if fresh is None:
-                    heap.discard(anchor)
-                    continue
-                if fresh > pri + 1e-9:
-                    heap.set(anchor, fresh)
-                    rounds += 1
-                    continue
+            # Queued ranks are lower bounds after lazy refreshes (NOTE 1): re-rank the
+            # top until it is current. Terminates: a re-ranked entry is current.
+            fresh = self.rank(anchor, tier)
+            if fresh is None:
+                heap.discard(anchor)
+                continue
+            if fresh > pri + 1e-9:
+                heap.set(anchor, fresh, -anchor.depth)
+                continue
             if self.pinned(anchor, tier):
                 heap.discard(anchor)
                 skipped.append((anchor, pri))
@@ -197,7 +239,7 @@ class EvictionQueue:
             found = (anchor, pri)
             break
         for anchor, pri in skipped:
-            heap.set(anchor, pri)
+            heap.set(anchor, pri, -anchor.depth)
         return found
 
     def check(self) -> None:

@@ -19,9 +19,15 @@ __all__ = ["IndexedHeap"]
 class IndexedHeap(Generic[K]):
     """Min-heap of ``(priority, key)`` with O(log n) ``set`` / ``remove`` by key.
 
+    Equal priorities are ordered by an optional ``tie`` (lower first), then by insertion.
+
     Invariants:
       * ``self._pos[key]`` is the index of ``key`` in ``self._heap``;
-      * every entry's ``(priority, seq)`` is ≤ its children's.
+      * every entry's ``(priority, tie, seq)`` is ≤ its children's.
+
+    NOTE 1. Entries are compared as whole ``(priority, tie, seq, key)`` tuples: ``seq``
+    is unique, so a comparison never reaches the key (keys need not be orderable), and
+    no slice is built per comparison (the sifts are the queue's hottest loop).
     """
 
     __slots__ = ("_heap", "_pos", "_seq")
@@ -43,20 +49,21 @@ class IndexedHeap(Generic[K]):
     def priority(self, key: K) -> float:
         return self._heap[self._pos[key]][0]
 
-    def set(self, key: K, priority: float) -> None:
-        """Insert ``key`` or move it to ``priority``."""
+    def set(self, key: K, priority: float, tie: int = 0) -> None:
+        """Insert ``key`` or move it to ``(priority, tie)``."""
         i = self._pos.get(key)
         if i is None:
             self._seq += 1
-            self._heap.append((priority, self._seq, key))
+            self._heap.append((priority, tie, self._seq, key))
             self._pos[key] = len(self._heap) - 1
             self._sift_up(len(self._heap) - 1)
             return
-        old, seq, _ = self._heap[i]
-        if old == priority:
+        entry = self._heap[i]
+        new = (priority, tie, entry[2], key)
+        if entry[0] == priority and entry[1] == tie:
             return
-        self._heap[i] = (priority, seq, key)
-        if priority < old:
+        self._heap[i] = new
+        if new < entry:
             self._sift_up(i)
         else:
             self._sift_down(i)
@@ -69,21 +76,21 @@ class IndexedHeap(Generic[K]):
         last = self._heap.pop()
         if i < len(self._heap):
             self._heap[i] = last
-            self._pos[last[2]] = i
+            self._pos[last[3]] = i
             self._sift_up(i)
-            self._sift_down(self._pos[last[2]])
+            self._sift_down(self._pos[last[3]])
         return True
 
     def peek(self) -> tuple[K, float] | None:
         if not self._heap:
             return None
-        pri, _, key = self._heap[0]
+        pri, _, _, key = self._heap[0]
         return key, pri
 
     def pop(self) -> tuple[K, float]:
         if not self._heap:
             raise IndexError("pop from an empty IndexedHeap")
-        pri, _, key = self._heap[0]
+        pri, _, _, key = self._heap[0]
         self.discard(key)
         return key, pri
 
@@ -92,13 +99,13 @@ class IndexedHeap(Generic[K]):
         item = heap[i]
         while i > 0:
             parent = (i - 1) >> 1
-            if heap[parent][:2] <= item[:2]:
+            if heap[parent] <= item:
                 break
             heap[i] = heap[parent]
-            pos[heap[i][2]] = i
+            pos[heap[i][3]] = i
             i = parent
         heap[i] = item
-        pos[item[2]] = i
+        pos[item[3]] = i
 
     def _sift_down(self, i: int) -> None:
         heap, pos = self._heap, self._pos
@@ -109,12 +116,12 @@ class IndexedHeap(Generic[K]):
             if child >= n:
                 break
             right = child + 1
-            if right < n and heap[right][:2] < heap[child][:2]:
+            if right < n and heap[right] < heap[child]:
                 child = right
-            if item[:2] <= heap[child][:2]:
+            if item <= heap[child]:
                 break
             heap[i] = heap[child]
-            pos[heap[i][2]] = i
+            pos[heap[i][3]] = i
             i = child
         heap[i] = item
-        pos[item[2]] = i
+        pos[item[3]] = i

@@ -94,14 +94,16 @@ class Node:
 
 
 class Session:
-    """A conversation: its context length and the deepest live node of its prefix."""
+    """A conversation: its context length, the deepest live node of its prefix, and
+    when a request of it last read the cache (``last_access``, None until one did)."""
 
-    __slots__ = ("end_tokens", "id", "node")
+    __slots__ = ("end_tokens", "id", "last_access", "node")
 
     def __init__(self, sid: str, node: Node, end_tokens: int) -> None:
         self.id = sid
         self.node = node
         self.end_tokens = end_tokens
+        self.last_access: float | None = None
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, end_tokens={self.end_tokens}, node={self.node.key})"
@@ -178,9 +180,14 @@ class PrefixIndex:
         return out
 
     def match(self, keys: Sequence[int]) -> Match:
+        return self.match_path(self.walk(keys))
+
+    @staticmethod
+    def match_path(path: Sequence[Node]) -> Match:
+        """``match`` of a chain already walked (``walk``'s result): no second walk."""
         kv = 0
         hit: Node | None = None
-        for node in self.walk(keys):
+        for node in path:
             if not node.kv_tiers:
                 break
             kv += 1

@@ -24,6 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .ema import check_alpha, seeded_step
+
 __all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
 
 
@@ -36,9 +38,7 @@ class ResidenceTracker:
     __slots__ = ("alpha", "kv_ema", "kv_samples", "snapshot_ema", "snapshot_samples")
 
     def __init__(self, alpha: float = 0.05) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
+        self.alpha = check_alpha(alpha)
         self.kv_ema = 0.0
         self.snapshot_ema = 0.0
         self.kv_samples = 0
@@ -53,9 +53,7 @@ class ResidenceTracker:
         self.snapshot_samples += 1
 
     def _update(self, ema: float, samples: int, value: float) -> float:
-        value = max(0.0, float(value))
-        # The first sample seeds the average instead of being shrunk towards zero.
-        return value if samples == 0 else ema + self.alpha * (value - ema)
+        return seeded_step(ema, samples, value, self.alpha)
 
     @property
     def pressure_factor(self) -> float:

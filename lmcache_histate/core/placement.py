@@ -270,13 +270,17 @@ class TieredStore:
             self.listener.dropped(node, KV, node.kv_tiers)
             self.index.clear_kv(node)
             self.queue.remove(node)
-        top = chain[-1] if chain else anchor
+        if not chain:
+            # A snapshot dropped alone: ``_forget_snapshot`` re-ranked around it, which
+            # covers every unit it changed (the snapshot above, the tails and
+            # snapshots below); its parent's KV and branches are unchanged.
+            return
+        top = chain[-1]
         parent = top.parent
         self.queue.update_around(top)
         for node in chain:
             self.queue.remove(node)
-        if chain:
-            self.index.prune(anchor)
+        self.index.prune(anchor)
         if parent is not None and parent.depth >= 0 and parent.key in self.index.nodes:
             self.queue.update_around(parent)
 

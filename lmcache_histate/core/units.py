@@ -23,17 +23,21 @@ of a new bundle made of the preceding segment. A cold prefix therefore peels off
 its tail one snapshot interval at a time, each step priced like any other unit, and the
 shared parts of branched prefixes stay as long as any branch below them does.
 
-``C`` (expected extra recompute tokens per access if the unit goes) weights hit
-positions as the paper does: every live session is equally likely to be accessed next;
-with probability ``p_end`` (an EMA over observed accesses) the access continues the
-session's context from its end, otherwise it lands uniformly on an internal position of
-the session's context. Removing the snapshot at ``p`` whose previous kept snapshot on the
-prefix is at ``p_prev`` makes every hit position in ``[p, next kept snapshot)`` fall back
-by ``p - p_prev`` tokens.
+``C`` (expected extra recompute tokens if the unit goes) weights hit positions as the
+paper does: with probability ``p_end`` (an EMA over observed accesses) an access
+continues the session's context from its end, otherwise it lands uniformly on an
+internal position of the session's context. Removing the snapshot at ``p`` whose
+previous kept snapshot on the prefix is at ``p_prev`` makes every hit position in
+``[p, next kept snapshot)`` fall back by ``p - p_prev`` tokens. ``C`` sums this over the
+sessions whose hits can need the snapshot, one access each: it is the loss *when they
+come back*. Whether they come back is the recency term's business (``score``); the
+paper's ``1/N`` (every live session equally likely to be next) is a constant factor that
+the score ignores by construction, so it is not applied.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from enum import Enum
 
@@ -127,16 +131,22 @@ def snapshot_ancestor(node: Node) -> Node | None:
 
 
 def expected_recompute(
-    node: Node, chunk_tokens: int, end_probability: float, num_sessions: int
+    node: Node, chunk_tokens: int, end_probability: float, attention_tokens: float = math.inf
 ) -> float:
-    """``C`` of the snapshot at ``node``: expected extra recompute tokens per access.
+    """``C`` of the snapshot at ``node``: expected extra recompute if it goes.
+
+    In linear-token equivalents: every loss counted here is the recompute of
+    ``[p_prev, p)``, which with causal attention costs ``a·δ + b·(p² − p_prev²)/2``
+    seconds, i.e. ``δ · (1 + (p + p_prev) / (2K))`` tokens at the linear rate ``a``,
+    ``K = a/b`` = ``attention_tokens`` (the context length where attention costs as much
+    per token as the rest; ``inf`` = tokens only).
 
     Walks the snapshot's *zone* (descendants reachable without crossing another
     snapshot): sessions ending in the zone lose ``p - p_prev`` on end accesses and on
     internal hits in ``[p, P_s)``; sessions passing a boundary snapshot at ``q`` lose it
     on internal hits in ``[p, q)``, whose mass is ``(q - p) · weight(q)``.
     """
-    if not node.snap_tiers or num_sessions <= 0:
+    if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
     prev = snapshot_ancestor(node)
@@ -158,4 +168,4 @@ def expected_recompute(
                 else:
                     stack.append(child)
     mass = (1.0 - end_probability) * internal + end_probability * ends
-    return delta * mass / num_sessions
+    return delta * mass * (1.0 + (2 * p - delta) / (2.0 * attention_tokens))

@@ -206,6 +206,8 @@ class HiStatePolicy:
         out: dict[str, float] = {
             "pressure_factor": cache.interval.pressure_factor,
             "end_probability": cache.hit_model.end_probability,
+            "tau": cache.queue.tau,
+            "reaccess_samples": float(cache.reaccess.samples),
             "dropped_units": float(cache.store.dropped_units),
             "snapshots_dropped": float(self.counter.snapshots_dropped),
             "promoted_bytes": float(self.promoted_bytes),

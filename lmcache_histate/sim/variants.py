@@ -3,19 +3,22 @@
 Every variant is ``HiStatePolicy`` over the same three tiers and differs only in the
 knobs the paper ablates, so a difference between two rows is the effect of that knob:
 
-=================  ==========================================================================
-``histate``        the full design: unified H-queue (``tau`` from the set-up), refresh-all,
-                   online interval controller.
-``histate-align``  snapshots only where vLLM's align mode keeps them
-                   (``prefix_cache_retention_interval = 0``): each segment's final one,
-                   i.e. ``fixed_interval = 0``.
-``histate-every32`` a snapshot every 32 chunks (the paper's "every 32 blocks").
-=================  ==========================================================================
+=====================  =====================================================================
+``histate``            the full design: unified H-queue with ``τ`` calibrated online from
+                       the sessions' re-access gaps (``core.score``), refresh-all, online
+                       interval controller.
+``histate-fixed-tau``  the same with the set-up's fixed ``tau`` (``histate.tau`` in the
+                       config, seconds per e-fold of cost per byte): what calibration buys.
+``histate-align``      snapshots only where vLLM's align mode keeps them
+                       (``prefix_cache_retention_interval = 0``): each segment's final
+                       one, i.e. ``fixed_interval = 0``.
+``histate-every32``    a snapshot every 32 chunks (the paper's "every 32 blocks").
+=====================  =====================================================================
 
-The paper's "file-level LRU eviction" ablation (``tau = 0``, no refresh-all, interval
-control and tiering unchanged) is the ``lru`` row of the baselines, and ``lru-refresh-all``
-adds refresh-all back: both are this same core with those knobs, so they are not
-repeated here.
+The eviction ablations are baseline rows: ``lru`` is this same core with ``tau = 0`` and
+no refresh-all (LRU over HiState's units), ``lru-refresh-all`` adds refresh-all back, and
+``file-lru`` is the paper's file-level LRU (every KV chunk and snapshot file an LRU
+object of its own, no units; ``baselines/file_lru.py``).
 
 **The tiers and the GPU's role** (the same model must be used by the vLLM offload
 baselines for a fair comparison; see ``TIER_MODEL``). Tiers are ``gpu`` → ``cpu`` →
@@ -44,6 +47,7 @@ GPU-only baseline gets only the ``gpu`` tier.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +56,14 @@ from ..core.placement import PlacementRules
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy
 
-__all__ = ["TIER_MODEL", "VARIANTS", "histate_policy", "histate_variants", "three_tier_policy"]
+__all__ = [
+    "TIER_MODEL",
+    "VARIANTS",
+    "attention_tokens",
+    "histate_policy",
+    "histate_variants",
+    "three_tier_policy",
+]
 
 TIER_MODEL = "exclusive gpu→cpu→disk with demotion; GPU reads free, CPU over PCIe, disk over SSD"
 
@@ -60,7 +71,8 @@ TIER_MODEL = "exclusive gpu→cpu→disk with demotion; GPU reads free, CPU over
 _GPU, _CPU, _DISK = 0, 1, 2
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "histate": {},
+    "histate": {"tau": None},
+    "histate-fixed-tau": {},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
 }
@@ -124,9 +136,24 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     )
 
 
+def attention_tokens(setup: SimSetup) -> float:
+    """The cost model's ``K = a/b`` (``CacheConfig.attention_tokens``): recompute priced
+    at its prefill rates, linear per token plus causal attention per token pair."""
+    cost = setup.cost
+    if cost.attention_s_per_token_pair <= 0:
+        return math.inf
+    return cost.prefill_s_per_token / cost.attention_s_per_token_pair
+
+
 def histate_variants(setup: SimSetup) -> dict[str, Callable[[], Policy]]:
-    """Factories for every HiState row, in report order (same shape as baselines')."""
+    """Factories for every HiState row, in report order (same shape as baselines').
+
+    Each prices recompute with the set-up's cost model (``attention_tokens``; it only
+    changes ranks where ``τ > 0``, so ``histate_policy``'s defaults stay the LRU rows'
+    object model).
+    """
+    k = attention_tokens(setup)
     return {
-        name: (lambda name=name, kw=kw: histate_policy(setup, name, **dict(kw)))
+        name: (lambda name=name, kw=kw: histate_policy(setup, name, attention_tokens=k, **dict(kw)))
         for name, kw in VARIANTS.items()
     }

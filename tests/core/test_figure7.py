@@ -85,3 +85,89 @@ def test_figure7_eviction_through_a_store() -> None:
     # B's hit positions past S2 now fall back to S1, and the end still hits S3.
     assert cache.lookup(chain(1, 24)).hit_chunks == 24
     assert cache.lookup(chain(1, 22)).hit_chunks == 20
+
+
+def test_figure7_victim_flips_at_the_hand_computed_tau() -> None:
+    """HiState's S2 vs refresh-all's S6: the victim flips where τ·ln(C6/C2) = 1 s.
+
+    p_end: prior 0.9, three end accesses of B (t = 2, 3, 5) with α = 0.05:
+    1 − 0.1·0.95³ = 1 − 0.0857375 = 0.9142625.
+    C2: S2 at 1,050, previous snapshot S1 at 1,000 → δ = 50; its zone ends at S3
+    (1,200), B's density 1/1,200 → internal mass (1,200 − 1,050)/1,200 = 0.125;
+    C2 = 50 · (1 − p_end) · 0.125 = 0.535859.
+    C6: S6 is C's final at 1,000, no snapshot before it → δ = 1,000, one session end;
+    C6 = 1,000 · p_end = 914.2625.
+    Both free one snapshot (M = 1,572 tokens) in the snapshot tier; after B's read at
+    t = 5, H2 = 5 + τ·ln(C2/M) and H6 = 4 + τ·ln(C6/M), so H2 < H6 ⟺
+    τ > 1 / ln(C6/C2) = 1 / ln(1,706.16) = 1 / 7.44199 = 0.13437 s.
+    (S1, S3 stay above S2: same t = 5, larger C: C1 = 1,000·0.0857375·50/1,200 = 3.57,
+    C3 = 150·p_end = 137.1.)
+    """
+    by_tau = {}
+    for tau in (0.13, 0.14):
+        cache, names = build(tau, True)
+        found = cache.queue.victim(1)
+        assert found is not None
+        by_tau[tau] = {v: k for k, v in names.items()}[found[0].key]
+    assert by_tau == {0.13: "S6", 0.14: "S2"}
+
+
+def test_refresh_is_lazy_and_victim_reranks_stale_entries() -> None:
+    """B's read at t = 5 writes t = 5 into S1..S3 without re-ranking them (lazy).
+
+    Queued ranks (τ = 0, so H = the t it was ranked with): the request at t = 3 stored S3
+    and moved B's end off S2, which re-ranks S3, S2 and S2's parent S1 with t = 3; S6 was
+    ranked at its store at t = 4; nothing was re-ranked at t = 5. The top is S1 at 3,
+    stale; ``victim`` re-ranks S1, S2 and S3 to 5 and returns S6 (4), refresh-all's
+    victim.
+    """
+    cache, names = build(0.0, True)
+    heap = cache.queue.heaps[1]
+    node = {n: cache.index.get(k) for n, k in names.items()}
+    assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [3.0, 3.0, 3.0, 4.0]
+    found = cache.queue.victim(1)
+    assert found is not None and found[0] is node["S6"]
+    assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [5.0, 5.0, 5.0, 4.0]
+
+
+def test_a_cold_prefix_leaves_a_fast_tier_from_its_tail() -> None:
+    """LRU tiers break ties deepest first (eviction NOTE 3).
+
+    One session of 6 chunks (4 tokens each) with a snapshot every 2 chunks, all stored
+    at t = 1 on tier 0 (room for all of it) and never read again: its units are the
+    snapshot units at chunks 2 and 4 (each carrying the 2 KV chunks above it when
+    demoted) and the bundle at chunk 6, all with t = 1. Tier 0 is not the last, so it
+    ranks by t alone: the tie goes to the deepest unit, the bundle (depth 5), then the
+    snapshot unit at chunk 4 (depth 3), then chunk 2 (depth 1).
+    """
+    cfg = CacheConfig(
+        chunk_tokens=4, kv_chunk_bytes=40, snapshot_bytes=80,
+        tiers=(TierSpec("cpu", 10_000), TierSpec("disk", 10_000)),
+        rules=PlacementRules(kv_tier=0, snapshot_tier=0, final_tier=0),
+        fixed_interval=8, tau=5.0,
+    )
+    cache = HiStateCache(cfg)
+    keys = [1, 2, 3, 4, 5, 6]
+    cache.complete(cache.begin("A", keys, 1.0), 24, 1.0)
+    order = []
+    while (found := cache.queue.victim(0)) is not None and len(order) < 3:
+        order.append(found[0].key)
+        cache.queue.heaps[0].discard(found[0])
+    assert order == [6, 4, 2]
+
+
+def test_cost_priced_with_causal_attention() -> None:
+    """``attention_tokens`` K: the recompute of [p_prev, p) costs δ·(1 + (p + p_prev)/2K).
+
+    With K = 10,000 (p_end and the zone masses as in the τ-flip test above):
+    S6: δ = 1,000 over [0, 1,000) → factor 1 + 1,000/20,000 = 1.05;
+        C6 = 914.2625 · 1.05 = 959.975625.
+    S2: δ = 50 over [1,000, 1,050) → factor 1 + 2,050/20,000 = 1.1025;
+        C2 = 0.535859375 · 1.1025 = 0.590785.
+    """
+    cache, names = build(600.0, True)
+    s6, s2 = cache.index.get(names["S6"]), cache.index.get(names["S2"])
+    assert cache.queue.cost(s6) == pytest.approx(914.2625)
+    cache.queue.attention_tokens = 10_000.0
+    assert cache.queue.cost(s6) == pytest.approx(959.975625)
+    assert cache.queue.cost(s2) == pytest.approx(0.590785, abs=1e-6)

@@ -34,3 +34,18 @@ def test_heap_matches_a_dict_model(ops: list[tuple[str, int, float]]) -> None:
         assert (top is None) == (not model)
         if top is not None:
             assert top[1] == min(model.values())
+
+
+def test_equal_priorities_go_by_tie_then_insertion() -> None:
+    # a, b, c all at 1.0; b has tie −3, c tie −3 inserted after b, a tie 0:
+    # order (1.0, −3, seq 2) b, (1.0, −3, seq 3) c, (1.0, 0, seq 1) a.
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("a", 1.0)
+    heap.set("b", 1.0, -3)
+    heap.set("c", 1.0, -3)
+    assert [heap.pop()[0] for _ in range(3)] == ["b", "c", "a"]
+    # Changing only the tie moves an entry: d (0) then e (−1) at 2.0 → e first.
+    heap.set("d", 2.0)
+    heap.set("e", 2.0)
+    heap.set("e", 2.0, -1)
+    assert heap.pop()[0] == "e"

@@ -13,7 +13,9 @@ def test_variant_knobs() -> None:
     pols = {n: f() for n, f in histate_variants(s).items()}
     assert list(pols) == list(VARIANTS)
     cfg = {n: p.cache.config for n, p in pols.items()}
-    assert (cfg["histate"].tau, cfg["histate"].refresh_all) == (s.tau, True)
+    # The design calibrates tau online (None); the set-up's fixed tau is its ablation.
+    assert (cfg["histate"].tau, cfg["histate"].refresh_all) == (None, True)
+    assert (cfg["histate-fixed-tau"].tau, cfg["histate-fixed-tau"].refresh_all) == (s.tau, True)
     assert cfg["histate"].fixed_interval is None
     assert "histate-lru" not in cfg  # the baselines' ``lru`` row is that ablation
     assert cfg["histate-align"].fixed_interval == 0

@@ -22,6 +22,9 @@
                            ``histate`` row, ``sim/variants.py``) with ``tau = 0`` and no
                            refresh-all (the paper's file-level LRU ablation).
 ``lru-refresh-all``        the same with refresh-all.
+``file-lru``               the paper's file-level LRU ablation: every KV chunk and snapshot
+                           file an independent LRU object, HiState's tiers, placement and
+                           interval control (``file_lru``).
 =========================  ==============================================================
 
 Memory per row (``capacity_bytes``; the paper's set-up in brackets): Marconi and vLLM
@@ -44,6 +47,7 @@ from collections.abc import Callable
 
 from ..policy import Policy
 from ..variants import three_tier_policy
+from .file_lru import file_lru_policy
 from .marconi import DEFAULT_FLOPS, FlopModel
 from .marconi_policy import MarconiPolicy
 from .sglang import sglang_hicache_policy
@@ -62,6 +66,7 @@ BASELINES: tuple[str, ...] = (
     "sglang-hicache-l3",
     "lru",
     "lru-refresh-all",
+    "file-lru",
 )
 
 def baseline_policies(
@@ -119,4 +124,5 @@ def baseline_policies(
         "lru-refresh-all": lambda: three_tier_policy(
             "lru-refresh-all", tau=0.0, refresh_all=True, **geo, **caps
         ),
+        "file-lru": lambda: file_lru_policy("file-lru", [gpu, cpu, disk], **geo),
     }

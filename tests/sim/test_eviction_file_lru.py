@@ -1,0 +1,63 @@
+"""``file-lru``: the paper's file-level LRU ablation (``sim/baselines/file_lru.py``).
+
+Tiny geometry so every number can be worked out by hand: 4-token chunks, 1 KV byte per
+token (a KV chunk = 4 B), an 8 B snapshot (N_s = 8 tokens).
+"""
+
+from __future__ import annotations
+
+from lmcache_histate.sim.baselines import BASELINES, baseline_policies
+from lmcache_histate.sim.baselines.file_lru import FileLRUPolicy, file_lru_policy
+from lmcache_histate.sim.traces import Request
+
+GEO = {"chunk_tokens": 4, "kv_bytes_per_token": 1, "snapshot_bytes": 8}
+
+
+def request(sid: str, keys: list[int], tokens: int) -> Request:
+    return Request(sid, 0, 0.0, 0.0, tokens, 1, tuple(keys))
+
+
+def test_row_is_registered_after_the_lru_rows() -> None:
+    assert BASELINES[-3:] == ("lru", "lru-refresh-all", "file-lru")
+    row = baseline_policies(**GEO, gpu_bytes=100, cpu_bytes=100, disk_bytes=100)["file-lru"]()
+    assert isinstance(row, FileLRUPolicy) and row.name == "file-lru"
+
+
+def test_placement_and_interval_are_histate_s() -> None:
+    # One 48-token segment, pressure factor 1 (no residence seen): the interval cost is
+    # I/2 + 8·48/I over multiples of 4: I = 24 → 12 + 16 = 28; I = 28 → 14 + 13.71 =
+    # 27.71; I = 32 → 16 + 12 = 28. So I = 28: states at 28 tokens (chunk 7, an
+    # intermediate → disk) and at 48 (chunk 12, the final → GPU); KV on the GPU.
+    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
+    keys = list(range(1, 13))
+    req = request("A", keys, 48)
+    pol.complete(req, pol.begin(req, 1.0), 1.0)
+    nodes = [pol.engine.index.get(k) for k in keys]
+    assert [i + 1 for i, n in enumerate(nodes) if n.has_snapshot] == [7, 12]
+    assert pol.resident(nodes[6]) == ("gpu", "disk")
+    assert pol.resident(nodes[11]) == ("gpu", "gpu")
+    assert all(pol.resident(n)[0] == "gpu" for n in nodes)
+
+
+def test_objects_leave_one_by_one_not_as_units() -> None:
+    # GPU 56 B: session A's 12 KV chunks (48 B) + its final state (8 B) fill it; A's
+    # intermediate state (chunk 7) is on disk. Session B (t = 2) stores 2 chunks + its
+    # final (a 8-token segment: I = 8 → 4 + 8 = 12, I = 12 → 6 + 5.33 = 11.33, > 8, so
+    # the final only): 16 B, so four 4-B objects of A must go down. All of A's objects
+    # were released at t = 1; KV wins ties and the deepest chunk was queued first, so
+    # A's KV chunks 12, 11, 10, 9 move to the CPU while A's final state (chunk 12) stays
+    # on the GPU without its KV: a split a bundle never makes.
+    pol = file_lru_policy("file-lru", [("gpu", 56), ("cpu", 1000), ("disk", 1000)], **GEO)
+    a = list(range(1, 13))
+    req = request("A", a, 48)
+    pol.complete(req, pol.begin(req, 1.0), 1.0)
+    b = [101, 102]
+    req = request("B", b, 8)
+    pol.complete(req, pol.begin(req, 2.0), 2.0)
+    index = pol.engine.index
+    tiers = [pol.resident(index.get(k)) for k in a]
+    assert [t[0] for t in tiers] == ["gpu"] * 8 + ["cpu"] * 4
+    assert tiers[11] == ("cpu", "gpu")
+    assert tiers[6] == ("gpu", "disk")
+    assert [pol.resident(index.get(k)) for k in b] == [("gpu", None), ("gpu", "gpu")]
+    pol.engine.check()
