@@ -18,23 +18,24 @@ class CpuEvictionMixin:
         """Re-rank queued units when the global inputs of ``C`` drifted (under the lock).
 
         The core re-ranks a unit when it changes or is accessed, and lazily re-checks a
-        candidate whose ``H`` *rose*; but ``C`` also depends on the number of live
-        sessions and on ``p_end``, which drift for every unit at once and can make every
-        stored ``H`` too high (e.g. the first sessions of a fresh server were ranked with
-        1, 2, 3 sessions). When either drifted noticeably since the last full re-rank, a
-        sweep re-ranks every node, ``budget`` nodes at a time (janitor ticks), or all at
-        once (``budget=None``) before the L1 eviction loop picks victims.
+        candidate whose ``H`` *rose*; but every stored ``H`` also depends on two inputs
+        shared by all units, the score's scale ``tau`` (calibrated online from session
+        re-access gaps, ``core/score.py``) and ``p_end``, which drift for every unit at
+        once (a fresh server starts from its priors). When either drifted noticeably since
+        the last full re-rank (tau by 10 %, p_end by 0.02), a sweep re-ranks every node,
+        ``budget`` nodes at a time (janitor ticks), or all at once (``budget=None``)
+        before the L1 eviction loop picks victims.
         """
         core = self.core
         if core is None:
             return
         if self._sweep is None:
-            n = len(core.index.sessions)
-            p = core.hit_model.end_probability
-            n0, p0 = self._rank_basis
-            if abs(n - n0) <= 0.1 * max(n0, 1) and abs(p - p0) <= 0.02:
+            score = core.score_status()
+            tau, p = float(score["tau_s"]), float(score["end_probability"])
+            tau0, p0 = self._rank_basis
+            if abs(tau - tau0) <= 0.1 * max(tau0, 1e-9) and abs(p - p0) <= 0.02:
                 return
-            self._rank_basis = (n, p)
+            self._rank_basis = (tau, p)
             self._sweep = list(core.index.nodes)
             self.stats["rerank_sweeps"] += 1
         sweep = self._sweep

@@ -103,6 +103,14 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
             status_value("end_probability"),
         ),
         "histate_sessions": ("Live sessions tracked by the policy core", status_value("sessions")),
+        "histate_eviction_tau_seconds": (
+            "Eviction score scale tau in use (seconds of recency per e-fold of loss per byte)",
+            status_value("eviction_tau_s"),
+        ),
+        "histate_eviction_reaccess_gap_seconds": (
+            "EMA of the gap between a session's consecutive requests (calibrates tau)",
+            status_value("eviction_reaccess_gap_s"),
+        ),
         "histate_tier_used_bytes": ("Bytes the policy core holds per tier", tier("used_bytes")),
         "histate_tier_capacity_bytes": (
             "Bytes the policy core may hold per tier", tier("capacity_bytes")

@@ -61,6 +61,10 @@ class ReportingMixin:
                     "interval_tokens": choice.interval,
                     "interval_segment_tokens": segment,
                     "end_probability": core.hit_model.end_probability,
+                    # The eviction score's scale (core/score.py): tau in use, calibrated or
+                    # configured, and the session re-access gap it is calibrated from.
+                    **{f"eviction_{k}": v for k, v in core.score_status().items()
+                       if k != "end_probability"},
                     "kv_residence_s": core.residence.kv_ema,
                     "snapshot_residence_s": core.residence.snapshot_ema,
                 }

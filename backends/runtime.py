@@ -131,7 +131,7 @@ class HiStateRuntime(
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
         self._foreign_warned: set[tuple[str, int]] = set()
-        self._rank_basis: tuple[int, float] = (0, cfg.end_probability_prior)
+        self._rank_basis: tuple[float, float] = (0.0, cfg.end_probability_prior)
         self._sweep: list[int] | None = None
         self._unsupported: set[tuple[str, int]] = set()
 

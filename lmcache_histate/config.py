@@ -54,7 +54,7 @@ class HiStateConfig:
     disk_path: str
     disk_gib: float
     policy: str = "histate"
-    tau: float = 600.0
+    tau: float | None = None  # None = "auto": calibrated online (core/score.py)
     supported_intervals: tuple[int, ...] | None = None
     max_interval_chunks: int = 64
     cpu_fill: float = 0.75
@@ -266,10 +266,10 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("session_ttl_s", "request_ttl_s"):
         if key in data:
             values[key] = _positive_number(key, get(key), errors)
-    if "tau" in data:
+    if "tau" in data and get("tau") not in ("auto", None):
         tau = get("tau")
         if not _is_number(tau) or tau < 0:
-            errors.append(f"tau: must be a number ≥ 0 (seconds), got {_show(tau)}")
+            errors.append(f"tau: must be 'auto' or a number ≥ 0 (seconds), got {_show(tau)}")
         else:
             values["tau"] = float(tau)
     if "cpu_fill" in data:

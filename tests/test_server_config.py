@@ -22,7 +22,9 @@ VALID = {
 def test_minimal_config_gets_defaults() -> None:
     cfg = parse_config(VALID)
     assert cfg.policy == "histate"
-    assert cfg.tau == 600.0
+    assert cfg.tau is None  # "auto": calibrated online from session re-access gaps
+    assert parse_config({**VALID, "tau": "auto"}).tau is None
+    assert parse_config({**VALID, "tau": 90}).tau == 90.0
     assert cfg.intervals[:3] == (16, 32, 48)
     assert len(cfg.intervals) == cfg.max_interval_chunks
     assert cfg.cpu_bytes == int(0.05 * 2**30)
@@ -37,7 +39,7 @@ def test_minimal_config_gets_defaults() -> None:
         ("disk_gib", 0, "disk_gib: must be a positive number, got 0"),
         ("chunk_size", 16.5, "chunk_size: must be a positive integer, got 16.5"),
         ("chunk_size", True, "chunk_size: must be a positive integer, got True"),
-        ("tau", -3, "tau: must be a number ≥ 0 (seconds), got -3"),
+        ("tau", -3, "tau: must be 'auto' or a number ≥ 0 (seconds), got -3"),
         ("policy", "fifo", "policy: must be one of histate, lru; got 'fifo'"),
         ("platform", "tpu", "platform: must be one of auto, cpu, cuda; got 'tpu'"),
         ("port", 70000, "port: must be a TCP port (an integer in 1..65535), got 70000"),
@@ -85,7 +87,7 @@ def test_missing_required_keys_and_all_errors_at_once() -> None:
     for key in ("model", "cpu_gib", "disk_path", "disk_gib"):
         assert f"{key}: required key is missing" in text
     assert "chunk_size: must be a positive integer" in text
-    assert "tau: must be a number" in text
+    assert "tau: must be 'auto' or a number" in text
 
 
 def test_supported_intervals_are_sorted_and_deduplicated() -> None:

@@ -193,8 +193,12 @@ def test_placement_tiers_and_hits_across_them(tmp_path: Path, tokens: TokenSourc
             "histate_recompute_tokens_avoided_total",
             "histate_snapshot_interval_tokens",
             "histate_pressure_factor",
+            "histate_eviction_tau_seconds",
+            "histate_eviction_reaccess_gap_seconds",
         ):
             assert name in metrics, name
+        # tau: auto (the default) -- the score's scale is the online estimate.
+        assert status["eviction_tau_calibrated"] is True and status["eviction_tau_s"] > 0
         assert "HiStateDiskAdapter" in json.dumps(server.status()["storage_manager"])
 
         # The extension RPCs the vLLM connector uses (server_module_call).
