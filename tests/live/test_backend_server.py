@@ -427,7 +427,7 @@ def test_bad_yaml_fails_at_start_naming_the_key(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "cpu_gib: must be a positive number, got 'abc'" in result.stderr
-    assert "tau: must be a number" in result.stderr
+    assert "tau: must be 'auto' or a number ≥ 0 (seconds), got -1" in result.stderr
     # Through the harness's real start path as well: the start fails fast, with the reason.
     with (
         pytest.raises(LMCacheServerError, match="cpu_gib"),
