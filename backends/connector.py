@@ -45,7 +45,6 @@ back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -61,6 +60,7 @@ from lmcache_histate.backends.interval_saves import (
     rewrite_store_block_ids,
     sanitize_plan,
 )
+from lmcache_histate.backends.plan_client import PLAN_METHOD, PlanClient
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
 )
@@ -89,7 +89,6 @@ INTERVAL_SAVES_KEY = "histate.interval_saves"
 PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
 AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
 """The server's shared-secret file (the launcher prints its path, never the secret)."""
-PLAN_METHOD = "histate.plan"
 REPORT_PARAM = "histate_saves"
 
 
@@ -216,79 +215,27 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 kv_bytes_per_token += layers * page / spec.block_size
         self._snapshot_tokens = snapshot_bytes / max(kv_bytes_per_token, 1e-9)
         self._local_planner = LocalPlanner(self._chunk_tokens, self._snapshot_tokens)
-        self._plan_timeout = float(extra.get(PLAN_TIMEOUT_KEY, 5.0))
-        server = self._probe_server()
+        self._plans = PlanClient(
+            lambda: next(iter(self.scheduler_adapter.req_clients.values())),
+            token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
+            count=self._count,
+        )
+        server = self._plans.probe()
         if server is not None:
             check_server_geometry(server.get("geometry"), snapshot_bytes=snapshot_bytes,
                                   kv_bytes_per_token=kv_bytes_per_token, block_size=block_size)
-        self._server_plans = server is not None
         self._saves_active = True
         logger.info(
             "HiState interval saves on: recurrent KV cache groups %s, chunk %d tokens; plans "
             "from %s", recurrent, self._chunk_tokens,
-            f"the server's {PLAN_METHOD} RPC (live pressure factor)" if self._server_plans
+            f"the server's {PLAN_METHOD} RPC (live pressure factor)" if self._plans.active
             else f"a local interval controller (pressure factor 1, N_s = "
             f"{self._snapshot_tokens:.1f} KV tokens)",
         )
 
-    def _call(self, method: str, payload: dict[str, Any], timeout: float) -> Any:
-        """One ``server_module_call`` RPC; returns LMCache's response envelope."""
-        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-
-        client = next(iter(self.scheduler_adapter.req_clients.values()))
-        if self._rpc_token is not None:  # a server with a shared secret (docs/deployment.md)
-            payload = {**payload, "token": self._rpc_token}
-        request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
-        return client.server_module_call(request).result(timeout)
-
-    def _probe_server(self) -> dict[str, Any] | None:
-        """The server's HiState status if it runs an active HiState module, else None.
-
-        A stock server without any server-module RPC handler does not answer at all (LMCache
-        builds its RPC router only when some module declares a handler), so the probe has a
-        timeout; the outcome is logged once and holds for the connector's lifetime.
-        """
-        try:
-            response = self._call("histate.status", {}, min(self._plan_timeout, 3.0))
-        except Exception as exc:
-            reason = f"no answer to histate.status ({type(exc).__name__})"
-        else:
-            if response.success:
-                status = json.loads(response.payload or b"{}")
-                if status.get("active"):
-                    return dict(status)
-                reason = "its HiState module is inactive (policy is not histate)"
-            else:
-                reason = response.error or "histate.status failed"
-        logger.warning(
-            "HiState: the LMCache server has no active HiState module (%s); interval saves "
-            "use a local interval controller with pressure factor 1", reason,
-        )
-        return None
-
     def _count(self, key: str, n: int = 1) -> None:
         if n:
             self.histate_stats[key] = self.histate_stats.get(key, 0) + n
-
-    def _server_plan(self, start: int, end: int) -> list[int] | None:
-        """The server's plan, or None (no HiState module there, or the call failed)."""
-        if not self._server_plans:
-            return None
-        try:
-            response = self._call(
-                PLAN_METHOD, {"start_tokens": start, "input_tokens": end}, self._plan_timeout
-            )
-        except Exception as exc:  # timeout, transport failure
-            self._count("plan_errors")
-            logger.warning("HiState: %s RPC failed (%s); local plan for this request",
-                           PLAN_METHOD, exc)
-            return None
-        if not response.success:
-            self._count("plan_errors")
-            logger.warning("HiState: %s failed on the server (%s); local plan for this "
-                           "request", PLAN_METHOD, response.error)
-            return None
-        return [int(b) for b in json.loads(response.payload or b"{}").get("boundaries", [])]
 
     def _ensure_plan(self, request_id: str) -> RequestSaves | None:
         saves = self._saves.get(request_id)
@@ -306,7 +253,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if end - end % chunk <= start - start % chunk:
             saves.plan, saves.plan_source = [], "empty"
             return saves
-        plan = self._server_plan(start, end)
+        plan = self._plans.plan(start, end)
         source = "server"
         if not plan:
             # None: no server plan. []: the server's core has not seen this model yet (it is

@@ -3,7 +3,7 @@
 For each CPU+disk capacity factor (GPU fixed, as in ``histate simulate --sweep``) the
 trace is replayed through the eviction rows (``histate``, ``lru``, ``lru-refresh-all``,
 ``file-lru``) and the two rows that define the reuse-sensitive requests (``unlimited``,
-``vllm-cpu-disk-offload``; DESIGN.md §2: hit rate ≥ 5 points below the unlimited cache
+``vllm-cpu-disk-offload``; docs/design.md §6: hit rate ≥ 5 points below the unlimited cache
 under disk offload, or HiState and disk offload ≥ 5 points apart). One row per policy:
 token hit rate, TTFT mean and p99, reuse-sensitive mean and p99, units dropped.
 

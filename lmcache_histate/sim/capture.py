@@ -1,7 +1,7 @@
 """What capturing recurrent states costs a request, and how much memory a row has.
 
 A recurrent state exists only where a prefill step ends (vLLM ``align`` mode,
-DESIGN.md §4), so WHERE a row keeps states decides how the engine must run the prefill,
+docs/design.md §5.2), so WHERE a row keeps states decides how the engine must run the prefill,
 and every state kept off the GPU is copied there from the device. ``Capture`` is a
 request's bill beyond a plain prefill; the server model (``server``) turns it into time
 with the cost model's constants (``capture_time``) and charges it on the request's path:

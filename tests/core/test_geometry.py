@@ -1,4 +1,4 @@
-"""Geometry: exact byte numbers the policy prices with (DESIGN.md §1) and config parsing."""
+"""Geometry: exact byte numbers the policy prices with (docs/design.md §1) and config parsing."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lmcache_histate.core.geometry import (
 
 
 def _tiny_next(**overrides: Any) -> dict[str, Any]:
-    """The CPU test model's config (DESIGN.md §4), exactly as the live tests generate it."""
+    """The CPU test model's config (docs/design.md §5.3), exactly as the live tests generate it."""
     from lmcache_histate.backends.tiny_model import tiny_config
 
     return tiny_config(**overrides)

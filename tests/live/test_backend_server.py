@@ -314,7 +314,7 @@ FIG7_DISK_BYTES = 38_000  # the core's disk tier holds exactly four 8 KiB snapsh
 def test_figure7_eviction_order_through_the_server(
     tmp_path: Path, tokens: TokenSource, policy: str, tau: float, refresh_all: bool, victim: str
 ) -> None:
-    """DESIGN.md §2.3 / paper Figure 7: session B has S1 after a long prefix, S2 shortly
+    """docs/design.md §2.3 / paper Figure 7: session B has S1 after a long prefix, S2 shortly
     after it and its final S3; session C only its final S6; B is read again; a new session
     needs room for one snapshot on disk. LRU evicts S1, LRU + refresh-all S6, HiState S2."""
     disk = tmp_path / "disk"

@@ -29,7 +29,7 @@ def test_paper_config_file_is_the_built_in_default() -> None:
 def test_cost_model_numbers() -> None:
     c = load_cost_model()
     assert c.pcie_bytes_per_s == 50e9 and c.ssd_bytes_per_s == 5e9
-    # DESIGN.md §1: KV of 100K tokens over PCIe 5 ≈ 65 ms; a snapshot from SSD ≈ 10 ms.
+    # docs/design.md §1: KV of 100K tokens over PCIe 5 ≈ 65 ms; a snapshot from SSD ≈ 10 ms.
     assert c.load_time({"cpu": 100_000 * 32768}) == pytest.approx(0.0655, abs=1e-3)
     assert c.load_time({"disk": 51_511_296, "gpu": 10**12}) == pytest.approx(0.0103, abs=1e-3)
     assert 8.0 < c.prefill_time(0, 100_000) < 12.0

@@ -1,6 +1,6 @@
 """Marconi (Pan et al., MLSys'25) on vLLM, GPU only: its radix tree, admission and eviction.
 
-What is modelled (DESIGN.md §3) and how it maps onto ``core.index.PrefixIndex``:
+What is modelled (docs/design.md §6) and how it maps onto ``core.index.PrefixIndex``:
 
 * **The radix tree.** Marconi's radix tree has one node per maximal token run without a
   branch or a checkpoint. We keep the chunk-level ``PrefixIndex`` (KV per chunk on the
@@ -28,7 +28,7 @@ What is modelled (DESIGN.md §3) and how it maps onto ``core.index.PrefixIndex``
   The victim minimises ``recency + α · flop_efficiency``, both min-max normalised over
   the current candidates (higher = keep), as in Marconi's ``radix_cache_hybrid.py``
   (its repository was not reachable from here; the formulas follow the audit in issue
-  8 and DESIGN.md §3):
+  8 and docs/design.md §6):
 
   - recency = ``1 / (now − last access)`` (a node touched at ``now`` itself counts as
     ``_MIN_AGE_S`` old);

@@ -3,7 +3,7 @@
 Both engines cache the same two kinds of object as HiState, on the same chunk grid:
 the attention KV of a chunk and a recurrent-state snapshot at a chunk's end, both held in
 ``core.index.PrefixIndex`` nodes (a hit = the deepest snapshot within the KV match, the
-same rule as HiState and as LMCache's fold, DESIGN.md §4). What differs is where the
+same rule as HiState and as LMCache's fold, docs/design.md §5.1). What differs is where the
 objects live and who leaves first, and that is all this module decides:
 
 * **Pools.** Each tier (``gpu`` → ``cpu`` → ``disk``, fastest first) has one byte pool

@@ -1,6 +1,6 @@
 """The ``unlimited`` row: a cache that never evicts and has a state at every chunk end.
 
-The reference every other row is measured against (DESIGN.md §3: "never evicts,
+The reference every other row is measured against (docs/design.md §6: "never evicts,
 snapshot at every position"): a request hits every leading chunk of its prompt that
 any earlier request computed, all of it resident on the GPU (reads are free in the cost
 model; the bytes are still reported under ``gpu``). Positions are quantised to chunks
@@ -8,7 +8,7 @@ like every row, so "every position" means every chunk end: the only recompute le
 the first unseen chunk onwards plus the partial last chunk.
 
 Capturing a state at every chunk end needs every prefill step to end on a chunk
-boundary (vLLM: ``max_num_batched_tokens`` in [N, 2N), DESIGN.md §4), so the row pays
+boundary (vLLM: ``max_num_batched_tokens`` in [N, 2N), docs/design.md §5.2), so the row pays
 the small-step cost (``capture``: ``step_tokens = chunk_tokens``); its states stay on
 the GPU (nothing is copied to host).
 

@@ -1,0 +1,92 @@
+"""The vLLM connector's client for the HiState server module's RPCs.
+
+``HiStateConnector`` asks the server, over LMCache's ``server_module_call`` RPC on the
+connection it already holds, for two things: ``histate.status`` once at start (is a HiState
+module active there, and which geometry did it assume) and ``histate.plan`` per new segment
+(the snapshot boundaries the server's interval controller chooses with the live pressure
+factor). A server with a shared secret (``auth_token_file``) wants it in every payload.
+
+Invariant: once :meth:`PlanClient.probe` found no active module, :meth:`plan` returns None
+for the connector's lifetime (no RPC per request to a server that cannot answer); a failed
+plan call returns None for that request only, counted in ``plan_errors``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["PLAN_METHOD", "STATUS_METHOD", "PlanClient"]
+
+logger = logging.getLogger("lmcache_histate.connector")
+
+STATUS_METHOD = "histate.status"
+PLAN_METHOD = "histate.plan"
+
+
+class PlanClient:
+    """``histate.status`` / ``histate.plan`` through one LMCache request client."""
+
+    def __init__(self, client: Callable[[], Any], *, token: str | None, timeout: float,
+                 count: Callable[[str], None]) -> None:
+        self._client = client  # the adapter's request client, looked up per call
+        self._token = token
+        self.timeout = timeout
+        self._count = count
+        self.active = False
+
+    def call(self, method: str, payload: dict[str, Any], timeout: float) -> Any:
+        """One ``server_module_call`` RPC; returns LMCache's response envelope."""
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        if self._token is not None:  # a server with a shared secret (docs/deployment.md)
+            payload = {**payload, "token": self._token}
+        request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
+        return self._client().server_module_call(request).result(timeout)
+
+    def probe(self) -> dict[str, Any] | None:
+        """The server's HiState status if it runs an active HiState module, else None.
+
+        A stock server without any server-module RPC handler does not answer at all (LMCache
+        builds its RPC router only when some module declares a handler), so the probe has a
+        timeout; the outcome is logged once and holds for the connector's lifetime.
+        """
+        try:
+            response = self.call(STATUS_METHOD, {}, min(self.timeout, 3.0))
+        except Exception as exc:
+            reason = f"no answer to {STATUS_METHOD} ({type(exc).__name__})"
+        else:
+            if response.success:
+                status = json.loads(response.payload or b"{}")
+                if status.get("active"):
+                    self.active = True
+                    return dict(status)
+                reason = "its HiState module is inactive (policy is not histate)"
+            else:
+                reason = response.error or f"{STATUS_METHOD} failed"
+        logger.warning(
+            "HiState: the LMCache server has no active HiState module (%s); interval saves "
+            "use a local interval controller with pressure factor 1", reason,
+        )
+        return None
+
+    def plan(self, start: int, end: int) -> list[int] | None:
+        """The server's plan, or None (no HiState module there, or the call failed)."""
+        if not self.active:
+            return None
+        try:
+            response = self.call(PLAN_METHOD, {"start_tokens": start, "input_tokens": end},
+                                 self.timeout)
+        except Exception as exc:  # timeout, transport failure
+            self._count("plan_errors")
+            logger.warning("HiState: %s RPC failed (%s); local plan for this request",
+                           PLAN_METHOD, exc)
+            return None
+        if not response.success:
+            self._count("plan_errors")
+            logger.warning("HiState: %s failed on the server (%s); local plan for this "
+                           "request", PLAN_METHOD, response.error)
+            return None
+        return [int(b) for b in json.loads(response.payload or b"{}").get("boundaries", [])]
