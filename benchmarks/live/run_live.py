@@ -272,15 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--block-tokens", type=int, default=8)
     p.add_argument("--trace", help="folder of Weka trace files (default: the bundled sample)")
-    p.add_argument("--concurrency", type=int, default=3, help="sessions active at once")
-    p.add_argument("--think-scale", type=float, default=0.01)
+    p.add_argument("--concurrency", type=int, default=6, help="sessions active at once")
+    p.add_argument("--think-scale", type=float, default=0.05)
     p.add_argument("--think-cap", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--gpu-pool-mib", type=int, default=14,
+    p.add_argument("--gpu-pool-mib", type=int, default=5,
                    help="vLLM's KV pool in every stack (small: the GPU of an agent server "
-                        "cannot keep the sessions between turns)")
+                        "cannot keep the sessions between turns; vLLM prints its size in "
+                        "tokens, ~7K for the tiny model at 5 MiB)")
     p.add_argument("--cache-fraction", type=float, default=0.5)
-    p.add_argument("--max-model-len", type=int, default=6144)
+    p.add_argument("--max-model-len", type=int, default=4608)
     p.add_argument("--guard-sample", type=int, default=4)
     p.add_argument("--stacks", default=",".join(stacks.STACKS))
     p.add_argument("--out", default="benchmarks/live/results")
