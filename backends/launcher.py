@@ -247,8 +247,7 @@ def resolve_engine_layout(cfg: HiStateConfig) -> HiStateConfig:
         raise ConfigError(f"chunk_size: auto: {exc}") from None
     print(f"histate-server: chunk_size auto -> {facts.block_size} ({facts.describe()})",
           flush=True)
-    return cfg.with_overrides(chunk_size=facts.block_size, dtype=facts.kv_dtype,
-                              mamba_ssm_cache_dtype=facts.state_dtypes[-1])
+    return cfg.with_overrides(**facts.server_settings())
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -39,17 +39,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_ENV", "OFFLINE_ENV", "EngineError", "EngineProcess", "engine_kwargs"]
+from lmcache_histate.backends.engine_facts import OFFLINE_ENV
 
-OFFLINE_ENV: Mapping[str, str] = {
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-"""Any vLLM process started here: no telemetry, no hub access, quiet tokenizers."""
+__all__ = ["ENGINE_ENV", "OFFLINE_ENV", "EngineError", "EngineProcess", "engine_kwargs"]
 
 ENGINE_ENV: Mapping[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **OFFLINE_ENV}
 """The engine child: :data:`OFFLINE_ENV` + the in-process engine (start-up in seconds)."""

@@ -93,9 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chunks = unique_chunks(workload, chunk)
     # The pressure is relative (NOTE 1): a state-per-chunk cache of this workload needs
     # `footprint` bytes at this machine's chunk and state dtypes; each tier gets a fraction.
-    geometry = layout.geometry()
-    per_chunk = chunk * geometry.kv_bytes_per_token + geometry.snapshot_bytes
-    footprint = chunks * per_chunk
+    footprint = chunks * layout.state_per_chunk_bytes()
     gib = max(args.cache_fraction * footprint / 2**30, 0.004)
     settings = {
         "sessions": len({r.session for r in workload}),

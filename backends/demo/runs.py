@@ -53,17 +53,16 @@ class RunResult:
     disk_bytes: int = 0
 
 
-def server_config(variant: Variant, model: Path, workdir: Path, cpu_gib: float,
+def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: float,
                   disk_gib: float, layout: EngineFacts) -> Path:
+    """``workdir/<key>.yaml``: a histate-server config for the tiny model on free loopback
+    ports, with the layout ``chunk_size: auto`` would resolve (probed once by the caller)."""
     cfg: dict[str, Any] = {
-        "policy": variant.policy,
+        "policy": policy,
         "model": str(model / "config.json"),
-        # What `chunk_size: auto` resolves to, probed once for all runs (engine_facts).
-        "chunk_size": layout.block_size,
-        "dtype": layout.kv_dtype,
-        "mamba_ssm_cache_dtype": layout.state_dtypes[-1],
+        **layout.server_settings(),
         "cpu_gib": cpu_gib,
-        "disk_path": str(workdir / f"{variant.key}-disk"),
+        "disk_path": str(workdir / f"{key}-disk"),
         "disk_gib": disk_gib,
         "disk_fsync": False,
         "host": "127.0.0.1",
@@ -74,7 +73,7 @@ def server_config(variant: Variant, model: Path, workdir: Path, cpu_gib: float,
         "kv_connector": "HiStateConnector",
         "kv_connector_module_path": "lmcache_histate.backends.connector",
     }
-    path = workdir / f"{variant.key}.yaml"
+    path = workdir / f"{key}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -98,7 +97,8 @@ def run_variant(
 
     from .engine_proc import EngineProcess, engine_kwargs
 
-    config = server_config(variant, model, workdir, cpu_gib, disk_gib, layout)
+    config = server_config(variant.key, variant.policy, model, workdir, cpu_gib, disk_gib,
+                           layout)
     transfer = kv_transfer_config(load_config(config))
     transfer["kv_connector_extra_config"]["histate.interval_saves"] = variant.interval_saves
     task = progress.add_task(f"{variant.title}: starting", total=len(workload))

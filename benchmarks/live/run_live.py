@@ -156,9 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               block_tokens=args.block_tokens,
                               max_prompt_tokens=args.max_model_len - 8, vocab=vocab,
                               trace_dir=Path(args.trace) if args.trace else None)
-    geometry = layout.geometry()
-    footprint = unique_chunks(workload, chunk) * (chunk * geometry.kv_bytes_per_token
-                                                 + geometry.snapshot_bytes)
+    footprint = unique_chunks(workload, chunk) * layout.state_per_chunk_bytes()
     tier = max(int(args.cache_fraction * footprint), 4 << 20)
     budget = stacks.Budget(args.gpu_pool_mib << 20, tier, tier)
     print(f"engine layout: {layout.describe()}\nworkload: {len(workload)} requests, "

@@ -43,11 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from lmcache_histate.backends.demo.engine_proc import OFFLINE_ENV
 from lmcache_histate.backends.demo.process_group import stop_group
+from lmcache_histate.backends.demo.runs import server_config
 from lmcache_histate.backends.demo.servers import ServerProcess, free_port
-from lmcache_histate.backends.engine_facts import EngineFacts
+from lmcache_histate.backends.engine_facts import OFFLINE_ENV, EngineFacts
 
 STACKS = ("vllm", "vllm-offload", "lmcache", "histate")
 TITLES = {
@@ -57,7 +56,6 @@ TITLES = {
     "histate": "vLLM + HiState",
     "reference": "vLLM, prefix cache reset before each prompt (reference)",
 }
-ENGINE_ENV = dict(OFFLINE_ENV)
 
 
 class StackError(RuntimeError):
@@ -117,7 +115,7 @@ class ApiServer:
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True,
+                env={**os.environ, **OFFLINE_ENV, **(env or {})}, start_new_session=True,
             )
 
     def log_tail(self, lines: int = 25) -> str:
@@ -149,27 +147,6 @@ class ApiServer:
 
     def stop(self) -> None:
         stop_group(self.proc, grace=30)  # also frees the KV pool left in /dev/shm
-
-
-def _server_config(work: Path, key: str, policy: str, model: Path, layout: EngineFacts,
-                   budget: Budget) -> Path:
-    cfg = {
-        "policy": policy,
-        "model": str(model / "config.json"),
-        "chunk_size": layout.block_size,  # what `chunk_size: auto` resolves to (probed once)
-        "dtype": layout.kv_dtype,
-        "mamba_ssm_cache_dtype": layout.state_dtypes[-1],
-        "cpu_gib": budget.cpu_bytes / 2**30,
-        "disk_path": str(work / f"{key}-disk"),
-        "disk_gib": budget.disk_bytes / 2**30,
-        "disk_fsync": False,
-        "port": free_port(),
-        "http_port": free_port(),
-        "platform": "cpu",
-    }
-    path = work / f"{key}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
 
 
 def _offload_configs(work: Path, budget: Budget) -> list[tuple[str, dict[str, Any]]]:
@@ -213,7 +190,8 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
                     for name, cfg in _offload_configs(work, budget)]
     else:
         policy = "histate" if key == "histate" else "lru"
-        config = _server_config(work, key, policy, model, layout, budget)
+        config = server_config(key, policy, model, work, budget.cpu_bytes / 2**30,
+                               budget.disk_bytes / 2**30, layout)
         server = ServerProcess(config, work, key)
         server.wait_ready()
         cfg = load_config(config)
