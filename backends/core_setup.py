@@ -77,12 +77,13 @@ class CoreSetupMixin:
         self.model = (model_name, world_size)
         self.kinds = kinds
         self.kv_chunk_bytes, self.snapshot_bytes = kv, snap
-        geometry = cfg.geometry
+        geometry = self.configured_geometry
         logger.info(
             "HiState core for %s (world size %d): group kinds %s, KV %d B/chunk, snapshot "
             "%d B (N_s = %.1f tokens; config model %s: N_s = %.1f), tiers cpu %d B, disk %d B",
             model_name, world_size, attn.group_kinds, kv, snap, snap / max(1, kv // self.chunk),
-            cfg.model, geometry.snapshot_tokens, cache_cfg.tiers[0].capacity, disk_core,
+            cfg.model, geometry["snapshot_bytes"] / geometry["kv_bytes_per_token"],
+            cache_cfg.tiers[0].capacity, disk_core,
         )
         self._recover_from_disk()
         return self.core

@@ -20,19 +20,13 @@ class ReportingMixin:
     def status(self) -> dict[str, Any]:
         with self.lock:
             core = self.core
-            geometry = self.cfg.geometry
             out: dict[str, Any] = {
                 "policy": self.cfg.policy,
                 "model": None if self.model is None else list(self.model),
                 "chunk_tokens": self.chunk,
                 # What the server was configured for; the connector compares it with what
                 # vLLM allocated at start (a mismatch is a SettingsError, not a silent 2x).
-                "geometry": {
-                    "model": self.cfg.model,
-                    "snapshot_bytes": geometry.snapshot_bytes,
-                    "kv_bytes_per_token": geometry.kv_bytes_per_token,
-                    "state_dtypes": [t.dtype for t in geometry.state_tensors],
-                },
+                "geometry": self.configured_geometry,
                 "counters": dict(sorted(self.stats.items())),
                 "pending_l1_retries": len(self._retry_l1),
                 "queued_l1_events": len(self._events),

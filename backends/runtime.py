@@ -108,6 +108,15 @@ class HiStateRuntime(
         self.kv_chunk_bytes = 0
         self.snapshot_bytes = 0
         self.chunk = cfg.chunk_tokens
+        # The configured geometry, reported in /status for the connector's start-up check;
+        # read once (a model path means parsing config.json, and /metrics polls status()).
+        geometry = cfg.geometry
+        self.configured_geometry: dict[str, Any] = {
+            "model": cfg.model,
+            "snapshot_bytes": geometry.snapshot_bytes,
+            "kv_bytes_per_token": geometry.kv_bytes_per_token,
+            "state_dtypes": [t.dtype for t in geometry.state_tensors],
+        }
         self.links: OrderedDict[int, Link] = OrderedDict()
         self.objects: dict[int, dict[str, list[ObjectKey]]] = {}
         self.part_of: dict[ObjectKey, tuple[int, str]] = {}
