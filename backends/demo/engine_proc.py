@@ -41,7 +41,18 @@ from typing import Any
 
 from lmcache_histate.backends.engine_facts import OFFLINE_ENV
 
-__all__ = ["ENGINE_ENV", "OFFLINE_ENV", "EngineError", "EngineProcess", "engine_kwargs"]
+__all__ = [
+    "ENGINE_DTYPE",
+    "ENGINE_ENV",
+    "OFFLINE_ENV",
+    "EngineError",
+    "EngineProcess",
+    "engine_kwargs",
+]
+
+ENGINE_DTYPE = "bfloat16"
+"""The tiny model's dtype in every engine :func:`engine_kwargs` builds; the layout probe
+(``engine_facts.probe``) must be given the same, or the block size may differ."""
 
 ENGINE_ENV: Mapping[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **OFFLINE_ENV}
 """The engine child: :data:`OFFLINE_ENV` + the in-process engine (start-up in seconds)."""
@@ -71,7 +82,7 @@ def engine_kwargs(
     """
     kwargs: dict[str, Any] = {
         "model": str(model),
-        "dtype": "bfloat16",
+        "dtype": ENGINE_DTYPE,
         "seed": 0,
         "max_model_len": max_model_len,
         "max_num_seqs": 4,

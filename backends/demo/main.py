@@ -11,8 +11,9 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from .engine_proc import ENGINE_DTYPE
 from .report import report
-from .runs import ENGINE_DTYPE, VARIANTS, RunResult, run_variant
+from .runs import VARIANTS, RunResult, run_variant
 from .workload import build_workload, unique_chunks
 
 __all__ = ["main"]

