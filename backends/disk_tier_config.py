@@ -12,7 +12,7 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
 
     Fields: ``path`` (folder, created), ``capacity_bytes`` (> 0; hard limit on the sum of
     file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true), ``direct_io``
-    (default true: O_DIRECT writes where the filesystem allows them, ``diskfile`` NOTE 2),
+    (default true: O_DIRECT writes where the filesystem allows them, ``direct_write``),
     ``adopt`` (default false: use a non-empty folder that has no tier marker; see
     ``disk_folder``).
     """

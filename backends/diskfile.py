@@ -30,16 +30,16 @@ import enum
 import errno
 import hashlib
 import itertools
-import mmap
 import os
 import re
 import struct
-import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from .direct_write import write_direct
 
 MAGIC = b"HSD1"
 VERSION = 1
@@ -221,8 +221,8 @@ def write_object(
 ) -> int:
     """Atomically create ``path``: temporary file, (fsync), rename. Returns file size.
 
-    ``direct`` writes with ``O_DIRECT`` through an aligned bounce buffer (NOTE 2) and falls
-    back to buffered writes where the filesystem refuses it (e.g. tmpfs, EINVAL). Raises
+    ``direct`` writes with ``O_DIRECT`` through an aligned bounce buffer (``direct_write``)
+    and falls back to buffered writes where the filesystem refuses it (EINVAL). Raises
     ``OSError`` (e.g. ENOSPC) after removing the temporary file.
     """
     view = memoryview(payload).cast("B")
@@ -231,7 +231,10 @@ def write_object(
     try:
         size = None
         if direct:
-            size = _write_direct(tmp, oid, view, kind, depth, parent, fsync)
+            size = write_direct(
+                tmp, view, header_size(oid, parent),
+                lambda crc: encode_header(oid, kind, depth, parent, len(view), crc), fsync,
+            )
         if size is None:
             size = _write_buffered(tmp, oid, view, kind, depth, parent, fsync)
         os.rename(tmp, path)
@@ -255,86 +258,6 @@ def _write_buffered(
     finally:
         os.close(fd)
     return len(header) + len(view)
-
-
-# NOTE 2: why O_DIRECT, and how. A buffered write copies the object into the page cache and
-# fsync then waits for the kernel's writeback of dirty pages, which on the machines measured
-# reached 20-40 % of the device's sequential bandwidth for 51.5 MB snapshots (dirty-page
-# throttling, writeback in small pieces). O_DIRECT hands the device aligned 4 MiB writes, as
-# ``dd oflag=direct`` does. It needs the memory address, length and file offset aligned to
-# the logical block, so the bytes pass through a page-aligned bounce buffer (one per I/O
-# thread, reused: an anonymous mmap is page aligned), the crc32 is computed on the bounce
-# buffer while it is cache-hot, and the file's tail is padded and then cut back with
-# ftruncate. The header holds the payload crc, known only at the end, so the first aligned
-# block (header + the first payload bytes) is written last, at offset 0. A crash before the
-# rename leaves only a temporary file, removed by ``scan``, as with buffered writes. The
-# trade-off: the page cache no longer holds a copy of what was just written, so a load right
-# after a store reads the device (the tier is measured as a disk, not as spare DRAM).
-_ALIGN = 4096
-_DIRECT_CHUNK = 4 << 20
-_bounce = threading.local()
-
-
-def _bounce_buffer(size: int) -> memoryview:
-    """This thread's page-aligned scratch buffer of at least ``size`` bytes."""
-    buf = getattr(_bounce, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = memoryview(mmap.mmap(-1, size))
-        _bounce.buf = buf
-    return buf
-
-
-def _write_direct(
-    tmp: Path, oid: ObjectId, view: memoryview, kind: int, depth: int, parent: bytes, fsync: bool
-) -> int | None:
-    """O_DIRECT write of header + payload (NOTE 2); None if the filesystem refuses O_DIRECT."""
-    hlen = header_size(oid, parent)
-    first = -(-hlen // _ALIGN) * _ALIGN  # the aligned block(s) holding the header
-    head = min(first - hlen, len(view))  # payload bytes that share them
-    buf = _bounce_buffer(max(_DIRECT_CHUNK, first))
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return None
-        raise
-    try:
-        crc = zlib.crc32(view[:head])
-        done, pos = head, first
-        while done < len(view):
-            n = min(_DIRECT_CHUNK, len(view) - done)
-            buf[:n] = view[done : done + n]
-            crc = zlib.crc32(buf[:n], crc)
-            _pwrite_aligned(fd, buf, n, pos)
-            done += n
-            pos += n
-        header = encode_header(oid, kind, depth, parent, len(view), crc)
-        buf[:hlen] = header
-        buf[hlen : hlen + head] = view[:head]
-        _pwrite_aligned(fd, buf, hlen + head, 0)
-        os.ftruncate(fd, hlen + len(view))
-        if fsync:
-            os.fsync(fd)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return None  # some filesystems accept the flag at open and refuse the write
-    finally:
-        os.close(fd)
-    return hlen + len(view)
-
-
-def _pwrite_aligned(fd: int, buf: memoryview, n: int, pos: int) -> None:
-    """Write ``buf[:n]`` at ``pos``, zero-padded to the alignment (cut back by ftruncate)."""
-    padded = -(-n // _ALIGN) * _ALIGN
-    if padded > n:
-        buf[n:padded] = bytes(padded - n)
-    done = 0
-    while done < padded:  # a short write (disk nearly full) is retried: the retry says ENOSPC
-        n = os.pwrite(fd, buf[done:padded], pos + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        done += n
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:

@@ -1,7 +1,7 @@
 """The disk tier's O_DIRECT write path writes exactly the bytes of the buffered one.
 
 ``diskfile.write_object(direct=True)`` streams header + payload through an aligned bounce
-buffer, writes the header block last and cuts the padding with ftruncate (diskfile NOTE 2).
+buffer, writes the header block last and cuts the padding with ftruncate (backends/direct_write.py).
 Each size below sits on one of its edges; the file must be byte-identical to the buffered
 write's, its size header + payload, and it must load back.
 """
