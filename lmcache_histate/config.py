@@ -1,7 +1,7 @@
 """The HiState server configuration: one YAML file, validated before anything starts.
 
 Pure (no lmcache/vllm imports) so that the schema can be unit-tested and reused by the
-CLI. ``backends/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
+CLI. ``backends/server/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
 flags and the vLLM ``--kv-transfer-config``.
 
 Every error names the key and what is allowed, e.g.
@@ -13,7 +13,7 @@ NOTE 1 (engine-resolved layout): vLLM picks a hybrid model's block size and recu
 dtypes per platform -- on CPU per instruction set (384 tokens with AVX-512-BF16, 256 with AVX2
 for the tiny test model). ``chunk_size: auto`` (the default in ``configs/histate.yaml``)
 makes ``histate-server`` ask vLLM for the model directory given in ``model``
-(``backends/engine_facts.py``) and fill in the block size and the engine's ``dtype`` /
+(``backends/vllm/engine_facts.py``) and fill in the block size and the engine's ``dtype`` /
 ``mamba_ssm_cache_dtype``, so the chunk, the snapshot size and N_s are the engine's. An
 explicit number is kept as given; the connector then checks it against the engine at vLLM
 start and names both numbers when they disagree.
@@ -78,7 +78,7 @@ class HiStateConfig:
     auth_token_file: str | None = None
     # HiState's connector (interval-driven saves, CPU support) subclasses LMCache's.
     kv_connector: str = "HiStateConnector"
-    kv_connector_module_path: str | None = "lmcache_histate.backends.connector"
+    kv_connector_module_path: str | None = "lmcache_histate.backends.vllm.connector"
     extra_server_args: tuple[str, ...] = field(default_factory=tuple)
     # The vLLM flags of the same names: the engine layout (block size, state dtypes) is
     # resolved for them, and the geometry uses them when not "auto" (NOTE 1).

@@ -19,7 +19,7 @@ from lmcache.v1.distributed.error import L1Error
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
-from lmcache_histate.backends.runtime import CPU, DISK, HiStateRuntime
+from lmcache_histate.backends.server.runtime.runtime import CPU, DISK, HiStateRuntime
 
 from lmcache_histate.config import parse_config
 from lmcache_histate.core.placement import KV, SNAPSHOT

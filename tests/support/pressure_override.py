@@ -28,7 +28,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
     ExtServerModuleBuildContext,
     server_module_handler,
 )
-from lmcache_histate.backends.runtime import get_runtime
+from lmcache_histate.backends.server.runtime.runtime import get_runtime
 
 __all__ = ["ForcedResidence", "PressureOverrideModule", "build_server_modules"]
 

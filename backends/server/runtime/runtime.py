@@ -64,8 +64,7 @@ from .tier_actions import Actions, CoreListener, TierActionsMixin
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
-
-    from .disk_tier import HiStateDiskAdapter
+    from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 
 logger = logging.getLogger("lmcache_histate.runtime")
 

@@ -44,7 +44,7 @@ from lmcache_histate.exposure import read_secret
 
 from .access import check_rpc_token
 from .metrics import register_metrics
-from .runtime import HiStateRuntime, get_runtime
+from .runtime.runtime import HiStateRuntime, get_runtime
 
 logger = logging.getLogger("lmcache_histate.server_module")
 

@@ -39,9 +39,9 @@ from lmcache.v1.distributed.storage_controllers.store_policy import (
     register_store_policy,
 )
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
+from lmcache_histate.backends.upstream import route_l1_eviction_policy
 
-from .runtime import HiStateRuntime, get_runtime
-from .upstream import route_l1_eviction_policy
+from .runtime.runtime import HiStateRuntime, get_runtime
 
 logger = init_logger(__name__)
 

@@ -10,10 +10,11 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from lmcache_histate.backends.server.disk import file_format as df
+
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.placement import PlacementRules, TierSpec
 
-from . import diskfile as df
 from .object_map import ATTENTION, CPU, DISK, RECURRENT
 
 logger = logging.getLogger("lmcache_histate.runtime")

@@ -12,7 +12,7 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
 
     Fields: ``path`` (folder, created), ``capacity_bytes`` (> 0; hard limit on the sum of
     file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true), ``adopt``
-    (default false: use a non-empty folder that has no tier marker; see ``disk_folder``).
+    (default false: use a non-empty folder that has no tier marker; see ``folder``).
     """
 
     def __init__(

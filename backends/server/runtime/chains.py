@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lmcache_histate.core.placement import KV, SNAPSHOT
+from lmcache_histate.backends.server.disk import file_format as df
 
-from . import diskfile as df
+from lmcache_histate.core.placement import KV, SNAPSHOT
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from lmcache_histate.backends.server.disk import file_format as df
+
 from lmcache_histate.core.placement import KV, SNAPSHOT, TierSpec
 
-from . import diskfile as df
 from .chains import Link, node_key
 from .object_map import ATTENTION, CPU, DISK, RECURRENT
 
