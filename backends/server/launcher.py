@@ -298,12 +298,11 @@ def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
-        from . import policies
-        from .runtime.runtime import HiStateRuntime, install_runtime
+        from . import policies, registry
+        from .runtime.runtime import HiStateRuntime
 
-        runtime = HiStateRuntime(cfg)
-        install_runtime(runtime)
-        policies.install(runtime)
+        registry.install(HiStateRuntime(cfg))
+        policies.install()
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main(lmcache_args)

@@ -51,6 +51,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
+from .. import registry
 from . import file_format as df
 from .config import HiStateDiskAdapterConfig
 from .folder import FolderError, claim, hold
@@ -152,12 +153,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self._load_efd = create_event_notifier()
         self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
 
-        # Late import: the runtime imports this module's helpers.
-        from .runtime import get_runtime
-
-        runtime = get_runtime()
-        if runtime is not None:
-            runtime.attach_adapter(self)
+        registry.announce_disk_tier(self)  # the HiState runtime, if any, drives it
 
     # ---------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
@@ -385,6 +381,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
+        registry.withdraw_disk_tier(self)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._store_efd.close()
         self._lookup_efd.close()

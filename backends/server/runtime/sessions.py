@@ -4,18 +4,30 @@ Sessions: LMCache has no session ids. A request continues the session whose end 
 its chain (``HiStateCache.session_for``); otherwise it starts a new one (an explicit id
 can be passed as ``request_configs["histate.session_id"]``). A lookup that matches
 cached KV but passes no session end is an access inside a context (an internal hit
-position) and is counted as such by the hit model. Idle sessions expire.
+position) and is counted as such by the hit model. Idle sessions and forgotten requests
+expire (``expire``, from the janitor).
+
+State owned here: the requests in flight (their session and the core's handle, whose pins
+hold what the lookup matched until the store lands), each session's last activity, the
+session-id counter and the length of the last stored segment (for ``/status``). Callers
+hold the runtime lock.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_histate.core.cache import RequestHandle
+from lmcache_histate.config import HiStateConfig
+from lmcache_histate.core.cache import HiStateCache, RequestHandle
 
-from .chains import StoreRecord
+from .chains import ChunkChains, StoreRecord
+from .model_core import ModelCore
+
+__all__ = ["SESSION_HINT", "RequestState", "SessionTracker"]
 
 SESSION_HINT = "histate.session_id"
 
@@ -27,83 +39,73 @@ class RequestState:
     seen: float
 
 
-class SessionsMixin:
-    """Request/session tracking of ``HiStateRuntime``."""
+def session_hint(key: Any) -> str | None:
+    """The explicit session id a request carries, if any."""
+    configs = key.request_configs or {}
+    hint = configs.get(SESSION_HINT) if isinstance(configs, dict) else None
+    return str(hint) if hint else None
 
-    def note_store(self, key: Any) -> None:
-        """STORE received (before its objects are committed): record the chain."""
-        if self.ctx is None:
-            return
-        end = min(key.end, len(key.token_ids))
-        end -= end % self.chunk
-        if end <= 0:
-            return
-        # LMCache resolves the STORE's keys through the request's session right after this
-        # (engine_context.resolve_obj_keys); hashing through it computes each hash once.
-        session = self.ctx.session_manager.get_or_create(key.request_id)
-        session.set_tokens(list(key.token_ids))
-        hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
-        configs = key.request_configs or {}
-        hint = configs.get(SESSION_HINT) if isinstance(configs, dict) else None
-        with self.lock:
-            record = StoreRecord(key.request_id, (), key.start // self.chunk,
-                                 str(hint) if hint else None)
-            record.chain = tuple(self._link_chain(hashes, key.cache_salt, record, record.start))
 
-    def on_lookup(self, key: Any) -> None:
+class SessionTracker:
+    """Requests in flight and sessions, as the core sees them."""
+
+    def __init__(
+        self, cfg: HiStateConfig, model: ModelCore, chains: ChunkChains, stats: Counter[str]
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.chains = chains
+        self.stats = stats
+        self.requests: dict[str, RequestState] = {}
+        self.session_seen: dict[str, float] = {}
+        self.last_segment_tokens = 0
+        self._sids = itertools.count(1)
+
+    def record_store(self, key: Any, hashes: Sequence[bytes]) -> None:
+        """STORE received (before its objects are committed): record its chain."""
+        chunk = self.model.chunk
+        record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key))
+        record.chain = tuple(self.chains.link_chain(hashes, key.cache_salt, record, record.start))
+
+    def lookup(self, core: HiStateCache, key: Any, chain: Sequence[int], now: float) -> None:
         """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit."""
-        if self.ctx is None:
-            return
-        end = min(key.end, len(key.token_ids))
-        end -= end % self.chunk
-        hashes = self._hashes(key.token_ids, end) if end > 0 else []
-        now = self.clock()
-        with self.lock:
-            self._drain_locked()
-            chain = self._link_chain(hashes, key.cache_salt, None)
-            core = self._ensure_core(key.model_name, key.world_size)
-            if core is None or not chain:
-                return
-            old = self.requests.pop(key.request_id, None)
-            if old is not None and old.handle is not None:
-                core.release(old.handle)
-            configs = key.request_configs or {}
-            hint = configs.get(SESSION_HINT) if isinstance(configs, dict) else None
-            sid = str(hint) if hint else core.session_for(chain)
-            continues = sid is not None and sid in core.index.sessions
-            if sid is None:
-                sid = self._new_sid()
-            handle = core.begin(sid, chain, now)
-            match = handle.match
-            if not continues and match.kv_chunks > 0:
-                # Matched cached context without passing any session's end: an access
-                # at an internal position (a rewrite, a shared prefix).
-                core.hit_model.observe(False)
-            self.stats["lookups"] += 1
-            if match.hit_chunks:
-                node = match.hit_node
-                kind = "end" if node is not None and node.ends else "internal"
-                self.stats[f"hits.{kind}"] += 1
-                self.stats["hit_tokens"] += match.hit_chunks * self.chunk
-            self.requests[key.request_id] = RequestState(sid, handle, now)
-            self.session_seen[sid] = now
-            actions = self._take_actions()
-        self._run(actions)
+        old = self.requests.pop(key.request_id, None)
+        if old is not None and old.handle is not None:
+            core.release(old.handle)
+        sid = session_hint(key) or core.session_for(chain)
+        continues = sid is not None and core.has_session(sid)
+        if sid is None:
+            sid = self._new_sid()
+        handle = core.begin(sid, chain, now)
+        match = handle.match
+        if not continues and match.kv_chunks > 0:
+            # Matched cached context without passing any session's end: an access
+            # at an internal position (a rewrite, a shared prefix).
+            core.note_internal_access()
+        self.stats["lookups"] += 1
+        if match.hit_chunks:
+            node = match.hit_node
+            kind = "end" if node is not None and node.ends else "internal"
+            self.stats[f"hits.{kind}"] += 1
+            self.stats["hit_tokens"] += match.hit_chunks * self.model.chunk
+        self.requests[key.request_id] = RequestState(sid, handle, now)
+        self.session_seen[sid] = now
 
-    def on_end_session(self, request_id: str) -> None:
-        with self.lock:
-            state = self.requests.pop(request_id, None)
-            if state is not None and state.handle is not None and self.core is not None:
-                self.core.release(state.handle)
-            actions = self._take_actions()
-        self._run(actions)
+    def end_request(self, core: HiStateCache | None, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.handle is not None and core is not None:
+            core.release(state.handle)
 
-    def _new_sid(self) -> str:
-        return f"s{next(self._sids)}"
+    def take_lookup_pins(self, core: HiStateCache, request_id: str) -> None:
+        """The request's store landed: its lookup's pins are no longer needed."""
+        state = self.requests.get(request_id)
+        if state is not None and state.handle is not None:
+            core.release(state.handle)
+            state.handle = None
 
-    def _session_for_store(self, record: StoreRecord, chain: Sequence[int]) -> str:
-        core = self.core
-        assert core is not None
+    def session_for_store(
+        self, core: HiStateCache, record: StoreRecord, chain: Sequence[int]
+    ) -> str:
         if record.session_hint:
             return record.session_hint
         state = self.requests.get(record.request_id)
@@ -111,3 +113,24 @@ class SessionsMixin:
             return state.sid
         # Later stores of the same request continue through this one's end.
         return core.session_for(chain) or self._new_sid()
+
+    def stored(self, sid: str, segment_tokens: int, now: float) -> None:
+        self.session_seen[sid] = now
+        self.last_segment_tokens = max(self.model.chunk, segment_tokens)
+
+    def expire(self, core: HiStateCache, now: float) -> None:
+        """Forget requests and sessions idle past their TTLs (janitor)."""
+        ttl = self.cfg.request_ttl_s
+        for rid, state in list(self.requests.items()):
+            if now - state.seen > ttl:
+                if state.handle is not None:
+                    core.release(state.handle)
+                del self.requests[rid]
+        idle = self.cfg.session_ttl_s
+        for sid, seen in list(self.session_seen.items()):
+            if now - seen > idle:
+                core.end_session(sid)
+                del self.session_seen[sid]
+
+    def _new_sid(self) -> str:
+        return f"s{next(self._sids)}"
