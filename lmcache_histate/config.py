@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .core.defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, MAX_INTERVAL_CHUNKS
 from .core.geometry import GeometryError, ModelGeometry, load_geometry
 from .exposure import check_exposure
 from .yamlfile import read_yaml
@@ -56,11 +57,11 @@ class HiStateConfig:
     policy: str = "histate"
     tau: float | None = None  # None = "auto": calibrated online (core/score.py)
     supported_intervals: tuple[int, ...] | None = None
-    max_interval_chunks: int = 64
+    max_interval_chunks: int = MAX_INTERVAL_CHUNKS
     cpu_fill: float = 0.75
     refresh_all: bool = True
-    end_probability_prior: float = 0.9
-    ema_alpha: float = 0.05
+    end_probability_prior: float = END_PROBABILITY_PRIOR
+    ema_alpha: float = EMA_ALPHA
     host: str = "127.0.0.1"
     port: int = 5555
     http_host: str = "127.0.0.1"
