@@ -41,10 +41,13 @@ def _payloads(size: int, count: int) -> list[bytes]:
 
 
 # --------------------------------------------------------------- thread pool
-def thread_write(root: Path, payloads: list[bytes], workers: int) -> None:
+def thread_write(root: Path, payloads: list[bytes], workers: int, *, direct: bool = False) -> None:
     def one(i: int) -> None:
         oid = _oid(i)
-        df.write_object(df.object_path(root, oid), oid, payloads[i], kind=1, depth=i, parent=b"")
+        df.write_object(
+            df.object_path(root, oid), oid, payloads[i], kind=1, depth=i, parent=b"",
+            direct=direct,
+        )
 
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(one, range(len(payloads))))

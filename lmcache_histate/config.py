@@ -70,6 +70,7 @@ class HiStateConfig:
     disk_io: str = "thread"
     disk_io_workers: int = 4
     disk_fsync: bool = True
+    disk_direct_io: bool = True
     disk_adopt: bool = False
     l1_eviction_watermark: float = 0.9
     session_ttl_s: float = 3600.0
@@ -295,7 +296,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("host", "http_host", "kv_connector"):
         if key in data:
             values[key] = _text(key, get(key), errors)
-    for key in ("refresh_all", "disk_fsync", "disk_adopt", "allow_remote"):
+    for key in ("refresh_all", "disk_fsync", "disk_direct_io", "disk_adopt", "allow_remote"):
         if key in data:
             values[key] = _boolean(key, get(key), errors)
     if get("kv_connector_module_path") is not None:

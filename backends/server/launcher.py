@@ -138,6 +138,7 @@ def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
             "capacity_bytes": cfg.disk_bytes,
             "io_workers": cfg.disk_io_workers,
             "fsync": cfg.disk_fsync,
+            "direct_io": cfg.disk_direct_io,
             "adopt": cfg.disk_adopt,
         },
     }

@@ -11,8 +11,10 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
     """``adapter_params`` of the disk tier.
 
     Fields: ``path`` (folder, created), ``capacity_bytes`` (> 0; hard limit on the sum of
-    file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true), ``adopt``
-    (default false: use a non-empty folder that has no tier marker; see ``folder``).
+    file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true), ``direct_io``
+    (default true: O_DIRECT writes where the filesystem allows them, ``direct_write``),
+    ``adopt`` (default false: use a non-empty folder that has no tier marker; see
+    ``folder``).
     """
 
     def __init__(
@@ -22,12 +24,14 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
         io_workers: int = 4,
         fsync: bool = True,
         adopt: bool = False,
+        direct_io: bool = True,
     ) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes
         self.io_workers = io_workers
         self.fsync = fsync
         self.adopt = adopt
+        self.direct_io = direct_io
 
     @classmethod
     def from_dict(cls, d: dict) -> HiStateDiskAdapterConfig:
@@ -41,17 +45,18 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
             raise ValueError(f"io_workers must be a positive integer, got {workers!r}")
         flags = {}
-        for name, default in (("fsync", True), ("adopt", False)):
+        for name, default in (("fsync", True), ("adopt", False), ("direct_io", True)):
             flags[name] = d.get(name, default)
             if not isinstance(flags[name], bool):
                 raise ValueError(f"{name} must be a boolean, got {flags[name]!r}")
-        unknown = sorted(set(d) - {"path", "capacity_bytes", "io_workers", "fsync", "adopt"})
+        allowed = {"path", "capacity_bytes", "io_workers", "fsync", "adopt", "direct_io"}
+        unknown = sorted(set(d) - allowed)
         if unknown:
             raise ValueError(
                 f"unknown adapter_params {unknown}; allowed: path, capacity_bytes, "
-                "io_workers, fsync, adopt"
+                "io_workers, fsync, adopt, direct_io"
             )
-        return cls(path, cap, workers, flags["fsync"], flags["adopt"])
+        return cls(path, cap, workers, flags["fsync"], flags["adopt"], flags["direct_io"])
 
     @classmethod
     def help(cls) -> str:
@@ -61,5 +66,6 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
             "- capacity_bytes (int): hard limit on bytes on disk (required)\n"
             "- io_workers (int): I/O threads (default 4)\n"
             "- fsync (bool): fsync each file before it is renamed into place (default true)\n"
-            "- adopt (bool): use a non-empty folder without the tier's marker (default false)"
+            "- adopt (bool): use a non-empty folder without the tier's marker (default false)\n"
+            "- direct_io (bool): O_DIRECT writes where the filesystem allows (default true)"
         )

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from .direct_write import write_direct
+
 MAGIC = b"HSD1"
 VERSION = 1
 SUFFIX = ".hsf"
@@ -215,29 +217,46 @@ def write_object(
     depth: int,
     parent: bytes,
     fsync: bool = True,
+    direct: bool = False,
 ) -> int:
     """Atomically create ``path``: temporary file, (fsync), rename. Returns file size.
 
-    Raises ``OSError`` (e.g. ENOSPC) after removing the temporary file.
+    ``direct`` writes with ``O_DIRECT`` through an aligned bounce buffer (``direct_write``)
+    and falls back to buffered writes where the filesystem refuses it (EINVAL). Raises
+    ``OSError`` (e.g. ENOSPC) after removing the temporary file.
     """
     view = memoryview(payload).cast("B")
-    header = encode_header(oid, kind, depth, parent, len(view), zlib.crc32(view))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{next(_tmp_counter)}{TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        try:
-            _write_all(fd, header)
-            _write_all(fd, view)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        size = None
+        if direct:
+            size = write_direct(
+                tmp, view, header_size(oid, parent),
+                lambda crc: encode_header(oid, kind, depth, parent, len(view), crc), fsync,
+            )
+        if size is None:
+            size = _write_buffered(tmp, oid, view, kind, depth, parent, fsync)
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return size
+
+
+def _write_buffered(
+    tmp: Path, oid: ObjectId, view: memoryview, kind: int, depth: int, parent: bytes, fsync: bool
+) -> int:
+    header = encode_header(oid, kind, depth, parent, len(view), zlib.crc32(view))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, header)
+        _write_all(fd, view)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     return len(header) + len(view)
 
 

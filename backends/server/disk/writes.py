@@ -116,7 +116,8 @@ class DiskWritesMixin:
             self._writing[key] = False
         try:
             df.write_object(
-                path, oid, view, kind=kind, depth=depth, parent=parent, fsync=self.config.fsync
+                path, oid, view, kind=kind, depth=depth, parent=parent,
+                fsync=self.config.fsync, direct=self.config.direct_io,
             )
         except BaseException:
             with self._lock:
