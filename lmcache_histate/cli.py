@@ -89,7 +89,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _serve(vllm_args: Sequence[str]) -> int:
-    from .backends.vllm_serve import main as serve_main
+    from .backends.vllm.vllm_serve import main as serve_main
 
     return serve_main(vllm_args)
 

@@ -167,3 +167,29 @@ def _own(value: ast.expr) -> bool:
         return value.id == "self"
     return (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
             and value.func.id == "super")
+
+
+def test_every_import_of_the_package_names_a_module_that_exists() -> None:
+    """After modules move, an import of the old path must not survive anywhere: in the
+    package (lazy imports too), the tests, benchmarks and examples."""
+    modules = package_modules()
+    missing = []
+    files = [(name, path, is_pkg) for name, (path, is_pkg) in modules.items()]
+    files += [(None, p, False) for d in ("tests", "benchmarks", "examples")
+              for p in sorted((ROOT / d).rglob("*.py"))]
+    for name, path, is_pkg in files:
+        package = (name if is_pkg else name.rpartition(".")[0]) if name else ""
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    targets = [".".join([*base, *([node.module] if node.module else [])])]
+                else:
+                    targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            missing += [f"{path.relative_to(ROOT)}: {t}" for t in targets
+                        if t.startswith("lmcache_histate") and t not in modules]
+    assert missing == []
