@@ -1,9 +1,10 @@
 """Disk-tier I/O engines: a thread pool (what the adapter uses) vs aiofiles.
 
 Both engines do the same work per object, in the disk tier's format
-(``backends/diskfile.py``): header + payload written to a temporary file, fsync, rename;
+(``backends/server/disk/file_format.py``): header + payload written to a temporary file,
+fsync, rename;
 reads parse the header, read the payload into a preallocated buffer and verify its
-crc32. The thread pool calls ``diskfile.write_object`` / ``read_object`` from
+crc32. The thread pool calls ``file_format.write_object`` / ``read_object`` from
 ``--workers`` threads; the aiofiles engine runs the same steps as coroutines with
 ``--workers`` in flight (aiofiles itself delegates each call to a thread pool).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
-from lmcache_histate.backends import diskfile as df
+from lmcache_histate.backends.server.disk import file_format as df
 
 
 def _oid(i: int) -> df.ObjectId:

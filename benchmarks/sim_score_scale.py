@@ -37,7 +37,8 @@ def main() -> None:
                        disk_bytes=int(base.disk_bytes * args.factor))
     trace = load_sim_trace(args.trace, setup, args.max_input_tokens)
     policy = policy_factories(setup)[args.policy]()
-    queue = policy.cache.queue  # type: ignore[attr-defined]
+    # Instrumentation: wraps the core's private eviction queue to record every victim's rank.
+    queue = policy.cache._queue  # type: ignore[attr-defined]
     offsets: dict[int, list[float]] = {}
     victim = queue.victim
 

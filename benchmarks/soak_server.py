@@ -42,7 +42,7 @@ from support.lmcache_mp import (
 
 CHUNK = 16
 GEOMETRY = EngineGeometry(num_blocks=2048)
-LAUNCHER = [sys.executable, "-m", "lmcache_histate.backends.launcher"]
+LAUNCHER = [sys.executable, "-m", "lmcache_histate.backends.server.launcher"]
 
 
 def server_for(work: Path, *, policy: str = "histate", stock: bool = False) -> Any:

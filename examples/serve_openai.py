@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the `with process(...)` blocks below stop both servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model()  # ~/.cache/lmcache-histate/tiny-qwen3-next-<hash>/
     work = Path(args.workdir or tempfile.mkdtemp(prefix="histate-serve-"))

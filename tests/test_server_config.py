@@ -178,7 +178,7 @@ def test_command_line_host_override_is_held_to_the_same_rule() -> None:
 
 
 def test_the_connector_is_told_where_the_secret_is(tmp_path: Path) -> None:
-    from lmcache_histate.backends.launcher import disk_adapter_spec, kv_transfer_config
+    from lmcache_histate.backends.server.launcher import disk_adapter_spec, kv_transfer_config
 
     path = _token(tmp_path, "s3cret-" * 4, 0o600)
     cfg = parse_config({**VALID, "auth_token_file": str(path), "disk_adopt": True})

@@ -51,7 +51,7 @@ reuse goes through LMCache and its tiers, which is what is compared.
 The package: ``workload`` (the replay), ``servers`` (``histate-server`` processes),
 ``engine_proc`` (a ``vllm.LLM`` in a child process; also used by the live tests), ``runs``
 (one replay against one server variant), ``report`` (tables and summary), ``main`` (the
-command line). The tiny model generator is ``lmcache_histate.backends.tiny_model``.
+command line). The tiny model generator is ``lmcache_histate.backends.demo.tiny_model``.
 """
 
 from .main import main

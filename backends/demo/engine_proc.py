@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lmcache_histate.backends.engine_facts import OFFLINE_ENV
+from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV
 
 __all__ = [
     "ENGINE_DTYPE",
@@ -328,8 +328,8 @@ def child_main(argv: list[str] | None = None) -> int:
     try:
         kwargs = json.loads(Path(args.spec).read_text())
         # Before vLLM resolves the LMCache connector (which imports numba/llvmlite).
-        from lmcache_histate.backends.cpu_support import is_cpu_platform
         from lmcache_histate.backends.upstream import install_vllm_cpu_inprocess_fix
+        from lmcache_histate.backends.vllm.cpu_support import is_cpu_platform
 
         if is_cpu_platform():
             install_vllm_cpu_inprocess_fix()
@@ -340,7 +340,10 @@ def child_main(argv: list[str] | None = None) -> int:
         info = _info(llm)
         info["init_seconds"] = time.monotonic() - started
         if is_cpu_platform():
-            from lmcache_histate.backends.engine_facts import cpu_vector_isa, loaded_kernel_library
+            from lmcache_histate.backends.vllm.engine_facts import (
+                cpu_vector_isa,
+                loaded_kernel_library,
+            )
 
             info["isa"], info["kernel_library"] = cpu_vector_isa(), loaded_kernel_library()
     except Exception as exc:

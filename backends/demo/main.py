@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not {"histate", "lru"} <= set(chosen) or not set(chosen) <= set(known):
         parser.error(f"--variants: need histate and lru, from {', '.join(known)}; got {chosen}")
     variants = [v for v in VARIANTS if v.key in chosen]
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not workload:
         console.print("no request fits --max-model-len", style="red")
         return 2
-    from lmcache_histate.backends.engine_facts import probe
+    from lmcache_histate.backends.vllm.engine_facts import probe
 
     with console.status("asking vLLM for the tiny model's layout on this CPU"):
         layout = probe(model, dtype=ENGINE_DTYPE)

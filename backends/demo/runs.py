@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from lmcache_histate.backends.vllm.engine_facts import EngineFacts
 
-from ..engine_facts import EngineFacts
 from .servers import ServerProcess, free_port
 from .workload import DemoRequest
 
@@ -68,7 +68,7 @@ def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: fl
         "http_port": free_port(),
         "platform": "cpu",
         "kv_connector": "HiStateConnector",
-        "kv_connector_module_path": "lmcache_histate.backends.connector",
+        "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
     }
     path = workdir / f"{key}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -88,7 +88,7 @@ def run_variant(
     gap: float,
     progress: Any,
 ) -> RunResult:
-    from lmcache_histate.backends.launcher import kv_transfer_config
+    from lmcache_histate.backends.server.launcher import kv_transfer_config
 
     from lmcache_histate.config import load_config
 

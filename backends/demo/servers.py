@@ -38,7 +38,7 @@ class ServerProcess:
         self.log_path = workdir / f"{name}-server.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lmcache_histate.backends.launcher", "--config",
+                [sys.executable, "-m", "lmcache_histate.backends.server.launcher", "--config",
                  str(config)],
                 cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"},

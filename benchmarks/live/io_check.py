@@ -1,7 +1,7 @@
 """Disk-tier and CPU-tier throughput next to the hardware's, measured the same minute.
 
 * disk: the disk tier's own write and read path (``benchmarks/disk_io.py``'s thread pool over
-  ``diskfile.write_object`` / ``read_object``: header, payload, fsync, rename; crc-checked
+  ``file_format.write_object`` / ``read_object``: header, payload, fsync, rename; crc-checked
   reads) for objects the size of a Qwen3.5-9B snapshot (51.5 MB) and KV chunk (17 MB),
   beside ``dd`` with direct I/O (``oflag=direct`` / ``iflag=direct``: the device's raw
   sequential bandwidth) on the same folder. The page cache is dropped before reads where

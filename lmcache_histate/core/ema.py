@@ -8,6 +8,8 @@ arbitrary zero, so an estimate is usable after one observation.
 
 from __future__ import annotations
 
+from .defaults import EMA_ALPHA
+
 __all__ = ["SeededEMA", "check_alpha", "seeded_step"]
 
 
@@ -28,7 +30,7 @@ class SeededEMA:
 
     __slots__ = ("alpha", "samples", "value")
 
-    def __init__(self, alpha: float = 0.05) -> None:
+    def __init__(self, alpha: float = EMA_ALPHA) -> None:
         self.alpha = check_alpha(alpha)
         self.value = 0.0
         self.samples = 0

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .defaults import snapshot_tokens
+
 __all__ = [
     "DTYPE_BYTES",
     "GeometryError",
@@ -148,7 +150,7 @@ class ModelGeometry:
     @property
     def snapshot_tokens(self) -> float:
         """N_s of the paper: snapshot size in KV-token units."""
-        return self.snapshot_bytes / self.kv_bytes_per_token
+        return snapshot_tokens(self.snapshot_bytes, self.kv_bytes_per_token)
 
     def kv_bytes(self, tokens: int) -> int:
         if tokens < 0:

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
 from .ema import check_alpha, seeded_step
 
 __all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
@@ -37,7 +38,7 @@ class ResidenceTracker:
 
     __slots__ = ("alpha", "kv_ema", "kv_samples", "snapshot_ema", "snapshot_samples")
 
-    def __init__(self, alpha: float = 0.05) -> None:
+    def __init__(self, alpha: float = EMA_ALPHA) -> None:
         self.alpha = check_alpha(alpha)
         self.kv_ema = 0.0
         self.snapshot_ema = 0.0
@@ -65,7 +66,9 @@ class ResidenceTracker:
         return max(self.kv_ema / self.snapshot_ema, 1e-6)
 
 
-def supported_intervals(chunk_tokens: int, max_multiple: int = 64) -> tuple[int, ...]:
+def supported_intervals(
+    chunk_tokens: int, max_multiple: int = MAX_INTERVAL_CHUNKS
+) -> tuple[int, ...]:
     """Every multiple of the engine's chunk size up to ``max_multiple`` chunks."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")

@@ -41,6 +41,7 @@ import math
 from collections.abc import Iterator
 from enum import Enum
 
+from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR
 from .index import Node
 
 __all__ = [
@@ -65,7 +66,7 @@ class HitModel:
 
     __slots__ = ("alpha", "end_probability", "samples")
 
-    def __init__(self, alpha: float = 0.05, prior: float = 0.9) -> None:
+    def __init__(self, alpha: float = EMA_ALPHA, prior: float = END_PROBABILITY_PRIOR) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not 0.0 <= prior <= 1.0:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS, PAPER_TAU_S
 from ..core.geometry import GeometryError, ModelGeometry, load_geometry
 from ..yamlfile import read_yaml
 from .capture import ENGINE_STEP_TOKENS, STEP_OVERHEAD_S, Capture, capture_time
@@ -214,7 +216,7 @@ class SimSetup:
     """Everything a policy and the server model are built from.
 
     Capacities are bytes per tier. HiState knobs: ``tau`` (seconds, the eviction
-    queue's recency-vs-cost exchange rate, see ``core.eviction``), ``max_interval_multiple``
+    queue's recency-vs-cost exchange rate, see ``core.eviction``), ``max_interval_chunks``
     (the interval controller's supported set is 1..this many chunks), ``ema_alpha``
     (residence-time and hit-position EMAs). ``max_think_s`` caps a session's idle gap
     between requests (the Weka trace has multi-hour gaps; see ``server``).
@@ -232,9 +234,9 @@ class SimSetup:
     cpu_bytes: int = 96 * GIB
     disk_bytes: int = 150 * GIB
     max_sessions: int = 24
-    tau: float = 600.0
-    max_interval_multiple: int = 64
-    ema_alpha: float = 0.05
+    tau: float = PAPER_TAU_S
+    max_interval_chunks: int = MAX_INTERVAL_CHUNKS
+    ema_alpha: float = EMA_ALPHA
     max_think_s: float = 600.0
     session_gap_s: float = 60.0
     gpu_scheduling: str = "shared"
@@ -242,7 +244,7 @@ class SimSetup:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        positive = ("chunk_tokens", "max_sessions", "max_interval_multiple")
+        positive = ("chunk_tokens", "max_sessions", "max_interval_chunks")
         for key in positive:
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
@@ -294,7 +296,9 @@ class SimSetup:
 
 _TOP_KEYS = {"name", "model", "chunk_tokens", "capacity", "max_sessions", "max_think_s",
              "session_gap_s", "gpu_scheduling", "seed", "histate", "cost_model", "capture"}
-_HISTATE_KEYS = {"tau", "max_interval_multiple", "ema_alpha"}
+_HISTATE_KEYS = {"tau", "max_interval_chunks", "ema_alpha"}
+# Old YAML names still read, with a deprecation warning naming the new one.
+_RENAMED_HISTATE_KEYS = {"max_interval_multiple": "max_interval_chunks"}
 
 
 def _number(section: Mapping[str, Any], key: str, where: str, kind: type = float) -> Any:
@@ -351,9 +355,19 @@ def load_setup(path: str | Path) -> SimSetup:
     if not isinstance(hs, dict):
         raise ConfigError(f"{path}: histate: expected a mapping")
     for key, value in hs.items():
-        if key not in _HISTATE_KEYS:
-            raise ConfigError(f"{path}: histate: unknown key {key!r}")
-        kind = int if key == "max_interval_multiple" else float
+        if key in _RENAMED_HISTATE_KEYS:
+            new = _RENAMED_HISTATE_KEYS[key]
+            if new in hs:
+                raise ConfigError(f"{path}: histate: {key!r} and {new!r} are the same knob; "
+                                  f"keep {new!r}")
+            warnings.warn(f"{path}: histate.{key} is deprecated; use histate.{new} (same "
+                          f"meaning)", FutureWarning, stacklevel=2)
+            hs = {**hs, new: value}
+            key = new
+        elif key not in _HISTATE_KEYS:
+            raise ConfigError(f"{path}: histate: unknown key {key!r}; keys are "
+                              f"{sorted(_HISTATE_KEYS)}")
+        kind = int if key == "max_interval_chunks" else float
         kw[key] = _number(hs, key, f"{path}: histate.", kind) if value is not None else value
     try:
         return SimSetup(**kw)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from ..core.cache import CacheConfig, HiStateCache, RequestHandle
 from ..core.index import Node
-from ..core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
+from ..core.placement import SNAPSHOT, PlacementRules, TierSpec
 from .traces import Request
 
 __all__ = ["HiStatePolicy", "Lookup", "Policy", "TierCounter"]
@@ -143,7 +143,7 @@ class HiStatePolicy:
         handle: RequestHandle = lookup.handle
         before = Counter(self.counter.written_bytes)
         if self.promote_tier is not None:
-            self._promote(handle, self.promote_tier, now)
+            self.promoted_bytes += self.cache.promote(handle, self.promote_tier, now)
         # The snapshot plan ends at the last HASHED chunk, like the baselines' end state
         # (``len(keys)``): a trace may hash fewer chunks than ``input_tokens // chunk``
         # (the trailing blocks it does not list), and a plan ending past the stored chain
@@ -158,61 +158,18 @@ class HiStatePolicy:
         after = self.counter.written_bytes
         return {name: after[name] - before[name] for name in after if after[name] != before[name]}
 
-    def _promote(self, handle: RequestHandle, tier: int, now: float) -> None:
-        """Move the prompt's cached KV (prefix first) and its resumed snapshot to ``tier``.
-
-        Runs while the request still pins its path, so making room cannot evict what is
-        being promoted; stops at the first object that does not fit.
-        """
-        store, queue = self.cache.store, self.cache.queue
-        bit = 1 << tier
-        hit = handle.match.hit_node
-        moved: list[Node] = []
-        for node in handle.pinned:
-            if not node.kv_tiers:
-                break  # evicted since begin: complete() stores it again
-            if node.kv_tiers & bit:
-                continue
-            if not store.promote(node, KV, tier, now, rerank=False):
-                break
-            self.promoted_bytes += node.kv_bytes
-            moved.append(node)
-        if (
-            hit is not None
-            and hit.snap_tiers
-            and not hit.snap_tiers & bit
-            and hit.kv_tiers & bit
-            and store.promote(hit, SNAPSHOT, tier, now, rerank=False)
-        ):
-            self.promoted_bytes += hit.snap_bytes
-            moved.append(hit)
-        if moved:
-            # Units whose per-tier bytes changed: anchors on the path, and the zone
-            # below its deepest promoted node (tails running through it).
-            for node in handle.pinned:
-                if node.snap_tiers or not node.kv_children:
-                    queue.update(node)
-            queue.update_around(moved[-1])
-
-    def _move(self, node: Node, part: str, tier: int) -> None:
-        mask = node.kv_tiers if part == KV else node.snap_tiers
-        nbytes = node.kv_bytes if part == KV else node.snap_bytes
-        # The core's own relocation keeps byte accounting and the listener in step.
-        self.cache.store._relocate(node, part, _fastest(mask), tier)
-        self.promoted_bytes += nbytes
-
     def stats(self) -> dict[str, float]:
-        cache = self.cache
+        core = self.cache.stats()
         out: dict[str, float] = {
-            "pressure_factor": cache.interval.pressure_factor,
-            "end_probability": cache.hit_model.end_probability,
-            "tau": cache.queue.tau,
-            "reaccess_samples": float(cache.reaccess.samples),
-            "dropped_units": float(cache.store.dropped_units),
+            "pressure_factor": core.pressure_factor,
+            "end_probability": core.end_probability,
+            "tau": core.tau_s,
+            "reaccess_samples": float(core.reaccess_samples),
+            "dropped_units": float(core.dropped_units),
             "snapshots_dropped": float(self.counter.snapshots_dropped),
             "promoted_bytes": float(self.promoted_bytes),
         }
-        for name, used in zip(self.tier_names, cache.store.used, strict=True):
+        for name, used in zip(self.tier_names, core.used_bytes, strict=True):
             out[f"used_{name}"] = float(used)
         for name in self.tier_names:
             out[f"written_{name}"] = float(self.counter.written_bytes[name])

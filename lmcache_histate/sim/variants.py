@@ -51,6 +51,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ..core.defaults import SimTier
 from ..core.interval import supported_intervals
 from ..core.placement import PlacementRules
 from .config import SimSetup
@@ -67,8 +68,8 @@ __all__ = [
 
 TIER_MODEL = "exclusive gpu→cpu→disk with demotion; GPU reads free, CPU over PCIe, disk over SSD"
 
-# The three tiers' indices in HiState's placement.
-_GPU, _CPU, _DISK = 0, 1, 2
+# The three tiers' indices in HiState's placement (plain ints: the core indexes lists with them).
+_GPU, _DISK = int(SimTier.GPU), int(SimTier.DISK)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "histate": {"tau": None},
@@ -117,7 +118,7 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
         "refresh_all": True,
         "ema_alpha": setup.ema_alpha,
         "supported_intervals": supported_intervals(
-            setup.chunk_tokens, setup.max_interval_multiple
+            setup.chunk_tokens, setup.max_interval_chunks
         ),
     }
     chunks = overrides.pop("fixed_interval_chunks", None)

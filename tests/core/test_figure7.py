@@ -53,7 +53,7 @@ def build(tau: float, refresh_all: bool) -> tuple[HiStateCache, dict[str, int]]:
         "S6": c[19],
     }
     for key in names.values():
-        assert cache.index.get(key).has_snapshot
+        assert cache.node(key).has_snapshot  # type: ignore[union-attr]
     return cache, names
 
 
@@ -67,10 +67,10 @@ def build(tau: float, refresh_all: bool) -> tuple[HiStateCache, dict[str, int]]:
 )
 def test_figure7_victims(policy: str, tau: float, refresh_all: bool, victim: str) -> None:
     cache, names = build(tau, refresh_all)
-    found = cache.queue.victim(1)
+    found = cache.victim(1)
     assert found is not None
     by_key = {v: k for k, v in names.items()}
-    assert by_key[found[0].key] == victim, policy
+    assert by_key[found[0]] == victim, policy
 
 
 def test_figure7_eviction_through_a_store() -> None:
@@ -80,7 +80,7 @@ def test_figure7_eviction_through_a_store() -> None:
     handle = cache.begin("D", d, 6.0)
     cache.complete(handle, 500, 6.0, boundaries=[500])
     cache.check()
-    gone = [n for n, key in names.items() if not cache.index.get(key).has_snapshot]
+    gone = [n for n, key in names.items() if not cache.node(key).has_snapshot]  # type: ignore[union-attr]
     assert gone == ["S2"]
     # B's hit positions past S2 now fall back to S1, and the end still hits S3.
     assert cache.lookup(chain(1, 24)).hit_chunks == 24
@@ -106,9 +106,9 @@ def test_figure7_victim_flips_at_the_hand_computed_tau() -> None:
     by_tau = {}
     for tau in (0.13, 0.14):
         cache, names = build(tau, True)
-        found = cache.queue.victim(1)
+        found = cache.victim(1)
         assert found is not None
-        by_tau[tau] = {v: k for k, v in names.items()}[found[0].key]
+        by_tau[tau] = {v: k for k, v in names.items()}[found[0]]
     assert by_tau == {0.13: "S6", 0.14: "S2"}
 
 
@@ -122,11 +122,11 @@ def test_refresh_is_lazy_and_victim_reranks_stale_entries() -> None:
     victim.
     """
     cache, names = build(0.0, True)
-    heap = cache.queue.heaps[1]
-    node = {n: cache.index.get(k) for n, k in names.items()}
+    heap = cache._queue.heaps[1]  # white box: the queued ranks are what this test pins
+    node = {n: cache.node(k) for n, k in names.items()}
     assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [3.0, 3.0, 3.0, 4.0]
-    found = cache.queue.victim(1)
-    assert found is not None and found[0] is node["S6"]
+    found = cache.victim(1)
+    assert found is not None and found[0] == names["S6"]
     assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [5.0, 5.0, 5.0, 4.0]
 
 
@@ -150,9 +150,10 @@ def test_a_cold_prefix_leaves_a_fast_tier_from_its_tail() -> None:
     keys = [1, 2, 3, 4, 5, 6]
     cache.complete(cache.begin("A", keys, 1.0), 24, 1.0)
     order = []
-    while (found := cache.queue.victim(0)) is not None and len(order) < 3:
+    queue = cache._queue  # white box: each victim is taken off the heap, not evicted
+    while (found := queue.victim(0)) is not None and len(order) < 3:
         order.append(found[0].key)
-        cache.queue.heaps[0].discard(found[0])
+        queue.heaps[0].discard(found[0])
     assert order == [6, 4, 2]
 
 
@@ -166,8 +167,9 @@ def test_cost_priced_with_causal_attention() -> None:
         C2 = 0.535859375 · 1.1025 = 0.590785.
     """
     cache, names = build(600.0, True)
-    s6, s2 = cache.index.get(names["S6"]), cache.index.get(names["S2"])
-    assert cache.queue.cost(s6) == pytest.approx(914.2625)
-    cache.queue.attention_tokens = 10_000.0
-    assert cache.queue.cost(s6) == pytest.approx(959.975625)
-    assert cache.queue.cost(s2) == pytest.approx(0.590785, abs=1e-6)
+    s6, s2 = cache.node(names["S6"]), cache.node(names["S2"])
+    queue = cache._queue  # white box: the cost term itself, for a changed K
+    assert queue.cost(s6) == pytest.approx(914.2625)  # type: ignore[arg-type]
+    queue.attention_tokens = 10_000.0
+    assert queue.cost(s6) == pytest.approx(959.975625)  # type: ignore[arg-type]
+    assert queue.cost(s2) == pytest.approx(0.590785, abs=1e-6)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from lmcache_histate.core.geometry import (
 
 def _tiny_next(**overrides: Any) -> dict[str, Any]:
     """The CPU test model's config (docs/design.md §5.3), exactly as the live tests generate it."""
-    from lmcache_histate.backends.tiny_model import tiny_config
+    from lmcache_histate.backends.demo.tiny_model import tiny_config
 
     return tiny_config(**overrides)
 

@@ -97,7 +97,7 @@ def test_random_sequences_keep_invariants(
     for handle, tokens in open_:
         cache.complete(handle, tokens, now + 1)
     cache.check()
-    assert all(node.pins == 0 for node in cache.index.nodes.values())
+    assert all(node.pins == 0 for node in cache.nodes())
 
 
 @settings(deadline=None)

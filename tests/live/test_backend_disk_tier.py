@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache_histate.backends import diskfile as df
-from lmcache_histate.backends.disk_tier import HiStateDiskAdapter
+from lmcache_histate.backends.server.disk import file_format as df
+from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 
 MODEL = "org/model"
 
@@ -273,7 +273,7 @@ def tier_log() -> Iterator[list[str]]:
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("lmcache_histate.backends.disk_writes")
+    log = logging.getLogger("lmcache_histate.backends.server.disk.writes")
     log.addHandler(handler)
     try:
         yield lines

@@ -19,10 +19,14 @@ from lmcache.v1.distributed.error import L1Error
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
-from lmcache_histate.backends.runtime import CPU, DISK, HiStateRuntime
+from lmcache_histate.backends.server.runtime.chains import node_key
+from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 
 from lmcache_histate.config import parse_config
+from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.placement import KV, SNAPSHOT
+
+CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
 CHUNK = 16
 MODEL = "m"
@@ -104,8 +108,7 @@ def rt(tmp_path: Path) -> Any:
     clock = iter(float(t) for t in range(1, 10_000))
     runtime = HiStateRuntime(cfg, clock=lambda: next(clock))
     l1 = FakeL1()
-    runtime.ctx = Ctx(StorageManager(l1))  # attach_server without the janitor thread
-    runtime.l1 = l1
+    runtime.attach_server(Ctx(StorageManager(l1)), janitor=False)  # tests call tick()
     l1.runtime = runtime
     return runtime
 
@@ -129,7 +132,7 @@ def commit(rt: Any, key: IPCCacheServerKey, kv: list[int], snaps: list[int]) -> 
     """STORE then commit: what LMCache does for one request."""
     rt.note_store(key)
     keys = objects(rt, key, kv, 0) + objects(rt, key, snaps, 1)
-    rt.l1.resident.update(keys)
+    rt.actions.l1.resident.update(keys)
     return rt.on_committed(keys)
 
 
@@ -143,13 +146,13 @@ def test_store_routes_snapshots_and_keeps_finals(rt: Any) -> None:
     route = commit(rt, key, [0, 1, 2, 3], [1, 3])
     assert route == set(objects(rt, key, [1, 3], 1))  # both snapshots go to disk
     # After persisting, the intermediate snapshot leaves L1, the final stays.
-    rt.l1.locked.add(objects(rt, key, [1], 1)[0])  # a lookup holds it: retried later
+    rt.actions.l1.locked.add(objects(rt, key, [1], 1)[0])  # a lookup holds it: retried later
     leave = rt.after_persisted(sorted(route, key=str))
     assert leave == objects(rt, key, [1], 1)
-    assert rt._retry_l1 == set(leave)
-    rt.l1.locked.clear()
+    assert rt.actions.retry_l1 == set(leave)
+    rt.actions.l1.locked.clear()
     rt.tick()
-    assert not rt._retry_l1 and leave[0] not in rt.l1.resident
+    assert not rt.actions.retry_l1 and leave[0] not in rt.actions.l1.resident
     rt.check()
 
 
@@ -160,19 +163,19 @@ def test_tensor_parallel_shards_join_their_chunk(rt: Any) -> None:
     commit(rt, k0, [0, 1], [1])
     route = commit(rt, k1, [0, 1], [1])
     assert route == set(objects(rt, k1, [1], 1))  # the second shard follows the first
-    nk = rt.part_of[objects(rt, k0, [0], 0)[0]][0]
-    assert len(rt.objects[nk][KV]) == 2
+    nk = rt.catalogue.part_of[objects(rt, k0, [0], 0)[0]][0]
+    assert len(rt.catalogue.objects[nk][KV]) == 2
     # One shard vanishing from L1 makes the chunk unusable: the other shard goes too.
     shard0, shard1 = objects(rt, k0, [1], 0)[0], objects(rt, k1, [1], 0)[0]
-    rt.l1.resident.discard(shard0)
+    rt.actions.l1.resident.discard(shard0)
     rt.note_l1_removed([shard0])
     with rt.lock:
-        rt._drain_locked()
-        actions = rt._take_actions()
+        rt.actions.drain()
+        actions = rt.actions.take()
     assert shard1 in actions.l1_delete
-    rt._run(actions)
-    assert shard1 not in rt.l1.resident
-    assert objects(rt, k0, [0], 0)[0] in rt.l1.resident  # chunk 0 is intact
+    rt.actions.run(actions)
+    assert shard1 not in rt.actions.l1.resident
+    assert objects(rt, k0, [0], 0)[0] in rt.actions.l1.resident  # chunk 0 is intact
     rt.check()
 
 
@@ -181,9 +184,9 @@ def test_a_store_past_a_gap_is_rejected_and_deleted(rt: Any) -> None:
     key = ipc(t, 4 * CHUNK, len(t), "gap")  # chunks 0-3 were never cached
     keys = objects(rt, key, [4, 5, 6, 7], 0)
     rt.note_store(key)
-    rt.l1.resident.update(keys)
+    rt.actions.l1.resident.update(keys)
     assert rt.on_committed(keys) == set()
-    assert not rt.l1.resident  # deleted from L1
+    assert not rt.actions.l1.resident  # deleted from L1
     assert rt.stats["objects_rejected.gap"] == 4
 
 
@@ -192,9 +195,9 @@ def test_objects_without_a_recorded_store_are_deleted(rt: Any) -> None:
     commit(rt, ipc(t, 0, len(t), "warm"), [0, 1], [1])  # creates the core
     other = toks(1, 5)
     keys = objects(rt, ipc(other, 0, len(other), "x"), [0], 0)
-    rt.l1.resident.update(keys)
+    rt.actions.l1.resident.update(keys)
     assert rt.on_committed(keys) == set()
-    assert not set(keys) & rt.l1.resident
+    assert not set(keys) & rt.actions.l1.resident
     assert rt.stats["objects_rejected.unknown_chain"] == 1
 
 
@@ -203,16 +206,16 @@ def test_l1_removal_behind_our_back_drops_what_depends_on_it(rt: Any) -> None:
     key = ipc(t, 0, len(t), "p")
     commit(rt, key, [0, 1, 2, 3], [3])
     first = objects(rt, key, [0], 0)
-    rt.l1.resident -= set(first)
+    rt.actions.l1.resident -= set(first)
     rt.note_l1_removed(first)  # e.g. POST /cache/clear
     actions = None
     with rt.lock:
-        rt._drain_locked()
-        actions = rt._take_actions()
+        rt.actions.drain()
+        actions = rt.actions.take()
     rest = set(objects(rt, key, [1, 2, 3], 0) + objects(rt, key, [3], 1))
     assert rest <= set(actions.l1_delete)
     assert set(objects(rt, key, [3], 1)) <= set(actions.disk_delete)  # its disk copy too
-    assert first[0] not in rt.part_of and not rt.core.index.nodes
+    assert first[0] not in rt.catalogue.part_of and not rt.core.nodes()
     rt.check()
 
 
@@ -223,33 +226,33 @@ def test_own_deletes_are_not_mistaken_for_losses(rt: Any) -> None:
     snap0, snap1 = objects(rt, key, [0, 1], 1)
     leave = rt.after_persisted([snap0, snap1])  # deleted from L1 right away
     assert leave == [snap0]
-    assert snap0 not in rt.l1.resident and snap1 in rt.l1.resident
+    assert snap0 not in rt.actions.l1.resident and snap1 in rt.actions.l1.resident
     with rt.lock:
-        rt._drain_locked()
+        rt.actions.drain()
     assert rt.stats.get("snapshot_lost.cpu", 0) == 0
-    assert rt._tiers(rt.part_of[snap0][0], SNAPSHOT) == 1 << DISK  # still cached, on disk
+    assert rt.catalogue.key_tiers(snap0) == 1 << DISK  # still cached, on disk
     rt.check()
 
 
 def test_sessions_continue_through_their_end_and_internal_accesses_count(rt: Any) -> None:
     t = toks(6, 8)
     commit(rt, ipc(t[: 4 * CHUNK], 0, 4 * CHUNK, "turn1"), [0, 1, 2, 3], [1, 3])
-    samples = rt.core.hit_model.samples
+    samples = rt.core.stats().hit_samples
     rt.on_lookup(ipc(t, 0, len(t), "turn2", worker=None))  # continues from the end
-    assert rt.core.hit_model.samples == samples + 1
-    p_end = rt.core.hit_model.end_probability
+    assert rt.core.stats().hit_samples == samples + 1
+    p_end = rt.core.stats().end_probability
     rewrite = t[: 2 * CHUNK] + toks(3, 9)
     rt.on_lookup(ipc(rewrite, 0, len(rewrite), "edit", worker=None))  # diverges inside
-    assert rt.core.hit_model.end_probability < p_end
+    assert rt.core.stats().end_probability < p_end
     assert rt.stats["hits.internal"] == 1 and rt.stats["hits.end"] == 1
     commit(rt, ipc(t, 0, len(t), "turn2"), [4, 5], [5])
-    assert len(rt.core.index.sessions) == 1  # turn 2 extended turn 1's session
+    assert rt.core.stats().sessions == 1  # turn 2 extended turn 1's session
     rt.on_end_session("turn2")
     rt.on_end_session("edit")
-    assert all(n.pins == 0 for n in rt.core.index.nodes.values())
+    assert all(n.pins == 0 for n in rt.core.nodes())
     hint = ipc(toks(2, 10), 0, 2 * CHUNK, "h", configs={"histate.session_id": "agent-7"})
     commit(rt, hint, [0, 1], [1])
-    assert "agent-7" in rt.core.index.sessions
+    assert rt.core.has_session("agent-7")
     rt.check()
 
 
@@ -258,13 +261,13 @@ def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
     key = ipc(t, 0, len(t), "w")
     commit(rt, key, [0, 1, 2, 3], [1, 3])
     inter, final = objects(rt, key, [1], 1)[0], objects(rt, key, [3], 1)[0]
-    rt.on_disk_written([], [inter, final])
+    rt.actions.on_disk_written([], [inter, final])  # the disk tier's write_listener
     assert rt.stats["snapshot_not_persisted"] == 2
-    assert inter not in rt.part_of  # it only had the disk copy: gone, and out of L1
-    assert inter not in rt.l1.resident
-    nk = rt.part_of[final][0]
-    assert rt._tiers(nk, SNAPSHOT) == 1 << CPU  # the final keeps its CPU copy
-    assert not rt._tiers(nk, SNAPSHOT) & (1 << DISK)
+    assert inter not in rt.catalogue.part_of  # it only had the disk copy: gone, and out of L1
+    assert inter not in rt.actions.l1.resident
+    nk = rt.catalogue.part_of[final][0]
+    assert rt.catalogue.tiers(nk, SNAPSHOT) == 1 << CPU  # the final keeps its CPU copy
+    assert not rt.catalogue.tiers(nk, SNAPSHOT) & (1 << DISK)
     rt.check()
 
 
@@ -276,9 +279,41 @@ def test_group_kinds_come_from_the_registration_not_the_ids(rt: Any) -> None:
     key = ipc(t, 0, len(t), "rev")
     rt.note_store(key)
     kv, snaps = objects(rt, key, [0, 1], 1), objects(rt, key, [0, 1], 0)
-    rt.l1.resident.update(kv + snaps)
+    rt.actions.l1.resident.update(kv + snaps)
     route = rt.on_committed(kv + snaps)
     assert route == set(snaps)  # both snapshots to disk, no KV
-    assert rt.kv_chunk_bytes == KV_BYTES and rt.snapshot_bytes == SNAP_BYTES
+    assert rt.model.kv_chunk_bytes == KV_BYTES and rt.model.snapshot_bytes == SNAP_BYTES
     assert rt.after_persisted(snaps) == snaps[:1]  # chunk 1's is the final: stays in L1
     rt.check()
+
+
+def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> None:
+    """The extension point for a shared index: an observer sees each placement while the
+    part's objects are still in the catalogue. Two chunks, snapshots after both: KV of
+    chunks 0 and 1 on the CPU tier, chunk 0's (intermediate) snapshot on disk, chunk 1's
+    (the final) on the CPU with its durable copy on disk. One object per part (world size
+    1, one group of each kind)."""
+    seen: set[tuple[str, int, str, int, int]] = set()
+
+    class Observer:
+        def stored(self, node: Any, part: str, tier: int) -> None:
+            seen.add(("stored", depth[node.key], part, int(tier),
+                      len(rt.catalogue.keys(node.key, part))))
+
+        def moved(self, node: Any, part: str, src: int, dst: int) -> None:
+            seen.add(("moved", depth[node.key], part, int(dst), 0))
+
+        def dropped(self, node: Any, part: str, tiers: int) -> None:
+            seen.add(("dropped", depth[node.key], part, tiers, 0))
+
+    rt.add_placement_observer(Observer())
+    t = toks(2, 13)
+    key = ipc(t, 0, len(t), "obs")
+    depth = {node_key(k.chunk_hash, k.cache_salt): i
+             for i, k in enumerate(objects(rt, key, [0, 1], 0))}
+    commit(rt, key, [0, 1], [0, 1])
+    assert seen == {
+        ("stored", 0, KV, CPU, 1), ("stored", 1, KV, CPU, 1),
+        ("stored", 0, SNAPSHOT, DISK, 1),
+        ("stored", 1, SNAPSHOT, CPU, 1), ("stored", 1, SNAPSHOT, DISK, 1),
+    }

@@ -1,6 +1,6 @@
 """HiState in a real ``lmcache server`` started by its launcher (no vLLM).
 
-Each test starts ``python -m lmcache_histate.backends.launcher --config <yaml>`` through the
+Each test starts ``python -m lmcache_histate.backends.server.launcher --config <yaml>`` through the
 MP harness (free ports; the harness adds ``--chunk-size 16 --l1-size-gb 0.05``, which the
 launcher folds into the configuration) and drives it with LMCache's own client classes:
 STORE chunks of an attention and a recurrent object group, LOOKUP, RETRIEVE, compare bytes,
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-from lmcache_histate.backends import diskfile as df
+from lmcache_histate.backends.server.disk import file_format as df
 from support.filesystems import fill_to, tmpfs
 from support.lmcache_mp import (
     ATTN_GROUP,
@@ -42,7 +42,7 @@ CHUNK = 16
 KV = 2048
 SNAP = 8192
 L1_BYTES = int(0.05 * 2**30)  # the harness's --l1-size-gb
-LAUNCHER = "lmcache_histate.backends.launcher"
+LAUNCHER = "lmcache_histate.backends.server.launcher"
 GEOMETRY = EngineGeometry(num_blocks=512)
 
 
@@ -452,7 +452,7 @@ def test_dry_run_prints_command_and_kv_transfer_config(tmp_path: Path) -> None:
         assert flag in lines[0], flag
     kv = json.loads(lines[1].split(": ", 1)[1])
     assert kv["kv_connector"] == "HiStateConnector"
-    assert kv["kv_connector_module_path"] == "lmcache_histate.backends.connector"
+    assert kv["kv_connector_module_path"] == "lmcache_histate.backends.vllm.connector"
     assert kv["kv_connector_extra_config"] == {
         "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 7001,
     }
@@ -464,7 +464,7 @@ def test_dry_run_prints_command_and_kv_transfer_config(tmp_path: Path) -> None:
 
 def test_baseline_servers_turn_interval_saves_off(tmp_path: Path) -> None:
     """A stock-LRU server has no interval controller: its connector saves every state."""
-    from lmcache_histate.backends.launcher import kv_transfer_config
+    from lmcache_histate.backends.server.launcher import kv_transfer_config
 
     from lmcache_histate.config import parse_config
 

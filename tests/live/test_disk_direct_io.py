@@ -1,7 +1,8 @@
 """The disk tier's O_DIRECT write path writes exactly the bytes of the buffered one.
 
-``diskfile.write_object(direct=True)`` streams header + payload through an aligned bounce
-buffer, writes the header block last and cuts the padding with ftruncate (backends/direct_write.py).
+``file_format.write_object(direct=True)`` streams header + payload through an aligned bounce
+buffer, writes the header block last and cuts the padding with ftruncate
+(backends/server/disk/direct_write.py).
 Each size below sits on one of its edges; the file must be byte-identical to the buffered
 write's, its size header + payload, and it must load back.
 """
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from lmcache_histate.backends import diskfile as df
+from lmcache_histate.backends.server.disk import file_format as df
 from support.filesystems import tmpfs
 
 OID = df.ObjectId("tiny-hybrid", 0, 1, bytes(range(32)))

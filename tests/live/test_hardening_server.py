@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-from lmcache_histate.backends import diskfile as df
+from lmcache_histate.backends.server.disk import file_format as df
 from support.lmcache_mp import REC_GROUP, HybridEngineClient, LMCacheServer, TokenSource
 from test_backend_server import CHUNK, GEOMETRY, histate, on_disk, settle, tokens
 

@@ -1,6 +1,6 @@
 """Start-up faults of ``histate-server``: one line naming the key, before anything starts.
 
-Each case runs the real launcher (``python -m lmcache_histate.backends.launcher``) on a bad
+Each case runs the real launcher (``python -m lmcache_histate.backends.server.launcher``) on a bad
 setting and expects exit status 2, a single ``histate-server: <key>: ...`` line on stderr,
 no traceback, within a few seconds (the same faults used to surface as tracebacks, a ZMQ
 bind error only after 12-16 s of LMCache start-up).
@@ -19,7 +19,7 @@ import pytest
 import yaml
 from support.filesystems import tmpfs
 
-LAUNCHER = "lmcache_histate.backends.launcher"
+LAUNCHER = "lmcache_histate.backends.server.launcher"
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -118,7 +118,7 @@ def test_read_only_filesystem_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_disk_folder_in_use_is_one_line(tmp_path: Path) -> None:
-    from lmcache_histate.backends.disk_tier import HiStateDiskAdapter
+    from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 
     disk = tmp_path / "disk"
     tier = HiStateDiskAdapter({"path": str(disk), "capacity_bytes": 1 << 20})

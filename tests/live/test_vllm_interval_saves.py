@@ -1,6 +1,6 @@
 """Interval-driven saves: the connector's policy (pure) and the stored objects on a live stack.
 
-Pure part (no vLLM): ``lmcache_histate.backends.interval_saves`` -- the settings check, plan
+Pure part (no vLLM): ``lmcache_histate.backends.vllm.interval_saves`` -- the settings check, plan
 sanitising, the STORE block-id rewrite.
 
 Live part (module-scoped: one ``histate-server`` and one vLLM CPU engine for all tests):
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lmcache_histate.backends.interval_saves import (
+from lmcache_histate.backends.vllm.interval_saves import (
     LocalPlanner,
     RequestSaves,
     SettingsError,
@@ -394,7 +394,7 @@ def test_the_connector_sends_the_servers_shared_secret(
     configured with the transfer config the launcher prints, reads the file and gets the
     server's plan (source "server", not its local fallback)."""
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
-    from lmcache_histate.backends.launcher import kv_transfer_config
+    from lmcache_histate.backends.server.launcher import kv_transfer_config
     from support.lmcache_mp import lmcache_server
 
     from lmcache_histate.config import load_config

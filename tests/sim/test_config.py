@@ -59,6 +59,25 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, match: str) -> None
         load_setup(p)
 
 
+def test_max_interval_knob_has_the_server_name_and_the_old_one_still_reads(
+    tmp_path: Path,
+) -> None:
+    """``histate.max_interval_chunks`` is the server's name for the knob; the simulator's
+    old ``max_interval_multiple`` still loads, with a warning naming the new key."""
+    new = tmp_path / "new.yaml"
+    new.write_text("histate: {max_interval_chunks: 8}\n")
+    assert load_setup(new).max_interval_chunks == 8
+    old = tmp_path / "old.yaml"
+    old.write_text("histate: {max_interval_multiple: 8}\n")
+    with pytest.warns(FutureWarning, match=r"histate\.max_interval_multiple is deprecated; "
+                      r"use histate\.max_interval_chunks"):
+        assert load_setup(old).max_interval_chunks == 8
+    both = tmp_path / "both.yaml"
+    both.write_text("histate: {max_interval_multiple: 8, max_interval_chunks: 8}\n")
+    with pytest.raises(ConfigError, match="same knob"):
+        load_setup(both)
+
+
 def test_bad_cost_model_names_the_key(tmp_path: Path) -> None:
     src = load_cost_model.__globals__["_data_path"]("cost_model_qwen35_9b_h100.yaml")
     text = Path(src).read_text().replace("ssd_bytes_per_s: 5.0e+9", "ssd_bytes_per_s: 0")

@@ -42,11 +42,11 @@ def test_promotion_makes_repeat_hits_free() -> None:
     s = SimSetup.paper()
     pol = histate_policy(s)
     trace = synthetic_agent(1, 3, 4000, 0.0, chunk_tokens=528, seed=0)
-    store = pol.cache.store
+    store = pol.cache._store  # white box: a demoted prefix set up without an eviction
     reqs = trace.sessions[0].requests
     lk = pol.begin(reqs[0], 0.0)
     pol.complete(reqs[0], lk, 1.0)
-    for node in list(pol.cache.index.nodes.values()):  # demote the whole prefix to CPU
+    for node in pol.cache.nodes():  # demote the whole prefix to CPU
         if node.kv_tiers == 1:
             store._relocate(node, "kv", 0, 1)
     lk = pol.begin(reqs[1], 2.0)
@@ -78,7 +78,7 @@ def test_final_snapshot_of_a_request_whose_hashes_stop_short() -> None:
         )
         r1 = Request("s", 0, 0.0, 0.0, 650, 1, keys)
         pol.complete(r1, pol.begin(r1, 1.0), 1.5)
-        last = pol.cache.index.get(keys[-1])
+        last = pol.cache.node(keys[-1])
         assert last is not None and last.snap_tiers == 1, knobs  # tier 0 = gpu
         r2 = Request("s", 1, 2.0, 0.0, 650, 1, (*keys, 5, 6))
         assert pol.begin(r2, 2.0).hit_tokens == 400, knobs

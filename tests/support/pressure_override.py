@@ -5,7 +5,8 @@ residence times (``lmcache_histate.core.interval.ResidenceTracker``); a short te
 produce a chosen value through real evictions. This module adds one RPC,
 ``histate_test.force_pressure`` (JSON ``{"factor": F}`` or ``{"factor": null}`` to go back
 to the learned value), which makes the server's interval controller use ``F`` for every
-following ``histate.plan``. Nothing else changes: eviction keeps its own residence tracker.
+following ``histate.plan`` (``HiStateCache.force_pressure_factor``, the core's test hook).
+Nothing else changes: eviction keeps its own residence tracker.
 
 Load it next to HiState's own module, with ``tests/support`` on the server's ``PYTHONPATH``
 (``support.lmcache_mp.support_pythonpath``), e.g. in a test configuration::
@@ -28,23 +29,11 @@ from lmcache.v1.multiprocess.ext_server_module import (
     ExtServerModuleBuildContext,
     server_module_handler,
 )
-from lmcache_histate.backends.runtime import get_runtime
+from lmcache_histate.backends.server import registry
 
-__all__ = ["ForcedResidence", "PressureOverrideModule", "build_server_modules"]
+__all__ = ["PressureOverrideModule", "build_server_modules"]
 
 logger = logging.getLogger("lmcache_histate.pressure_override")
-
-
-class ForcedResidence:
-    """Stands in for the interval controller's residence tracker with a fixed factor."""
-
-    def __init__(self, factor: float, learned: Any) -> None:
-        self.factor = float(factor)
-        self.learned = learned
-
-    @property
-    def pressure_factor(self) -> float:
-        return self.factor
 
 
 class PressureOverrideModule:
@@ -66,22 +55,13 @@ class PressureOverrideModule:
     def force_pressure(self, payload: bytes) -> bytes:
         request = json.loads(payload or b"{}")
         factor = request.get("factor")
-        runtime = get_runtime()
-        if runtime is None or runtime.core is None:
-            raise RuntimeError("HiState runtime has no core yet (serve one request first)")
-        with runtime.lock:
-            interval = runtime.core.interval
-            current = interval.residence
-            learned = current.learned if isinstance(current, ForcedResidence) else current
-            if factor is None:
-                interval.residence = learned
-                self.forced = None
-            else:
-                if float(factor) <= 0:
-                    raise ValueError(f"factor must be positive, got {factor}")
-                interval.residence = ForcedResidence(float(factor), learned)
-                self.forced = float(factor)
-            effective = interval.pressure_factor
+        runtime = registry.current()
+        if runtime is None:
+            raise RuntimeError("no HiState runtime in this server")
+        if factor is not None and float(factor) <= 0:
+            raise ValueError(f"factor must be positive, got {factor}")
+        effective = runtime.force_pressure_factor(None if factor is None else float(factor))
+        self.forced = None if factor is None else float(factor)
         logger.warning("TEST ONLY: HiState pressure factor forced to %s", self.forced)
         return json.dumps({"forced_factor": self.forced, "pressure_factor": effective}).encode()
 

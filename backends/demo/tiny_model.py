@@ -23,7 +23,7 @@ The directory is cached under ``$HISTATE_CACHE_DIR`` (default ``~/.cache/lmcache
 keyed by a hash of everything that determines its content, and written atomically (tmp dir +
 rename), so concurrent callers are safe.
 
-CLI: ``python -m lmcache_histate.backends.tiny_model [--seed N] [--out DIR]`` prints the path.
+CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--out DIR]`` prints the path.
 """
 
 from __future__ import annotations

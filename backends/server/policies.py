@@ -39,9 +39,10 @@ from lmcache.v1.distributed.storage_controllers.store_policy import (
     register_store_policy,
 )
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
+from lmcache_histate.backends.upstream import route_l1_eviction_policy
 
-from .runtime import HiStateRuntime, get_runtime
-from .upstream import route_l1_eviction_policy
+from . import registry
+from .runtime.runtime import HiStateRuntime
 
 logger = init_logger(__name__)
 
@@ -58,13 +59,10 @@ def _is_disk_tier(desc: L2AdapterDescriptor) -> bool:
 class HiStateStorePolicy(StorePolicy):
     """Which committed objects go to the disk tier, and which then leave L1."""
 
-    def __init__(self) -> None:
-        self.runtime = get_runtime()
-
     def select_store_targets(
         self, keys: list[ObjectKey], adapters: list[L2AdapterDescriptor]
     ) -> dict[int, list[ObjectKey]]:
-        runtime = self.runtime
+        runtime = registry.current()
         if runtime is None:
             return {}
         route = runtime.on_committed(keys)
@@ -76,7 +74,7 @@ class HiStateStorePolicy(StorePolicy):
         return {disk[0]: [k for k in keys if k in route]}
 
     def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
-        runtime = self.runtime
+        runtime = registry.current()
         if runtime is not None:
             runtime.after_persisted(keys)  # deletes itself, retrying keys a reader locked
         return []
@@ -139,7 +137,7 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
         if len(unmanaged) < target and runtime.core is not None:
             # The rest comes out of the core's CPU tier, by H (demote or drop).
             share = (target - len(unmanaged)) / max(1, target)
-            used = runtime.core.store.used[0]
+            used = runtime.cpu_used_bytes()
             runtime.evict_cpu(int(used * ratio * share) or 1)
         if not unmanaged:
             return []
@@ -151,13 +149,17 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
             return len(self._order)
 
 
-def install(runtime: HiStateRuntime) -> None:
-    """Register the store policy and route L1 eviction (before the CLI parser is built)."""
+def install() -> None:
+    """Register the store policy and route L1 eviction (before the CLI parser is built).
+
+    Both entry points find the runtime in ``registry`` when LMCache calls them.
+    """
     if STORE_POLICY_NAME not in get_registered_store_policies():
         register_store_policy(STORE_POLICY_NAME, HiStateStorePolicy)
 
     def l1_policy(_eviction_config: Any) -> EvictionPolicy | None:
-        if runtime.cfg.policy != "histate":
+        runtime = registry.current()
+        if runtime is None or runtime.cfg.policy != "histate":
             return None  # LMCache's own policy
         logger.info("HiState L1 eviction policy installed (unified H queue)")
         return HiStateL1EvictionPolicy(runtime)

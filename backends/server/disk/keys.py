@@ -1,11 +1,11 @@
 """LMCache's ``ObjectKey`` <-> the disk format's ``ObjectId`` (same fields, no lmcache in
-``diskfile``)."""
+``file_format``)."""
 
 from __future__ import annotations
 
 from lmcache.v1.distributed.api import ObjectKey
 
-from . import diskfile as df
+from . import file_format as df
 
 __all__ = ["to_key", "to_oid"]
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache.logging import init_logger
 
-from . import diskfile as df
-from .disk_folder import capacity_limit
-from .disk_keys import to_oid
+from . import file_format as df
+from .folder import capacity_limit
+from .keys import to_oid
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey

@@ -42,9 +42,10 @@ from lmcache.v1.multiprocess.ext_server_module import (
 
 from lmcache_histate.exposure import read_secret
 
+from . import registry
 from .access import check_rpc_token
 from .metrics import register_metrics
-from .runtime import HiStateRuntime, get_runtime
+from .runtime.runtime import HiStateRuntime
 
 logger = logging.getLogger("lmcache_histate.server_module")
 
@@ -162,7 +163,7 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
     from lmcache.v1.multiprocess.modules.lookup import LookupModule
 
     ctx = build.server_context
-    runtime = get_runtime()
+    runtime = registry.current()
     if runtime is None or runtime.cfg.policy != "histate":
         logger.warning("HiState server module loaded without the HiState launcher: inactive")
         return HiStateServerModule(ctx, None)

@@ -3,7 +3,7 @@
 Load it in vLLM's ``--kv-transfer-config``::
 
     {"kv_connector": "HiStateConnector",
-     "kv_connector_module_path": "lmcache_histate.backends.connector",
+     "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
      "kv_role": "kv_both",
      "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555}}
 
@@ -50,8 +50,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.backends import cpu_support
-from lmcache_histate.backends.interval_saves import (
+from lmcache_histate.backends.vllm import cpu_support
+from lmcache_histate.backends.vllm.interval_saves import (
     LocalPlanner,
     RequestSaves,
     SettingsError,
@@ -60,7 +60,7 @@ from lmcache_histate.backends.interval_saves import (
     rewrite_store_block_ids,
     sanitize_plan,
 )
-from lmcache_histate.backends.plan_client import PLAN_METHOD, PlanClient
+from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PlanClient
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
 )

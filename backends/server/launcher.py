@@ -48,9 +48,9 @@ from . import preflight
 
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
-CPU_SERVER_MODULE = "lmcache_histate.backends.cpu_server_module"
-HISTATE_SERVER_MODULE = "lmcache_histate.backends.server_module"
-DISK_ADAPTER_MODULE = "lmcache_histate.backends.disk_tier"
+CPU_SERVER_MODULE = "lmcache_histate.backends.server.cpu_server_module"
+HISTATE_SERVER_MODULE = "lmcache_histate.backends.server.server_module"
+DISK_ADAPTER_MODULE = "lmcache_histate.backends.server.disk.tier"
 
 # lmcache server flags that map onto configuration keys: on the command line they win.
 _OVERRIDES = {
@@ -238,7 +238,7 @@ def resolve_engine_layout(cfg: HiStateConfig) -> HiStateConfig:
     """
     if cfg.chunk_size != "auto":
         return cfg
-    from .engine_facts import probe
+    from lmcache_histate.backends.vllm.engine_facts import probe
 
     model = Path(cfg.model)
     model_dir = model.parent if model.is_file() else model
@@ -295,16 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
     """Install HiState into this process and run ``lmcache server`` (blocks)."""
     guard_control_plane(cfg)
-    from .upstream import install_shm_release
+    from lmcache_histate.backends.upstream import install_shm_release
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
-        from . import policies
-        from .runtime import HiStateRuntime, install_runtime
+        from . import policies, registry
+        from .runtime.runtime import HiStateRuntime
 
-        runtime = HiStateRuntime(cfg)
-        install_runtime(runtime)
-        policies.install(runtime)
+        registry.install(HiStateRuntime(cfg))
+        policies.install()
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main(lmcache_args)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .runtime import HiStateRuntime
+from .runtime.runtime import HiStateRuntime
 
 logger = logging.getLogger("lmcache_histate.metrics")
 

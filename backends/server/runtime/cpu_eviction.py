@@ -1,21 +1,33 @@
 """The L1 eviction policy's victim choice: CPU-tier units out by lowest ``H``.
 
 Also keeps the ranks fresh when inputs shared by every unit drift (a re-rank sweep,
-spread over janitor ticks or done at once before an eviction).
+spread over janitor ticks or done at once before an eviction). State owned here: the
+``(tau, p_end)`` the ranks were last computed with, and the sweep in progress. Callers
+hold the runtime lock.
 """
 
 from __future__ import annotations
 
-from .object_map import CPU
+from collections import Counter
+
+from lmcache_histate.core.cache import HiStateCache
+from lmcache_histate.core.defaults import ServerTier
+
+__all__ = ["RERANK_BUDGET", "CpuEvictor"]
 
 RERANK_BUDGET = 4096  # nodes re-ranked per janitor tick (4 ticks/s) during a sweep
 
 
-class CpuEvictionMixin:
-    """Re-rank sweeps and ``evict_cpu`` of ``HiStateRuntime``."""
+class CpuEvictor:
+    """Re-rank sweeps and CPU-tier eviction by lowest ``H``."""
 
-    def _rerank_step(self, budget: int | None) -> None:
-        """Re-rank queued units when the global inputs of ``C`` drifted (under the lock).
+    def __init__(self, end_probability_prior: float, stats: Counter[str]) -> None:
+        self.stats = stats
+        self._rank_basis: tuple[float, float] = (0.0, end_probability_prior)
+        self._sweep: list[int] | None = None
+
+    def rerank_step(self, core: HiStateCache, budget: int | None) -> None:
+        """Re-rank queued units when the global inputs of ``C`` drifted.
 
         The core re-ranks a unit when it changes or is accessed, and lazily re-checks a
         candidate whose ``H`` *rose*; but every stored ``H`` also depends on two inputs
@@ -26,9 +38,6 @@ class CpuEvictionMixin:
         ``budget`` nodes at a time (janitor ticks), or all at once (``budget=None``)
         before the L1 eviction loop picks victims.
         """
-        core = self.core
-        if core is None:
-            return
         if self._sweep is None:
             score = core.score_status()
             tau, p = float(score["tau_s"]), float(score["end_probability"])
@@ -36,42 +45,18 @@ class CpuEvictionMixin:
             if abs(tau - tau0) <= 0.1 * max(tau0, 1e-9) and abs(p - p0) <= 0.02:
                 return
             self._rank_basis = (tau, p)
-            self._sweep = list(core.index.nodes)
+            self._sweep = [node.key for node in core.nodes()]
             self.stats["rerank_sweeps"] += 1
         sweep = self._sweep
         take = len(sweep) if budget is None else min(budget, len(sweep))
-        nodes = core.index.nodes
-        for nk in sweep[len(sweep) - take :]:
-            node = nodes.get(nk)
-            if node is not None:
-                core.queue.update(node)
+        core.rerank(sweep[len(sweep) - take :])
         del sweep[len(sweep) - take :]
         if not sweep:
             self._sweep = None
 
-    def evict_cpu(self, need_bytes: int) -> int:
+    def evict(self, core: HiStateCache, need_bytes: int, now: float) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
-        now = self.clock()
-        freed = 0
-        with self.lock:
-            self._drain_locked()
-            core = self.core
-            if core is None:
-                return 0
-            self._rerank_step(None)
-            store = core.store
-            while freed < need_bytes:
-                before = store.used[CPU]
-                found = core.queue.victim(CPU)
-                if found is None:
-                    break
-                anchor, rank = found
-                store.evict(anchor, CPU, now, rank)
-                gain = before - store.used[CPU]
-                if gain <= 0:
-                    break
-                freed += gain
-            self.stats["l1_policy_evictions"] += 1 if freed else 0
-            actions = self._take_actions()
-        self._run(actions)
+        self.rerank_step(core, None)
+        freed = core.evict(ServerTier.CPU, need_bytes, now)
+        self.stats["l1_policy_evictions"] += 1 if freed else 0
         return freed

@@ -7,7 +7,7 @@ must never run on a folder that holds other things unless told to. Rules (``clai
   the tier's own: the marker file ``.histate-disk`` is written at first use;
 * a folder with the marker is the tier's own (a restart);
 * a non-empty folder without the marker is refused, unless ``adopt`` is set: then the
-  marker is written and the tier uses the folder. Even then ``diskfile.scan`` touches only
+  marker is written and the tier uses the folder. Even then ``file_format.scan`` touches only
   its own layout (shard folders ``00``..``ff`` and its own file-name patterns), so other
   files in an adopted folder survive.
 
@@ -30,7 +30,7 @@ import json
 import os
 from pathlib import Path
 
-from . import diskfile as df
+from . import file_format as df
 
 __all__ = [
     "MARKER", "FolderError", "capacity_limit", "check_claim", "check_free", "claim",

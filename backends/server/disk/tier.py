@@ -1,21 +1,21 @@
 """The HiState disk tier: an LMCache L2 adapter plugin storing one file per object.
 
 Load it with ``--l2-adapter '{"type": "plugin", "module_path":
-"lmcache_histate.backends.disk_tier", "class_name": "HiStateDiskAdapter",
+"lmcache_histate.backends.server.disk.tier", "class_name": "HiStateDiskAdapter",
 "adapter_params": {"path": ..., "capacity_bytes": ...}}'`` (the launcher does).
 
 Modelled on LMCache's ``fs_l2_adapter.FSL2Adapter`` (event fds, tmp + rename, files
 found again after a restart) with what HiState needs on top:
 
-* a self-describing file format (``diskfile``: key, kind, prefix depth and parent,
+* a self-describing file format (``file_format``: key, kind, prefix depth and parent,
   payload crc32), written tmp → fsync → rename;
-* a folder it owns (``disk_folder``: a marker written at first use; a foreign non-empty
+* a folder it owns (``folder``: a marker written at first use; a foreign non-empty
   folder is refused unless ``adopt``);
 * an in-memory index rebuilt by scanning its own layout at start (its leftover
   temporaries and invalid files removed, nothing else touched), so lookups cost no I/O and
   byte accounting survives restarts (``_notify_keys_stored`` / ``_notify_keys_deleted``
   keep the base class counters);
-* a hard capacity that never exceeds what the filesystem holds (``disk_writes``): a
+* a hard capacity that never exceeds what the filesystem holds (``writes``): a
   write that would exceed it, or that the filesystem refuses, leaves the object "not
   persisted" — every task completes, the failure is counted and logged once per cause,
   the HiState runtime is told per key, and ENOSPC lowers the capacity (the runtime's core
@@ -51,11 +51,12 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
-from . import diskfile as df
-from .disk_folder import FolderError, claim, hold
-from .disk_keys import to_key, to_oid
-from .disk_tier_config import HiStateDiskAdapterConfig
-from .disk_writes import CapacityListener, DiskWritesMixin
+from .. import registry
+from . import file_format as df
+from .config import HiStateDiskAdapterConfig
+from .folder import FolderError, claim, hold
+from .keys import to_key, to_oid
+from .writes import CapacityListener, DiskWritesMixin
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -65,7 +66,7 @@ logger = init_logger(__name__)
 
 __all__ = ["DiskEntry", "HiStateDiskAdapter", "HiStateDiskAdapterConfig"]
 
-# (kind, depth, parent chunk hash) written into each file's header; see diskfile.
+# (kind, depth, parent chunk hash) written into each file's header; see file_format.
 ObjectMeta = tuple[int, int, bytes]
 MetaProvider = Callable[[ObjectKey], ObjectMeta]
 WriteCallback = Callable[[list[ObjectKey], list[ObjectKey]], None]
@@ -152,12 +153,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self._load_efd = create_event_notifier()
         self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
 
-        # Late import: the runtime imports this module's helpers.
-        from .runtime import get_runtime
-
-        runtime = get_runtime()
-        if runtime is not None:
-            runtime.attach_adapter(self)
+        registry.announce_disk_tier(self)  # the HiState runtime, if any, drives it
 
     # ---------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
@@ -385,6 +381,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
+        registry.withdraw_disk_tier(self)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._store_efd.close()
         self._lookup_efd.close()

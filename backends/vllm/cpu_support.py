@@ -38,7 +38,7 @@ The fix here:
   descriptors.
 
 The server side of the same problem (the fallback copy kernel rejecting non-tight per-block
-strides) is fixed by ``lmcache_histate.backends.cpu_server_module``; the in-process engine
+strides) is fixed by ``lmcache_histate.backends.server.cpu_server_module``; the in-process engine
 start-up fix is ``upstream.install_vllm_cpu_inprocess_fix``.
 """
 
@@ -53,8 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from .upstream import route_cpu_shm_wrapping
+from lmcache_histate.backends.upstream import route_cpu_shm_wrapping
 
 __all__ = [
     "SharedSegment",

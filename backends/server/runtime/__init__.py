@@ -1,0 +1,1 @@
+"""The HiState runtime: the policy core wired to one LMCache server process, as owned parts."""

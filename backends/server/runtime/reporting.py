@@ -1,0 +1,86 @@
+"""What the runtime reports in ``/status`` (and, through it, ``/metrics``).
+
+Reads the parts it is given; owns nothing. Callers hold the runtime lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from lmcache_histate.config import HiStateConfig
+from lmcache_histate.core.defaults import ServerTier
+
+from .catalogue import ObjectCatalogue
+from .model_core import ModelCore
+from .sessions import SessionTracker
+from .tier_actions import TierActions
+
+__all__ = ["StatusReport"]
+
+
+class StatusReport:
+    """Builds the runtime's ``/status`` document."""
+
+    def __init__(
+        self,
+        cfg: HiStateConfig,
+        model: ModelCore,
+        sessions: SessionTracker,
+        catalogue: ObjectCatalogue,
+        actions: TierActions,
+        stats: Counter[str],
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.sessions = sessions
+        self.catalogue = catalogue
+        self.actions = actions
+        self.stats = stats
+
+    def status(self) -> dict[str, Any]:
+        model, core = self.model, self.model.core
+        out: dict[str, Any] = {
+            "policy": self.cfg.policy,
+            "model": None if model.model is None else list(model.model),
+            "chunk_tokens": model.chunk,
+            # What the server was configured for; the connector compares it with what
+            # vLLM allocated at start (a mismatch is a SettingsError, not a silent 2x).
+            "geometry": model.configured_geometry,
+            "counters": dict(sorted(self.stats.items())),
+            "pending_l1_retries": len(self.actions.retry_l1),
+            "queued_l1_events": len(self.actions.events),
+            "requests": len(self.sessions.requests),
+        }
+        disk = self.actions.disk
+        if disk is not None:
+            out["disk"] = disk.report_status()
+        if core is None:
+            return out
+        stats = core.stats()
+        segment = self.sessions.last_segment_tokens or model.chunk
+        out.update(
+            {
+                "kv_chunk_bytes": model.kv_chunk_bytes,
+                "snapshot_bytes": model.snapshot_bytes,
+                "nodes": stats.nodes,
+                "sessions": stats.sessions,
+                "objects": len(self.catalogue),
+                "tiers": {
+                    tier.name.lower(): {"used_bytes": stats.used_bytes[tier],
+                                        "capacity_bytes": stats.capacity_bytes[tier]}
+                    for tier in ServerTier
+                },
+                "pressure_factor": stats.pressure_factor,
+                "interval_tokens": core.interval_for(segment),
+                "interval_segment_tokens": segment,
+                "end_probability": stats.end_probability,
+                # The eviction score's scale (core/score.py): tau in use, calibrated or
+                # configured, and the session re-access gap it is calibrated from.
+                **{f"eviction_{k}": v for k, v in core.score_status().items()
+                   if k != "end_probability"},
+                "kv_residence_s": stats.kv_residence_s,
+                "snapshot_residence_s": stats.snapshot_residence_s,
+            }
+        )
+        return out

@@ -1,0 +1,298 @@
+"""The HiState runtime: the pure policy core driven by what an ``lmcache server`` sees.
+
+One ``HiStateRuntime`` lives in the server process: the launcher builds it and installs it
+in ``registry`` before LMCache builds anything; LMCache's plugin entry points find it
+there when they run:
+
+* the server module (``server_module.py``) hands it the server context and reports each
+  LOOKUP (refresh-all, pins, hit counters), STORE (the request's ordered chunk-hash chain:
+  positions and parents of the objects about to be committed) and END_SESSION;
+* the store policy (``policies.HiStateStorePolicy``) reports every batch of objects
+  committed to L1 and asks where they go; after a disk write it asks which may leave L1;
+* the L1 eviction policy (``policies.HiStateL1EvictionPolicy``) reports L1 removals and
+  asks for victims when LMCache's eviction loop finds L1 above its watermark;
+* the disk tier (``disk.tier.HiStateDiskAdapter``, attached through ``registry``)
+  reports failed writes, corrupted or missing files and capacity changes, and asks for
+  each object's kind/depth/parent to write in its header.
+
+The runtime is composed of parts, each owning its state, built here with what it needs:
+
+* ``ModelCore`` (``model_core``): the one ``HiStateCache`` (tier 0 = CPU = LMCache L1,
+  tier 1 = disk), created for the first hybrid model seen, and its object identity;
+* ``ObjectCatalogue`` (``catalogue``): node part <-> ``ObjectKey``;
+* ``ChunkChains`` (``chains``): chunk positions and STORE records along request chains;
+* ``SessionTracker`` (``sessions``): requests in flight and sessions;
+* ``CommitPlacer`` (``commits``): committed objects placed by the core;
+* ``TierActions`` (``tier_actions``): the core's placement events turned into L1 / disk
+  actions, and L1 / disk losses reported back;
+* ``CpuEvictor`` (``cpu_eviction``): L1 victims by lowest ``H``, re-rank sweeps;
+* ``recover_from_disk`` (``recovery``) and ``StatusReport`` (``reporting``).
+
+Locking: ``self.lock`` guards the core and every part. It is never held while calling
+into LMCache's L1 manager or waiting on disk I/O: each entry point below takes the lock,
+drains queued L1 removals, calls the parts, takes the collected ``Actions`` and runs them
+after releasing it. Callbacks that LMCache makes while holding its own L1 lock
+(``note_l1_removed``) only append to a queue; the janitor thread drains it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmcache_histate.config import HiStateConfig
+from lmcache_histate.core.cache import HiStateCache
+from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.placement import PlacementListener
+
+from .catalogue import ObjectCatalogue
+from .chains import ChunkChains, chain_hashes
+from .commits import CommitPlacer
+from .cpu_eviction import RERANK_BUDGET, CpuEvictor
+from .model_core import ModelCore
+from .recovery import recover_from_disk
+from .reporting import StatusReport
+from .sessions import SessionTracker
+from .tier_actions import TierActions
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
+
+logger = logging.getLogger("lmcache_histate.runtime")
+
+__all__ = ["HiStateRuntime"]
+
+
+class HiStateRuntime:
+    """The HiState policy core wired to one LMCache server process (see module doc)."""
+
+    def __init__(self, cfg: HiStateConfig, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.stats: Counter[str] = Counter()
+        self.model = ModelCore(cfg, self.stats)
+        self.catalogue = ObjectCatalogue(self.model)
+        self.chains = ChunkChains(self.model)
+        self.actions = TierActions(self.lock, self.model, self.catalogue, self.stats)
+        self.sessions = SessionTracker(cfg, self.model, self.chains, self.stats)
+        self.commits = CommitPlacer(
+            self.model, self.chains, self.catalogue, self.sessions, self.actions, self.stats
+        )
+        self.evictor = CpuEvictor(cfg.end_probability_prior, self.stats)
+        self.report = StatusReport(
+            cfg, self.model, self.sessions, self.catalogue, self.actions, self.stats
+        )
+        self.ctx: Any = None
+        self._stop = threading.Event()
+        self._janitor: threading.Thread | None = None
+
+    @property
+    def core(self) -> HiStateCache | None:
+        """The policy core, once the model's layout is known (None before)."""
+        return self.model.core
+
+    # ================================================================ wiring
+    def attach_disk_tier(self, disk: HiStateDiskAdapter) -> None:
+        """The disk tier this runtime drives (``registry.announce_disk_tier``)."""
+        self.actions.disk = disk
+        disk.meta_provider = self.chains.object_meta
+        disk.write_listener = self.actions.on_disk_written
+        disk.loss_listener = self.actions.on_disk_lost
+        disk.capacity_listener = self.on_disk_capacity
+
+    def add_placement_observer(self, observer: PlacementListener) -> None:
+        """Also tell ``observer`` every placement event of the core (``CoreListener``)."""
+        self.actions.listener.observers.append(observer)
+
+    def attach_server(self, ctx: Any, *, janitor: bool = True) -> None:
+        """Called by the server module once the server context exists (``janitor=False``:
+        tests drive ``tick`` themselves)."""
+        self.ctx = ctx
+        sm = ctx.storage_manager
+        # LMCache 0.5.6 exposes no public per-key L1 delete/read-lock API on the storage
+        # manager (delete_l1_keys returns counts only); the single L1 manager is needed
+        # for per-key results and for read-locking objects while they are demoted.
+        l1 = getattr(sm, "_l1_manager", None)
+        if l1 is None or not callable(getattr(l1, "delete", None)):
+            raise RuntimeError("HiState needs LMCache's single-L1 storage manager (0.5.6)")
+        self.actions.l1 = l1
+        if ctx.chunk_size != self.model.chunk:
+            logger.warning(
+                "server chunk size %d differs from the configuration's %d; using %d",
+                ctx.chunk_size, self.model.chunk, ctx.chunk_size,
+            )
+            self.model.chunk = ctx.chunk_size
+        if janitor and self._janitor is None:
+            self._janitor = threading.Thread(target=self._janitor_loop, name="histate-janitor",
+                                             daemon=True)
+            self._janitor.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._janitor is not None:
+            self._janitor.join(timeout=5)
+
+    def _core_for(self, model_name: str, world_size: int) -> HiStateCache | None:
+        """The core for this model (under the lock); made, and recovered from the disk
+        tier's files, the first time a hybrid model is seen."""
+        disk = self.actions.disk
+        if self.model.core is not None:  # made: this model's, or another model's objects
+            return self.model.ensure(self.ctx, model_name, world_size, 0, self.actions.listener)
+        capacity = disk.capacity_bytes() if disk is not None else self.cfg.disk_bytes
+        core = self.model.ensure(self.ctx, model_name, world_size, capacity,
+                                 self.actions.listener)
+        if core is not None and disk is not None:
+            recover_from_disk(disk, self.model, self.catalogue, self.chains, self.stats,
+                              self.clock())
+        return core
+
+    # ============================================================ server module
+    def note_store(self, key: Any) -> None:
+        """STORE received (before its objects are committed): record the chain."""
+        if self.ctx is None:
+            return
+        chunk = self.model.chunk
+        end = min(key.end, len(key.token_ids))
+        end -= end % chunk
+        if end <= 0:
+            return
+        # LMCache resolves the STORE's keys through the request's session right after this
+        # (engine_context.resolve_obj_keys); hashing through it computes each hash once.
+        session = self.ctx.session_manager.get_or_create(key.request_id)
+        session.set_tokens(list(key.token_ids))
+        hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
+        with self.lock:
+            self.sessions.record_store(key, hashes)
+
+    def on_lookup(self, key: Any) -> None:
+        """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit."""
+        if self.ctx is None:
+            return
+        chunk = self.model.chunk
+        end = min(key.end, len(key.token_ids))
+        end -= end % chunk
+        hashes = chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
+        now = self.clock()
+        with self.lock:
+            self.actions.drain()
+            chain = self.chains.link_chain(hashes, key.cache_salt, None)
+            core = self._core_for(key.model_name, key.world_size)
+            if core is None or not chain:
+                return
+            self.sessions.lookup(core, key, chain, now)
+            actions = self.actions.take()
+        self.actions.run(actions)
+
+    def on_end_session(self, request_id: str) -> None:
+        with self.lock:
+            self.sessions.end_request(self.model.core, request_id)
+            actions = self.actions.take()
+        self.actions.run(actions)
+
+    def plan(self, start_tokens: int, input_tokens: int) -> list[int]:
+        """Token positions whose states HiState wants saved for a new segment."""
+        with self.lock:
+            core = self.model.core
+            return [] if core is None else core.snapshot_plan(start_tokens, input_tokens)
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return self.report.status()
+
+    # ============================================================ store policy
+    def on_committed(self, keys: Sequence[ObjectKey]) -> set[ObjectKey]:
+        """Objects just committed to L1: place them; returns the keys to write to disk."""
+        if not keys or self.ctx is None:
+            return set()
+        now = self.clock()
+        with self.lock:
+            self.actions.drain()
+            core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
+            if core is None:
+                return set()
+            route, actions = self.commits.place(core, keys, now)
+        self.actions.run(actions)
+        return route
+
+    def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """Objects written to disk by the store controller: those not kept on the CPU tier
+        leave L1 now (``TierActions.after_persisted``)."""
+        return self.actions.after_persisted(keys)
+
+    # ======================================================= L1 eviction policy
+    def note_l1_removed(self, keys: list[ObjectKey]) -> None:
+        """Called by LMCache under its L1 lock: queue only."""
+        self.actions.note_l1_removed(keys)
+
+    def is_cpu_tracked(self, key: ObjectKey) -> bool:
+        return self.catalogue.is_cpu_tracked(key)
+
+    def cpu_used_bytes(self) -> int:
+        core = self.model.core
+        return 0 if core is None else core.used_bytes(ServerTier.CPU)
+
+    def evict_cpu(self, need_bytes: int) -> int:
+        """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
+        now = self.clock()
+        with self.lock:
+            self.actions.drain()
+            core = self.model.core
+            if core is None:
+                return 0
+            freed = self.evictor.evict(core, need_bytes, now)
+            actions = self.actions.take()
+        self.actions.run(actions)
+        return freed
+
+    # ================================================================ disk tier
+    def on_disk_capacity(self, disk_bytes: int) -> None:
+        """The disk tier's real capacity changed (ENOSPC, space freed): resize the core's."""
+        with self.lock:
+            self.model.resize_disk(disk_bytes, self.clock())
+            actions = self.actions.take()
+        self.actions.run(actions)
+
+    # ================================================================ tests
+    def force_pressure_factor(self, factor: float | None) -> float:
+        """TEST HOOK (``tests/support/pressure_override``): see
+        ``HiStateCache.force_pressure_factor``."""
+        with self.lock:
+            core = self.model.core
+            if core is None:
+                raise RuntimeError("HiState runtime has no core yet (serve one request first)")
+            return core.force_pressure_factor(factor)
+
+    def check(self) -> None:
+        """Core invariants plus object bookkeeping consistency (tests)."""
+        with self.lock:
+            core = self.model.core
+            if core is None:
+                return
+            core.check()
+            self.catalogue.check()
+
+    # ============================================================ janitor
+    def _janitor_loop(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("HiState janitor failed")
+
+    def tick(self) -> None:
+        now = self.clock()
+        with self.lock:
+            self.actions.drain()
+            core = self.model.core
+            if core is not None:
+                self.evictor.rerank_step(core, RERANK_BUDGET)
+                self.sessions.expire(core, now)
+            actions = self.actions.take()
+        self.actions.run(actions)
+        self.actions.retry_refused()

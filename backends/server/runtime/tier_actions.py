@@ -1,0 +1,317 @@
+"""The L1 / disk action executor: the core's placement events made real.
+
+The core decides placement in terms of node parts and tiers; ``TierActions`` turns its
+``stored`` / ``moved`` / ``dropped`` events (``CoreListener``) into ``Actions`` on LMCache
+objects (delete from L1, delete from disk, demote = write an L1 object to disk, then delete
+it from L1). Actions are collected under the runtime lock and run after it is released
+(never call into LMCache's L1 manager or wait on disk I/O under it). The feedback paths
+live here too: L1 removals nobody here decided (queued by LMCache's callback, drained under
+the lock) and failed or lost disk files are reported to the core as losses.
+
+State owned here: the pending ``Actions``, the chunk nodes touched since the last
+``take`` (reconciled then), the objects of a commit batch in flight, the queue of L1
+removal events and the removals HiState itself asked for (``expected``, which are not
+losses), and the L1 deletes a reader's lock refused (retried by the janitor).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.index import Node
+from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementListener
+
+from .catalogue import ObjectCatalogue
+from .model_core import ModelCore
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
+
+logger = logging.getLogger("lmcache_histate.runtime")
+
+__all__ = ["Actions", "CoreListener", "TierActions"]
+
+CPU, DISK = ServerTier.CPU, ServerTier.DISK
+TIER_NAMES = {t: t.name.lower() for t in ServerTier}
+
+
+@dataclass(slots=True)
+class Actions:
+    """Effects decided under the lock, run after it is released."""
+
+    l1_delete: list[ObjectKey] = field(default_factory=list)
+    disk_delete: list[ObjectKey] = field(default_factory=list)
+    demote: list[tuple[int, str, list[ObjectKey]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.l1_delete or self.disk_delete or self.demote)
+
+
+class CoreListener:
+    """The core's placement listener: its events become ``Actions`` and counters.
+
+    ``observers`` (``HiStateRuntime.add_placement_observer``) then see each event too, with
+    the runtime lock held and the part's objects still in the catalogue: the extension
+    point for a shared index of what this server holds (they must not block).
+    """
+
+    def __init__(self, owner: TierActions) -> None:
+        self.owner = owner
+        self.observers: list[PlacementListener] = []
+
+    def stored(self, node: Node, part: str, tier: int) -> None:
+        owner = self.owner
+        owner.touched.add(node.key)
+        owner.stats[f"{part}_stored.{TIER_NAMES[tier]}"] += 1
+        keys = owner.catalogue.keys(node.key, part)
+        if tier == DISK and keys and not set(keys) <= owner.batch:
+            owner.pending.demote.append((node.key, part, keys))
+        for observer in self.observers:
+            observer.stored(node, part, tier)
+
+    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
+        owner = self.owner
+        owner.touched.add(node.key)
+        owner.stats[f"{part}_evicted.{TIER_NAMES[src]}"] += 1
+        owner.stats[f"{part}_stored.{TIER_NAMES[dst]}"] += 1
+        if src == CPU and dst == DISK:
+            owner.stats[f"{part}_demoted"] += 1
+        keys = owner.catalogue.keys(node.key, part)
+        if dst == DISK and keys and not set(keys) <= owner.batch:
+            owner.pending.demote.append((node.key, part, keys))
+        elif dst == CPU:  # the core never promotes here; keep the objects consistent anyway
+            owner.pending.disk_delete.extend(keys)
+        for observer in self.observers:
+            observer.moved(node, part, src, dst)
+
+    def dropped(self, node: Node, part: str, tiers: int) -> None:
+        owner = self.owner
+        owner.touched.add(node.key)
+        keys = owner.catalogue.keys(node.key, part)
+        for tier in (CPU, DISK):
+            if tiers & (1 << tier):
+                owner.stats[f"{part}_evicted.{TIER_NAMES[tier]}"] += 1
+                if keys:
+                    target = owner.pending.l1_delete if tier == CPU else owner.pending.disk_delete
+                    target.extend(keys)
+        for observer in self.observers:
+            observer.dropped(node, part, tiers)
+
+
+class TierActions:
+    """Collects and runs the L1 / disk actions; reports losses to the core."""
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        model: ModelCore,
+        catalogue: ObjectCatalogue,
+        stats: Counter[str],
+    ) -> None:
+        self.lock = lock
+        self.model = model
+        self.catalogue = catalogue
+        self.stats = stats
+        self.listener = CoreListener(self)
+        self.disk: HiStateDiskAdapter | None = None
+        self.l1: Any = None
+        self.pending = Actions()
+        self.touched: set[int] = set()
+        self.batch: set[ObjectKey] = set()
+        self.events: deque[list[ObjectKey]] = deque()
+        self._expected: Counter[ObjectKey] = Counter()
+        self._expected_lock = threading.Lock()
+        self.retry_l1: set[ObjectKey] = set()
+        self._retry_lock = threading.Lock()
+
+    # ================================================================ collecting
+    @contextmanager
+    def committing(self, keys: Iterable[ObjectKey]) -> Iterator[None]:
+        """While a commit batch is placed: its objects are in L1 already, the disk tier
+        gets them from the store policy, so the core's events need no demotion for them."""
+        self.batch = set(keys)
+        try:
+            yield
+        finally:
+            self.batch = set()
+
+    def take(self) -> Actions:
+        """The actions collected so far (under the lock), after reconciling touched nodes.
+
+        Reconciling forgets (and deletes) the objects of parts the core no longer holds
+        anywhere. Usually their deletion is already queued by the core's ``dropped``
+        events; this also catches parts made of several objects (tensor-parallel shards) of
+        which one was lost: the others are useless alone. Deleting what is gone is a no-op.
+        """
+        touched, self.touched = self.touched, set()
+        catalogue = self.catalogue
+        for nk in touched:
+            for part in (KV, SNAPSHOT):
+                if not catalogue.tiers(nk, part) and catalogue.has_part(nk, part):
+                    keys = catalogue.unregister_part(nk, part)
+                    self.pending.l1_delete.extend(keys)
+                    self.pending.disk_delete.extend(keys)
+        actions, self.pending = self.pending, Actions()
+        return actions
+
+    # ================================================================ disk events
+    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
+        """A disk write finished (the disk tier's ``write_listener``)."""
+        if not failed:
+            return
+        with self.lock:
+            self.drain()
+            self._lose_on_disk(failed, "not_persisted")
+            actions = self.take()
+            for key in failed:
+                if not self.catalogue.is_cpu_tracked(key):
+                    actions.l1_delete.append(key)
+        self.run(actions)
+
+    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
+        """Files found corrupted or missing on load (already removed by the disk tier)."""
+        with self.lock:
+            self.drain()
+            self._lose_on_disk(keys, "lost.disk")
+            actions = self.take()
+        self.run(actions)
+
+    def _lose_on_disk(self, keys: list[ObjectKey], counter: str) -> None:
+        """Tell the core the disk copies of ``keys``' parts are gone (under the lock)."""
+        core = self.model.core
+        for key in keys:
+            where = self.catalogue.where(key)
+            if where is None or core is None:
+                continue
+            if self.catalogue.tiers(*where) & (1 << DISK):
+                self.stats[f"{where[1]}_{counter}"] += 1
+                core.lose(where[0], where[1], DISK)
+                self.touched.add(where[0])
+
+    # ================================================================ L1 events
+    def note_l1_removed(self, keys: list[ObjectKey]) -> None:
+        """Called by LMCache under its L1 lock: queue only."""
+        if keys:
+            self.events.append(list(keys))
+
+    def drain(self) -> None:
+        """Apply queued L1 removals (under the lock): the ones nobody here decided are
+        losses."""
+        core = self.model.core
+        while self.events:
+            for key in self.events.popleft():
+                with self._expected_lock:
+                    if self._expected.get(key):
+                        self._expected[key] -= 1
+                        if not self._expected[key]:
+                            del self._expected[key]
+                        continue
+                where = self.catalogue.where(key)
+                if where is None or core is None:
+                    continue
+                if self.catalogue.tiers(*where) & (1 << CPU):
+                    self.stats[f"{where[1]}_lost.cpu"] += 1
+                    core.lose(where[0], where[1], CPU)
+                    self.touched.add(where[0])
+
+    def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """Objects written to disk by the store controller: those not kept on the CPU tier
+        leave L1 now. Deleted here rather than by the store controller, which ignores a
+        delete refused because a lookup holds a read lock; here it is retried.
+
+        Returns the keys deleted or queued for deletion.
+        """
+        out = self._leaving_l1(keys)
+        self.l1_delete(out)
+        return out
+
+    def retry_refused(self) -> None:
+        """Retry the L1 deletes a reader's lock refused (janitor)."""
+        with self._retry_lock:
+            retry, self.retry_l1 = list(self.retry_l1), set()
+        if retry:
+            self.l1_delete(self._leaving_l1(retry))
+
+    def _leaving_l1(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        with self.lock:
+            return [k for k in keys if not self.catalogue.is_cpu_tracked(k)]
+
+    # ================================================================ running
+    def run(self, actions: Actions) -> None:
+        """Run actions taken under the lock (never call with the lock held)."""
+        if not actions:
+            return
+        if actions.disk_delete and self.disk is not None:
+            try:
+                self.disk.delete(list(dict.fromkeys(actions.disk_delete)))
+            except Exception:
+                logger.exception("HiState: disk delete failed")
+        for nk, part, keys in actions.demote:
+            self._demote(nk, part, keys)
+        if actions.l1_delete:
+            self.l1_delete(list(dict.fromkeys(actions.l1_delete)))
+
+    def l1_delete(self, keys: list[ObjectKey]) -> None:
+        if self.l1 is None or not keys:
+            return
+        from lmcache.v1.distributed.error import L1Error
+
+        self._expect_removals(keys)
+        try:
+            result = self.l1.delete(keys)
+        except Exception:
+            logger.exception("HiState: L1 delete failed")
+            self._unexpect(keys)
+            return
+        locked = [k for k, err in result.items() if err == L1Error.KEY_IS_LOCKED]
+        gone = [k for k, err in result.items() if err != L1Error.SUCCESS]
+        self._unexpect(gone)
+        if locked:
+            with self._retry_lock:
+                self.retry_l1.update(locked)
+
+    def _expect_removals(self, keys: Iterable[ObjectKey]) -> None:
+        with self._expected_lock:
+            for key in keys:
+                self._expected[key] += 1
+
+    def _unexpect(self, keys: Iterable[ObjectKey]) -> None:
+        with self._expected_lock:
+            for key in keys:
+                if self._expected[key] <= 1:
+                    self._expected.pop(key, None)
+                else:
+                    self._expected[key] -= 1
+
+    def _demote(self, nk: int, part: str, keys: list[ObjectKey]) -> None:
+        """Write L1 objects to the disk tier, then let them leave L1."""
+        from lmcache.v1.distributed.error import L1Error
+
+        disk, l1 = self.disk, self.l1
+        if disk is None or l1 is None:
+            self.on_disk_written([], keys)
+            return
+        result = l1.reserve_read(keys)
+        found = [k for k in keys if result[k][0] == L1Error.SUCCESS]
+        objs = [result[k][1] for k in found]
+        missing = [k for k in keys if k not in found]
+        if missing:
+            if found:
+                l1.finish_read(found)
+            self.stats[f"{part}_demote_missing"] += 1
+            self.on_disk_written([], keys)
+            return
+
+        def done(ok: list[ObjectKey], failed: list[ObjectKey]) -> None:
+            l1.finish_read(found)
+            self.l1_delete(self._leaving_l1(ok))
+
+        disk.write_objects(found, [o.byte_array for o in objs], done)

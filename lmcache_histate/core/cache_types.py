@@ -1,0 +1,103 @@
+"""The values that cross the core's facade (``cache.HiStateCache``): its configuration,
+a request's handle between ``begin`` and ``complete``, and the stats it reports.
+
+Kept apart from ``cache`` so that the facade module holds the algorithm only; ``cache``
+re-exports all three.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, snapshot_tokens
+from .index import Match, Node
+from .placement import PlacementRules, TierSpec
+
+__all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Sizes and knobs of one cache instance.
+
+    ``kv_chunk_bytes``: KV bytes of one chunk (chunk tokens × KV bytes per token);
+    ``snapshot_bytes``: one recurrent-state snapshot. ``tau``: None calibrates the
+    score's recency scale online (the design, ``score``); a number in seconds fixes it
+    (0 = LRU over units). ``attention_tokens``: the context length at which causal
+    attention costs as much per recomputed token as the rest of the prefill (linear cost
+    ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
+    ``fixed_interval`` (tokens) replaces the controller's choice, for
+    baselines and ablations; 0 saves only each segment's final snapshot.
+    """
+
+    chunk_tokens: int
+    kv_chunk_bytes: int
+    snapshot_bytes: int
+    tiers: tuple[TierSpec, ...]
+    rules: PlacementRules = field(default_factory=PlacementRules)
+    tau: float | None = None
+    refresh_all: bool = True
+    supported_intervals: tuple[int, ...] | None = None
+    ema_alpha: float = EMA_ALPHA
+    end_probability_prior: float = END_PROBABILITY_PRIOR
+    fixed_interval: int | None = None
+    attention_tokens: float = math.inf
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.attention_tokens > 0:
+            raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
+        if self.fixed_interval is not None and (
+            self.fixed_interval < 0 or self.fixed_interval % self.chunk_tokens
+        ):
+            raise ValueError(
+                f"fixed_interval must be 0 or a multiple of chunk_tokens "
+                f"({self.chunk_tokens}), got {self.fixed_interval}"
+            )
+
+    @property
+    def token_bytes(self) -> int:
+        return max(1, self.kv_chunk_bytes // self.chunk_tokens)
+
+    @property
+    def snapshot_tokens(self) -> float:
+        """``N_s``: one snapshot in KV-token units (of whole KV bytes per token)."""
+        return snapshot_tokens(self.snapshot_bytes, self.token_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The core's learned state and occupancy at one instant (``HiStateCache.stats``).
+
+    ``used_bytes`` / ``capacity_bytes``: per tier, in the order of ``CacheConfig.tiers``;
+    ``tau_s``: the eviction score's recency scale in use; ``kv_residence_s`` /
+    ``snapshot_residence_s``: the residence-time EMAs behind ``pressure_factor``.
+    """
+
+    nodes: int
+    sessions: int
+    used_bytes: tuple[int, ...]
+    capacity_bytes: tuple[int, ...]
+    pressure_factor: float
+    end_probability: float
+    hit_samples: int
+    tau_s: float
+    tau_calibrated: bool
+    reaccess_gap_s: float
+    reaccess_samples: int
+    kv_residence_s: float
+    snapshot_residence_s: float
+    dropped_units: int
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    session_id: str
+    keys: tuple[int, ...]
+    match: Match
+    pinned: list[Node]
+    at_end: bool | None
+    began: float | None = None

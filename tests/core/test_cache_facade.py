@@ -1,0 +1,92 @@
+"""The verbs of the core's facade (``HiStateCache``) that the simulator, the live runtime
+and tests use instead of the private index / store / queue / interval controller.
+
+One small cache: chunks of 4 tokens, 10 B of KV per chunk (2 B per token), 25 B per
+snapshot (N_s = 25 / 2 = 12.5 token units), tier 0 = CPU and tier 1 = disk, default rules
+(KV and final snapshots on tier 0, intermediate snapshots on tier 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_histate.core.cache import CacheConfig, HiStateCache
+from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.placement import KV, SNAPSHOT, TierSpec
+
+CHUNK, KV_BYTES, SNAP_BYTES = 4, 10, 25
+CPU, DISK = ServerTier.CPU, ServerTier.DISK
+KEYS = [101, 102, 103, 104]
+
+
+def stored(cpu: int = 1000, disk: int = 1000) -> HiStateCache:
+    """Session "a": chunks 101..104, snapshots after chunk 2 (token 8, intermediate) and
+    chunk 4 (token 16, the final), stored at t = 1."""
+    cache = HiStateCache(CacheConfig(
+        chunk_tokens=CHUNK, kv_chunk_bytes=KV_BYTES, snapshot_bytes=SNAP_BYTES,
+        tiers=(TierSpec("cpu", cpu), TierSpec("disk", disk)),
+        supported_intervals=(CHUNK, 2 * CHUNK),
+    ))
+    cache.complete(cache.attach("a", KEYS), 16, 1.0, boundaries=[8, 16])
+    return cache
+
+
+def test_queries_and_stats_describe_what_is_stored() -> None:
+    cache = stored()
+    # CPU: 4 KV chunks (40 B) + the final snapshot (25 B) = 65 B; disk: the intermediate 25 B.
+    assert (cache.used_bytes(CPU), cache.used_bytes(DISK)) == (65, 25)
+    assert cache.free_bytes(CPU) == 1000 - 65
+    assert cache.tiers_of(KEYS[0], KV) == 1 << CPU
+    assert cache.tiers_of(KEYS[0], SNAPSHOT) == 0
+    assert cache.tiers_of(KEYS[1], SNAPSHOT) == 1 << DISK
+    assert cache.tiers_of(KEYS[3], SNAPSHOT) == 1 << CPU
+    assert cache.tiers_of(999, KV) == 0  # unknown chunk
+    assert cache.holds_kv_prefix(KEYS[:2]) and cache.holds_kv_prefix(KEYS)
+    assert not cache.holds_kv_prefix([*KEYS, 105])
+    assert KEYS[2] in cache and 999 not in cache
+    assert cache.has_session("a") and cache.session_end("a") == KEYS[3]
+    assert cache.session_end("nobody") is None
+    stats = cache.stats()
+    assert (stats.nodes, stats.sessions) == (4, 1)
+    assert (stats.used_bytes, stats.capacity_bytes) == ((65, 25), (1000, 1000))
+    assert stats.pressure_factor == 1.0  # nothing has left the cache yet
+    assert stats.dropped_units == 0
+
+
+def test_evict_demotes_the_lowest_ranked_cpu_unit() -> None:
+    """Tier 0 is not the last tier: it ranks by recency, ties deepest first (eviction
+    NOTE 3). Everything was stored at t = 1, so the deepest unit goes first: the bundle of
+    chunks 3-4 (KV 2 × 10 B) and the final snapshot (25 B), demoted to disk: 45 B freed."""
+    cache = stored()
+    victim = cache.victim(CPU)
+    assert victim is not None and victim[0] == KEYS[3]
+    assert cache.evict(CPU, 1, 2.0) == 45
+    assert (cache.used_bytes(CPU), cache.used_bytes(DISK)) == (65 - 45, 25 + 45)
+    assert cache.tiers_of(KEYS[3], SNAPSHOT) == 1 << DISK
+    cache.check()
+
+
+def test_set_capacity_evicts_until_it_fits_and_keeps_what_is_pinned() -> None:
+    cache = stored()
+    handle = cache.begin("a", KEYS, 2.0)  # pins the path: its units cannot go
+    assert cache.set_capacity(DISK, 0, 3.0) == 25  # what is held stays: capacity = held
+    cache.release(handle)
+    assert cache.set_capacity(DISK, 0, 4.0) == 0  # the intermediate snapshot is dropped
+    assert cache.tiers_of(KEYS[1], SNAPSHOT) == 0 and cache.used_bytes(DISK) == 0
+    assert cache.stats().capacity_bytes == (1000, 0)
+    cache.check()
+
+
+def test_force_pressure_factor_moves_the_interval_choice() -> None:
+    """Segment L = 64, N_s = 12.5, supported I = 4 or 8, cost I/2 + F·N_s·L/I:
+    F = 1 (learned, nothing evicted): I = 4 → 2 + 200 = 202, I = 8 → 4 + 100 = 104: 8;
+    F = 0.01: I = 4 → 2 + 2 = 4, I = 8 → 4 + 1 = 5: 4."""
+    cache = stored()
+    assert cache.interval_for(64) == 8
+    assert cache.force_pressure_factor(0.01) == 0.01
+    assert cache.interval_for(64) == 4
+    assert cache.stats().pressure_factor == 0.01
+    assert cache.force_pressure_factor(None) == 1.0
+    assert cache.interval_for(64) == 8
+    with pytest.raises(ValueError, match="factor must be positive"):
+        cache.force_pressure_factor(0.0)
