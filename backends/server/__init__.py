@@ -1,0 +1,1 @@
+"""The LMCache server side of HiState: launcher, runtime, disk tier, plugins, shared index."""
