@@ -29,7 +29,9 @@ def free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process; ``start`` / ``kill`` / ``start`` again keeps the port."""
 
-    def __init__(self, workdir: Path, *extra: str) -> None:
+    def __init__(self, workdir: Path, *extra: str, config: str = "") -> None:
+        """``extra``: command-line options; ``config``: redis.conf lines (e.g. ``user``
+        directives, whose spaces the command line would not keep)."""
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
@@ -39,6 +41,7 @@ class RedisServer:
         self.binary = binary
         self.workdir = workdir
         self.extra = extra
+        self.config = config
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -48,8 +51,10 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "redis.conf"
+        conf.write_text(self.config)
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
