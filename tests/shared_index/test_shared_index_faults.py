@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from lmcache_histate.backends import diskfile as df
+from lmcache_histate.backends.server.shared_index.budget import local_delete_allowed
+from lmcache_histate.backends.server.shared_index.connection import IndexConnection
 from lmcache_histate.backends.server.shared_index.reconcile import reconcile
 from lmcache_histate.backends.server.shared_index.registration import Registrar
-from support.redis_server import RedisServer
-from support.shared_index import hold_lease, make_index, write
+from support.redis_server import RedisServer, free_port
+from support.shared_index import hold_lease, make_index, settings, write
 
 LOGGER = "lmcache_histate.shared_index"
 
@@ -151,3 +153,19 @@ def test_reconcile_adopts_orphans_and_clears_stale_and_expired_entries(
     # A second pass finds nothing left to do (young is still in its grace period).
     again = reconcile(a, shared_dir, grace_s=60.0)
     assert sum(v for k, v in again.items() if k != "files") == 0
+
+
+def test_local_deletes_wait_for_leases_granted_before_the_outage(tmp_path: Path) -> None:
+    # Redis never reachable (a port nobody listens on); lease_ttl 30 s, fake clock.
+
+    now = [100.0]
+    conn = IndexConnection(settings(f"redis://127.0.0.1:{free_port()}/0", "A",
+                                    connect_timeout_s=0.2),
+                           clock=lambda: now[0])
+    assert local_delete_allowed(conn) is False  # connected: deletes go through claims
+    assert conn.call(lambda c: c.ping(), "fallback") == "fallback"
+    assert conn.degraded
+    now[0] = 129.9  # 29.9 s into the outage: a lease granted just before may still run
+    assert local_delete_allowed(conn) is False
+    now[0] = 130.0  # 30 s: every lease granted before the outage has expired
+    assert local_delete_allowed(conn) is True

@@ -142,3 +142,17 @@ def test_deployment_emas_and_session_hand_off(redis_server: RedisServer) -> None
     assert (facts.owner, facts.end, facts.end_tokens) == ("A", "ab" * 16, 768)
     assert facts.gap is not None and facts.gap >= 0
     assert b.emas()["gap_n"] == 1.0
+
+
+def test_rescore_moves_an_object_in_the_ranking(redis_server: RedisServer,
+                                                shared_dir: Path) -> None:
+    # tau = 10 s. Both objects start with C/M = 1 (H = t); object 1, older, would go first.
+    # Its owner learns a session now needs it: C/M = e^3, H1 = t1 + 30 s > H2 = t2 (t2 - t1
+    # is well under a second), so object 2 goes first.
+    a = make_index(redis_server.url, "A", tau=10.0)
+    a.join(1 << 20)
+    r1, r2 = write(shared_dir, 1, b"a" * 100), write(shared_dir, 2, b"b" * 100)
+    a.commit([r1])
+    a.commit([r2])
+    assert a.rescore([(r1.id, r1.size * math.exp(3), r1.size)]) == 1
+    assert [v.id for v in a.claim(1)] == [r2.id]
