@@ -93,25 +93,18 @@ def reconcile(
     # 1. files without an entry
     ids = list(files)
     states: dict[str, str | None] = {}
-    for start in range(0, len(ids), batch):
-        part = ids[start : start + batch]
-
-        def hmget(c, part=part):  # type: ignore[no-untyped-def]
-            with c.pipeline(transaction=False) as p:
-                for i in part:
-                    p.hget(keys.entry(i), "state")
-                return p.execute()
-
-        got = conn.call(hmget, None)
+    for part in _batches(ids, batch):
+        got = _read(index, [keys.entry(i) for i in part], ("state",))
         if got is None:
             return None
-        states.update(zip(part, got, strict=True))
+        states.update((i, row[0]) for i, row in zip(part, got, strict=True))
     orphans = [i for i in ids if states.get(i) is None]
     if adopt and orphans:
-        status = index.commit(_record(root, *files[i]) for i in orphans)
-        if status is None:
-            return None
-        report["adopted"] += sum(1 for s in status if s == 2)
+        for part in _batches(orphans, batch):
+            status = index.commit([_record(root, *files[i]) for i in part])
+            if status is None:
+                return None
+            report["adopted"] += sum(1 for s in status if s == 2)
     elif orphans:
         for i in orphans:
             with contextlib.suppress(OSError):
@@ -130,7 +123,7 @@ def reconcile(
             return None
         cursor, names = page
         if names:
-            rows = conn.call(lambda c, names=names: _states(c, names), None)
+            rows = _read(index, names, ("state", "path"))
             if rows is None:
                 return None
             for name, (state, path) in zip(names, rows, strict=True):
@@ -141,10 +134,12 @@ def reconcile(
                     expiring.append(i)
         if int(cursor) == 0:
             break
-    report["stale_forgotten"] += index.forget_stored(stale)
+    for part in _batches(stale, batch):
+        report["stale_forgotten"] += index.forget_stored(part)
     delete = delete or delete_victims(root)
     complete: list[ObjectRecord] = []
-    for i, state, path in index.forget_expired(expiring):
+    expired = [row for part in _batches(expiring, batch) for row in index.forget_expired(part)]
+    for i, state, path in expired:
         if state == "evicting":
             report["claims_completed"] += index.drop(delete([Victim(i, path, 0)])) or 0
         elif i in files:  # the writer died after the rename: the file is complete
@@ -156,9 +151,17 @@ def reconcile(
     return report
 
 
-def _states(c, names):  # type: ignore[no-untyped-def]
-    with c.pipeline(transaction=False) as p:
-        for name in names:
-            p.hmget(name, "state", "path")
-        return p.execute()
+def _batches(ids: list[str], size: int) -> list[list[str]]:
+    return [ids[start : start + size] for start in range(0, len(ids), size)]
 
+
+def _read(index: SharedIndex, names: list[str], fields: tuple[str, ...]) -> list | None:
+    """``HMGET name *fields`` for every name, one pipeline; None if unreachable."""
+
+    def go(c):  # type: ignore[no-untyped-def]
+        with c.pipeline(transaction=False) as p:
+            for name in names:
+                p.hmget(name, *fields)
+            return p.execute()
+
+    return index.conn.call(go, None)

@@ -15,6 +15,12 @@ core's ``EvictionQueue.victim``): ``tau`` drifts; queued scores are not recomput
 it. ``claim`` recomputes the lowest entry's ``H`` and, when it rose, re-queues it and
 looks again, so drift delays a unit by at most the drift of its own ``H``.
 
+NOTE 2 (lease keys carry no TTL): a lease is a member of the object's lease set scored by
+its expiry; ``claim`` drops expired members before it counts live ones, and the set is
+deleted with its entry (``drop``, ``forget``). So a lease set lives at most as long as its
+object and holds at most one member per server; setting a key expiry on every lease
+would cost two more commands per object on the lookup path.
+
 Numbers leave Lua as strings (Redis truncates Lua numbers to integers in replies).
 """
 
@@ -56,8 +62,10 @@ end
 
 RESERVE = _PRELUDE + """
 -- ARGV: owner, write_ms, then (id, size, path) per object.
--- Per object: 1 reserved (state writing), 0 present already (write nothing),
--- -1 over budget. Last element: bytes that must be claimed for the -1 objects to fit.
+-- Per object: 1 reserved (state writing), 0 present already (stored or being written:
+-- write nothing), -1 not reserved: over budget, or being evicted right now (its bytes
+-- are not in the deficit; the caller may store it again later). Last element: bytes
+-- that must be claimed for the over-budget objects to fit.
 local owner, ttl = ARGV[1], tonumber(ARGV[2])
 local now = now_ms()
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -65,7 +73,10 @@ local budget = tonumber(redis.call('GET', P .. 'budget') or '-1')
 local out, short = {}, 0
 for i = 3, #ARGV, 3 do
   local key, size = P .. 'o:' .. ARGV[i], tonumber(ARGV[i + 1])
-  if redis.call('EXISTS', key) == 1 then
+  local state = redis.call('HGET', key, 'state')
+  if state == 'evicting' then
+    out[#out + 1] = -1
+  elseif state then
     out[#out + 1] = 0
   elseif budget >= 0 and used + size > budget then
     out[#out + 1] = -1
@@ -136,9 +147,7 @@ for i = 4, #ARGV, 2 do
   local f = redis.call('HMGET', key, 'state', 'cost', 'freed', FIELDS)
   if f[1] == 'stored' then
     if mode % 2 == 1 and lease > 0 then
-      local lk = P .. 'lease:' .. id
-      redis.call('ZADD', lk, nowms + lease, holder)
-      if redis.call('PTTL', lk) < lease then redis.call('PEXPIRE', lk, lease) end
+      redis.call('ZADD', P .. 'lease:' .. id, nowms + lease, holder)  -- NOTE 2
     end
     if mode >= 2 then
       if tau == nil then tau = tau_of(ARGV[3]) end
