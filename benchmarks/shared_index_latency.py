@@ -15,8 +15,11 @@ What one LOOKUP of a hit costs on the server, per number of disk objects in the 
 * ``shared+release``: plus ``release`` of the leases (a second round trip, which the
   server makes after the load, off the request's path).
 
-Each with redis-py's pure-Python reply parser and with hiredis (when installed), in one
-run, interleaved: read the ratios, not the absolute times (shared 2-core machine).
+Each with redis-py's pure-Python reply parser and with hiredis when it is installed
+(``.venv/bin/pip install hiredis``; not a dependency: it does not measurably help, see
+benchmarks/README.md), in one run, interleaved: read the ratios, not the absolute times (shared 2-core machine). The
+last column is the time Redis itself spent in the lookup script per call
+(``INFO commandstats``), the part no client-side change removes.
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def _objects(root: Path, n: int) -> list[tuple[ObjectKey, ObjectRecord]]:
     return out
 
 
+def _script_usec(client: redis.Redis) -> tuple[int, int]:
+    """(calls, µs) Redis spent in EVALSHA so far."""
+    stat = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stat.get("calls", 0)), int(stat.get("usec", 0))
+
+
 def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
     samples = []
     for _ in range(repeats):
@@ -103,8 +112,9 @@ def main() -> None:
 
     print(f"{args.files} objects on disk and in the index; {args.repeats} lookups per cell; "
           f"redis-py {redis.__version__}, hiredis {'yes' if HIREDIS_AVAILABLE else 'no'}")
-    print("| objects | path | median (µs) | p99 (µs) | median / single |")
-    print("|---:|---|---:|---:|---:|")
+    print("| objects | path | median (µs) | p99 (µs) | median / single | in Redis (µs/call) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    probe = first.conn.client
     try:
         for k in args.objects:
             def pick(k: int = k) -> list[tuple[ObjectKey, ObjectRecord]]:
@@ -118,6 +128,7 @@ def main() -> None:
                 adapter.submit_unlock(keys)
 
             rows: dict[str, list[float]] = {"single": []}
+            in_redis: dict[str, list[int]] = {}
             cells: dict[str, Callable[[], None]] = {"single": single}
             for name, index in indexes.items():
                 def shared(index=index, release=False) -> None:  # type: ignore[no-untyped-def]
@@ -132,13 +143,20 @@ def main() -> None:
                 cells[f"shared+release, {name}"] = lambda s=shared: s(release=True)
             for _ in range(4):  # interleaved rounds
                 for name, fn in cells.items():
+                    calls0, usec0 = _script_usec(probe)
                     rows.setdefault(name, []).extend(_timed(fn, args.repeats // 4))
+                    calls1, usec1 = _script_usec(probe)
+                    acc = in_redis.setdefault(name, [0, 0])
+                    acc[0] += calls1 - calls0
+                    acc[1] += usec1 - usec0
             base = statistics.median(rows["single"])
             for name, samples in rows.items():
                 samples.sort()
                 med = statistics.median(samples)
                 p99 = samples[int(0.99 * (len(samples) - 1))]
-                print(f"| {k} | {name} | {med:.1f} | {p99:.1f} | {med / base:.1f}× |")
+                calls, usec = in_redis[name]
+                script = f"{usec / calls:.1f}" if calls > 0 else "–"
+                print(f"| {k} | {name} | {med:.1f} | {p99:.1f} | {med / base:.1f}× | {script} |")
     finally:
         adapter.close()
         server.stop()

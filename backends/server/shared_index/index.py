@@ -32,7 +32,7 @@ from .connection import IndexConnection
 from .layout import KeySpace, ObjectRecord
 from .scripts import LOOKUP_FIELDS, SCRIPTS
 
-__all__ = ["Location", "Reservation", "SessionFacts", "SharedIndex", "Victim"]
+__all__ = ["BudgetMismatch", "Location", "Reservation", "SessionFacts", "SharedIndex", "Victim"]
 
 LEASE = 1
 TOUCH = 2
@@ -176,7 +176,7 @@ class SharedIndex:
         out: dict[str, Location] = {}
         for i, row in zip(modes, rows, strict=True):
             if row and i in wanted:
-                f = dict(zip(LOOKUP_FIELDS, row, strict=True))
+                f = dict(zip(LOOKUP_FIELDS, row.split("\t"), strict=True))
                 out[i] = Location(
                     i, f["path"], int(f["size"]), int(f["crc"]), f["owner"], int(f["kind"]),
                     int(f["depth"]), bytes.fromhex(f["parent"]), int(f["tier"]),
