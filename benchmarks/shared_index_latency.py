@@ -17,9 +17,9 @@ What one LOOKUP of a hit costs on the server, per number of disk objects in the 
 
 Each with redis-py's pure-Python reply parser and with hiredis when it is installed
 (``.venv/bin/pip install hiredis``; not a dependency: it does not measurably help, see
-benchmarks/README.md), in one run, interleaved: read the ratios, not the absolute times (shared 2-core machine). The
-last column is the time Redis itself spent in the lookup script per call
-(``INFO commandstats``), the part no client-side change removes.
+benchmarks/README.md), in one run, interleaved: read the ratios, not the absolute times
+(shared 2-core machine). The last column is the time Redis itself spent in the lookup
+script per call (``INFO commandstats``), the part no client-side change removes.
 """
 
 from __future__ import annotations

@@ -5,15 +5,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from lmcache_histate.backends import diskfile as df
 from lmcache_histate.backends.server.shared_index.budget import (
     delete_victims,
     reserve_with_eviction,
 )
-from lmcache_histate.backends.server.shared_index.connection import IndexConnection
-from lmcache_histate.backends.server.shared_index.index import SharedIndex
+from lmcache_histate.backends.server.shared_index.connection import IndexConnection, Unavailable
+from lmcache_histate.backends.server.shared_index.index import BudgetMismatch, SharedIndex
 from lmcache_histate.backends.server.shared_index.layout import KeySpace
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, free_port
 from support.shared_index import make_index, oid, record_size, settings, write
 
 
@@ -156,3 +157,16 @@ def test_rescore_moves_an_object_in_the_ranking(redis_server: RedisServer,
     a.commit([r2])
     assert a.rescore([(r1.id, r1.size * math.exp(3), r1.size)]) == 1
     assert [v.id for v in a.claim(1)] == [r2.id]
+
+
+def test_join_refuses_another_budget_and_an_unreachable_redis(redis_server: RedisServer) -> None:
+    make_index(redis_server.url, "A").join(4 << 30)  # the first server sets 4 GiB
+    with pytest.raises(BudgetMismatch) as err:
+        make_index(redis_server.url, "B").join(2 << 30)
+    assert str(err.value).startswith(
+        "disk_gib: this server's disk budget (2147483648 bytes) differs from the "
+        "deployment's (4294967296 bytes"
+    )
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
+    with pytest.raises(Unavailable, match=r"Redis at redis://127\.0\.0\.1:\d+/0 is unreachable"):
+        make_index(dead, "C", connect_timeout_s=0.2).join(4 << 30)
