@@ -29,9 +29,13 @@ def free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process; ``start`` / ``kill`` / ``start`` again keeps the port."""
 
-    def __init__(self, workdir: Path, *extra: str, config: str = "") -> None:
+    def __init__(
+        self, workdir: Path, *extra: str, config: str = "", tls: tuple[Path, Path] | None = None
+    ) -> None:
         """``extra``: command-line options; ``config``: redis.conf lines (e.g. ``user``
-        directives, whose spaces the command line would not keep)."""
+        directives, whose spaces the command line would not keep); ``tls``: (certificate,
+        key) files: a TLS port is opened too (``tls_url``), the plain one stays for the
+        readiness probe."""
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
@@ -43,11 +47,21 @@ class RedisServer:
         self.extra = extra
         self.config = config
         self.port = free_port()
+        self.tls_port = free_port() if tls else None
+        if tls is not None:
+            cert, key = tls
+            self.extra = (*extra, "--tls-port", str(self.tls_port), "--tls-cert-file", str(cert),
+                          "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                          "--tls-auth-clients", "no")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
