@@ -12,7 +12,11 @@ from lmcache_histate.backends.server.shared_index.budget import (
     reserve_with_eviction,
 )
 from lmcache_histate.backends.server.shared_index.connection import IndexConnection, Unavailable
-from lmcache_histate.backends.server.shared_index.index import BudgetMismatch, SharedIndex
+from lmcache_histate.backends.server.shared_index.index import (
+    BudgetMismatch,
+    SessionFacts,
+    SharedIndex,
+)
 from lmcache_histate.backends.server.shared_index.layout import KeySpace
 from support.redis_server import RedisServer, free_port
 from support.shared_index import make_index, oid, record_size, settings, write
@@ -143,6 +147,12 @@ def test_deployment_emas_and_session_hand_off(redis_server: RedisServer) -> None
     assert (facts.owner, facts.end, facts.end_tokens) == ("A", "ab" * 16, 768)
     assert facts.gap is not None and facts.gap >= 0
     assert b.emas()["gap_n"] == 1.0
+    b.session_begin("s2")  # a new session at B, no final snapshot yet
+    assert a.sessions(idle_at_most_s=60.0) == {
+        "s1": SessionFacts("B", "ab" * 16, 768, None),  # now served by B
+        "s2": SessionFacts("B", "", 0, None),
+    }
+    assert a.sessions(idle_at_most_s=-60.0) == {}  # none accessed in the future
 
 
 def test_rescore_moves_an_object_in_the_ranking(redis_server: RedisServer,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -109,7 +110,8 @@ class SharedIndex:
         client = conn.client
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
-    def _run(self, name: str, args: Sequence[object], fallback: object = None):  # type: ignore[no-untyped-def]
+    def _run(self, name: str, args: Sequence[object], fallback: Any = None) -> Any:
+        """Script ``name`` with ``args`` (one round trip), or ``fallback`` if unreachable."""
         script = self._scripts[name]
         used = self.keys.used
         return self.conn.call(lambda c: script(keys=[used], args=list(args), client=c), fallback)
@@ -274,6 +276,28 @@ class SharedIndex:
         """``sid``'s request stored its final snapshot ``end_id`` at ``end_tokens``."""
         self._run("session", [sid, self.instance, end_id, end_tokens, self._alpha, 0])
 
+    def sessions(self, idle_at_most_s: float) -> dict[str, SessionFacts] | None:
+        """Sessions of the deployment accessed within ``idle_at_most_s`` seconds (Redis
+        clock), with their owner and final snapshot: what a server adds to its core's view
+        so that ``C`` counts the sessions other servers serve. Janitor work (two round
+        trips), never on a request's path; ``gap`` is None in these facts."""
+        k = self.keys
+
+        def go(c: redis.Redis) -> dict[str, SessionFacts]:
+            sec, usec = c.time()
+            since = sec + usec / 1e6 - idle_at_most_s
+            sids = c.zrangebyscore(k.sessions, since, "+inf")
+            with c.pipeline(transaction=False) as p:
+                for sid in sids:
+                    p.hmget(k.session(sid), "owner", "end", "end_tokens")
+                rows = p.execute()
+            return {
+                sid: SessionFacts(owner or "", end or "", int(tokens or 0), None)
+                for sid, (owner, end, tokens) in zip(sids, rows, strict=True)
+            }
+
+        return self.conn.call(go, None)
+
     def observe(self, samples: Iterable[tuple[str, float]]) -> list[float] | None:
         """Seeded EMA steps of deployment fields (``layout.EMA_FIELDS`` names)."""
         args: list[object] = [self._alpha]
@@ -291,4 +315,7 @@ class SharedIndex:
         """``(used, budget, evicting)`` bytes of the deployment's disk tier."""
         k = self.keys
         raw = self.conn.call(lambda c: c.mget(k.used, k.budget, k.prefix + "evicting"), None)
-        return None if raw is None else tuple(int(v or 0) for v in raw)  # type: ignore[return-value]
+        if raw is None:
+            return None
+        used, budget, evicting = (int(v or 0) for v in raw)
+        return used, budget, evicting

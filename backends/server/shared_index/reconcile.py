@@ -24,11 +24,12 @@ Files are matched to entries by the id of the key in their header, never by name
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+
+import redis
 
 from ... import diskfile as df
 from .budget import Deleter, delete_victims
@@ -36,8 +37,6 @@ from .index import SharedIndex, Victim
 from .layout import ObjectRecord, object_id
 
 __all__ = ["reconcile"]
-
-logger = logging.getLogger("lmcache_histate.shared_index")
 
 
 def _record(root: Path, path: Path, header: df.Header) -> ObjectRecord:
@@ -48,9 +47,11 @@ def _record(root: Path, path: Path, header: df.Header) -> ObjectRecord:
     )
 
 
-def _files(root: Path, grace_s: float, now: float, report: Counter[str]) -> dict[str, tuple]:
+def _files(
+    root: Path, grace_s: float, now: float, report: Counter[str]
+) -> dict[str, tuple[Path, df.Header]]:
     """Valid object files older than ``grace_s`` by id; stale temporaries removed."""
-    found: dict[str, tuple] = {}
+    found: dict[str, tuple[Path, df.Header]] = {}
     for path in df.iter_files(root):
         try:
             st = path.lstat()
@@ -158,7 +159,7 @@ def _batches(ids: list[str], size: int) -> list[list[str]]:
 def _read(index: SharedIndex, names: list[str], fields: tuple[str, ...]) -> list | None:
     """``HMGET name *fields`` for every name, one pipeline; None if unreachable."""
 
-    def go(c):  # type: ignore[no-untyped-def]
+    def go(c: redis.Redis) -> list:
         with c.pipeline(transaction=False) as p:
             for name in names:
                 p.hmget(name, *fields)
