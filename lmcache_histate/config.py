@@ -30,6 +30,7 @@ from typing import Any
 from .core.defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, MAX_INTERVAL_CHUNKS
 from .core.geometry import GeometryError, ModelGeometry, load_geometry
 from .exposure import check_exposure
+from .shared_index_config import SharedIndexConfig, parse_shared_index
 from .yamlfile import read_yaml
 
 __all__ = ["PLATFORMS", "POLICIES", "ConfigError", "HiStateConfig", "load_config", "parse_config"]
@@ -86,6 +87,8 @@ class HiStateConfig:
     # resolved for them, and the geometry uses them when not "auto" (NOTE 1).
     dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
+    # Several servers sharing one disk tier through Redis; None = one server (today).
+    shared_index: SharedIndexConfig | None = None
 
     # ------------------------------------------------------------ derived
     @property
@@ -125,6 +128,8 @@ class HiStateConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, SharedIndexConfig):
+                value = value.to_dict()
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -315,6 +320,10 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     if get("supported_intervals") is not None:
         values["supported_intervals"] = _intervals(
             get("supported_intervals"), values.get("chunk_size"), errors
+        )
+    if get("shared_index") is not None:
+        values["shared_index"] = parse_shared_index(
+            get("shared_index"), values.get("port"), base_dir, errors
         )
     _check_rounding(values, errors)
     check_exposure(data, values, base_dir, errors)

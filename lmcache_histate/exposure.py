@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_exposure", "is_loopback", "read_secret"]
+__all__ = ["check_exposure", "check_secret_file", "is_loopback", "read_secret"]
 
 MIN_SECRET = 16
 """Shortest accepted shared secret, in characters."""
@@ -43,7 +43,7 @@ def check_exposure(
     remote = values.get("allow_remote", False)
     token = data.get("auth_token_file")
     if token is not None:
-        values["auth_token_file"] = _token_file(token, base_dir, errors)
+        values["auth_token_file"] = check_secret_file("auth_token_file", token, base_dir, errors)
     elif remote:
         errors.append(
             "auth_token_file: required when allow_remote is true (a file holding the shared "
@@ -61,8 +61,12 @@ def check_exposure(
             )
 
 
-def _token_file(value: Any, base_dir: Path | None, errors: list[str]) -> str | None:
-    key = "auth_token_file"
+def check_secret_file(
+    key: str, value: Any, base_dir: Path | None, errors: list[str], min_length: int = MIN_SECRET
+) -> str | None:
+    """The absolute path of a secret file named by ``key``, or None with the problem in
+    ``errors``: a regular file, not readable by group or others, holding at least
+    ``min_length`` characters. The secret itself never appears in a message."""
     if not isinstance(value, str) or not value.strip():
         errors.append(f"{key}: must be a non-empty string (a file path), got {value!r}")
         return None
@@ -82,8 +86,8 @@ def _token_file(value: Any, base_dir: Path | None, errors: list[str]) -> str | N
             f"{key}: {str(p)!r} is readable by other users (mode {st.st_mode & 0o777:o}); "
             "chmod 600 it"
         )
-    elif len(secret) < MIN_SECRET:
-        errors.append(f"{key}: the secret in {str(p)!r} must be at least {MIN_SECRET} characters")
+    elif len(secret) < min_length:
+        errors.append(f"{key}: the secret in {str(p)!r} must be at least {min_length} characters")
     else:
         return str(p)
     return None

