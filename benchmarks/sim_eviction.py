@@ -5,7 +5,8 @@ trace is replayed through the eviction rows (``histate``, ``lru``, ``lru-refresh
 ``file-lru``) and the two rows that define the reuse-sensitive requests (``unlimited``,
 ``vllm-cpu-disk-offload``; docs/design.md §6: hit rate ≥ 5 points below the unlimited cache
 under disk offload, or HiState and disk offload ≥ 5 points apart). One row per policy:
-token hit rate, TTFT mean and p99, reuse-sensitive mean and p99, units dropped.
+token hit rate, TTFT mean and p99, reuse-sensitive mean and p99, units dropped, and the
+row's memory (GPU + CPU + disk bytes it caches in, ``RunResult.capacity_bytes``).
 
 Usage: ``python benchmarks/sim_eviction.py [--trace weka-sample] [--max-input-tokens N]
 [--config configs/sim-paper.yaml] [--factors 0.125,0.25,0.5,1,2] [--policies a,b]
@@ -65,8 +66,8 @@ def main() -> None:
     print(f"trace {trace.name}: {len(trace.sessions)} sessions, {trace.num_requests} requests")
     print()
     print("| CPU+disk (GiB) | policy | hit % | mean (s) | p99 (s) | sensitive mean (s) "
-          "| sensitive p99 (s) | dropped units |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| sensitive p99 (s) | dropped units | memory (GiB) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for factor in (float(x) for x in args.factors.split(",")):
         setup = base.with_(
             cpu_bytes=int(base.cpu_bytes * factor), disk_bytes=int(base.disk_bytes * factor)
@@ -84,8 +85,9 @@ def main() -> None:
             sens = TtftStats.of(r.ttft for r in res if r.key in sensitive)
             dropped = runs[name].stats.get("dropped_units")
             units = "–" if dropped is None else f"{dropped:.0f}"  # file-lru drops objects
+            memory = runs[name].capacity_bytes / GIB
             print(f"| {cap:.1f} | {name} | {100 * token_hit_rate(res):.2f} | {_cells(all_)} "
-                  f"| {_cells(sens)} | {units} |")
+                  f"| {_cells(sens)} | {units} | {memory:.1f} |")
         print(f"<!-- factor {factor:g}: {len(sensitive)} reuse-sensitive requests, "
               f"{makespan:.2f} simulated h, {time.perf_counter() - t0:.0f} s -->")
 

@@ -102,27 +102,31 @@ class EvictionQueue:
         c = self.cost(anchor) if anchor.snap_tiers else 0.0
         return score(anchor.access, c * self.token_bytes, freed, tau)
 
-    def _tier_bytes(self, anchor: Node) -> list[int]:
+    def _tier_bytes(self, anchor: Node, kind: UnitKind | None = None) -> list[int]:
         """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
 
         Every tier but the last demotes (a snapshot unit carries its KV segment); the
         last drops (a snapshot unit goes alone). Objects sit on one tier each, except
-        final snapshots with a write-through copy.
+        final snapshots with a write-through copy. The KV walk is ``units.tail_chain``
+        inlined (this runs for every re-ranked unit).
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
-        kind = unit_kind(anchor)
         if kind is None:
-            return out
-        snap, chain = unit_nodes(anchor, demote=last > 0)
-        if snap is not None:
-            mask = snap.snap_tiers
+            kind = unit_kind(anchor)
+            if kind is None:
+                return out
+        if kind is not UnitKind.DEAD:
+            mask = anchor.snap_tiers
             while mask:
                 low = mask & -mask
-                out[low.bit_length() - 1] += snap.snap_bytes
+                out[low.bit_length() - 1] += anchor.snap_bytes
                 mask ^= low
+        if kind is UnitKind.SNAPSHOT and last == 0:
+            return out
         kv_on_last = kind is not UnitKind.SNAPSHOT
-        for node in chain:
+        node = anchor
+        while True:
             mask = node.kv_tiers
             while mask:
                 low = mask & -mask
@@ -130,7 +134,10 @@ class EvictionQueue:
                 if t < last or kv_on_last:
                     out[t] += node.kv_bytes
                 mask ^= low
-        return out
+            parent = node.parent
+            if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
+                return out
+            node = parent
 
     def rank(self, anchor: Node, tier: int) -> float | None:
         """``H`` of the unit at ``anchor`` for ``tier``; None if it frees nothing there."""
@@ -141,10 +148,11 @@ class EvictionQueue:
 
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
-        if anchor.depth < 0 or unit_kind(anchor) is None or anchor.parent is None:
+        kind = unit_kind(anchor)
+        if anchor.depth < 0 or kind is None or anchor.parent is None:
             self.remove(anchor)
             return
-        freed = self._tier_bytes(anchor)
+        freed = self._tier_bytes(anchor, kind)
         tau = self.tau
         for tier, heap in enumerate(self.heaps):
             if freed[tier] > 0:

@@ -1,13 +1,34 @@
-"""An addressable binary min-heap: the priority queue behind every eviction decision.
+"""An addressable min-heap: the priority queue behind every eviction decision.
 
-Eviction ranks change constantly (each access refreshes timestamps, each insert shifts
-neighbouring costs), so the queue must support O(log n) update and removal by key, not
-only push/pop. Ties are broken by a monotonically increasing sequence number so that the
-order is deterministic for a given sequence of operations.
+Eviction ranks change constantly (each structural change re-ranks the units around it,
+each victim check may re-rank the top), so the queue must support update and removal
+by key, not only push/pop. Ties are broken by an optional ``tie`` and then by insertion
+order, so the order is deterministic for a given sequence of operations.
+
+**Algorithm: a binary heap with lazy deletion.** The heap list holds entries
+``(priority, tie, order, version, key)``; ``_live[key]`` is the key's current entry.
+``set`` pushes a new entry and makes it current (the previous one goes stale in place);
+``discard`` forgets the current entry. ``peek`` and ``pop`` first discard stale entries
+from the top (an entry is stale when it is not ``_live[key]``). When stale entries
+outnumber live ones the list is rebuilt from the live entries (``heapify``, O(n),
+paid once per n stale entries: O(1) amortised). Every operation is therefore a
+``heapq`` push or pop, O(log n) in C, where the sift loops of a heap in Python were the
+queue's hottest code (``benchmarks/core_ops.py``).
+
+Invariants:
+  * ``_live[key]`` is in ``_heap`` for every live key; ``len(self)`` counts live keys;
+  * ``_heap`` is a ``heapq`` heap; at most ``max(len(_live), COMPACT_MIN)`` of its
+    entries are stale.
+
+NOTE 1. Entries are compared as whole tuples: ``version`` is unique, so a comparison
+never reaches the key (keys need not be orderable). ``order`` is the key's insertion
+number, kept when its priority moves, so equal ``(priority, tie)`` go by insertion as
+in a heap updated in place; a key discarded and set again is inserted anew.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
@@ -15,113 +36,75 @@ K = TypeVar("K", bound=Hashable)
 
 __all__ = ["IndexedHeap"]
 
+COMPACT_MIN = 64
+
 
 class IndexedHeap(Generic[K]):
-    """Min-heap of ``(priority, key)`` with O(log n) ``set`` / ``remove`` by key.
+    """Min-heap of ``(priority, key)`` with ``set`` / ``discard`` by key in O(log n).
 
     Equal priorities are ordered by an optional ``tie`` (lower first), then by insertion.
-
-    Invariants:
-      * ``self._pos[key]`` is the index of ``key`` in ``self._heap``;
-      * every entry's ``(priority, tie, seq)`` is ≤ its children's.
-
-    NOTE 1. Entries are compared as whole ``(priority, tie, seq, key)`` tuples: ``seq``
-    is unique, so a comparison never reaches the key (keys need not be orderable), and
-    no slice is built per comparison (the sifts are the queue's hottest loop).
     """
 
-    __slots__ = ("_heap", "_pos", "_seq")
+    __slots__ = ("_heap", "_live", "_seq")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, K]] = []
-        self._pos: dict[K, int] = {}
+        self._heap: list[tuple[float, int, int, int, K]] = []
+        self._live: dict[K, tuple[float, int, int, int, K]] = {}
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._pos
+        return key in self._live
 
     def __iter__(self) -> Iterator[K]:
-        return iter(list(self._pos))
+        return iter(list(self._live))
 
     def priority(self, key: K) -> float:
-        return self._heap[self._pos[key]][0]
+        return self._live[key][0]
 
     def set(self, key: K, priority: float, tie: int = 0) -> None:
         """Insert ``key`` or move it to ``(priority, tie)``."""
-        i = self._pos.get(key)
-        if i is None:
-            self._seq += 1
-            self._heap.append((priority, tie, self._seq, key))
-            self._pos[key] = len(self._heap) - 1
-            self._sift_up(len(self._heap) - 1)
+        old = self._live.get(key)
+        self._seq += 1
+        if old is None:
+            order = self._seq
+        elif old[0] == priority and old[1] == tie:
             return
-        entry = self._heap[i]
-        new = (priority, tie, entry[2], key)
-        if entry[0] == priority and entry[1] == tie:
-            return
-        self._heap[i] = new
-        if new < entry:
-            self._sift_up(i)
         else:
-            self._sift_down(i)
+            order = old[2]
+        entry = (priority, tie, order, self._seq, key)
+        self._live[key] = entry
+        heapq.heappush(self._heap, entry)
+        if old is not None:
+            self._maybe_compact()
 
     def discard(self, key: K) -> bool:
         """Remove ``key`` if present; returns whether it was."""
-        i = self._pos.pop(key, None)
-        if i is None:
+        if self._live.pop(key, None) is None:
             return False
-        last = self._heap.pop()
-        if i < len(self._heap):
-            self._heap[i] = last
-            self._pos[last[3]] = i
-            self._sift_up(i)
-            self._sift_down(self._pos[last[3]])
+        self._maybe_compact()
         return True
 
     def peek(self) -> tuple[K, float] | None:
-        if not self._heap:
-            return None
-        pri, _, _, key = self._heap[0]
-        return key, pri
+        heap, live = self._heap, self._live
+        while heap:
+            top = heap[0]
+            if live.get(top[4]) is top:
+                return top[4], top[0]
+            heapq.heappop(heap)
+        return None
 
     def pop(self) -> tuple[K, float]:
-        if not self._heap:
+        top = self.peek()
+        if top is None:
             raise IndexError("pop from an empty IndexedHeap")
-        pri, _, _, key = self._heap[0]
-        self.discard(key)
-        return key, pri
+        del self._live[top[0]]
+        heapq.heappop(self._heap)
+        return top
 
-    def _sift_up(self, i: int) -> None:
-        heap, pos = self._heap, self._pos
-        item = heap[i]
-        while i > 0:
-            parent = (i - 1) >> 1
-            if heap[parent] <= item:
-                break
-            heap[i] = heap[parent]
-            pos[heap[i][3]] = i
-            i = parent
-        heap[i] = item
-        pos[item[3]] = i
-
-    def _sift_down(self, i: int) -> None:
-        heap, pos = self._heap, self._pos
-        n = len(heap)
-        item = heap[i]
-        while True:
-            child = 2 * i + 1
-            if child >= n:
-                break
-            right = child + 1
-            if right < n and heap[right] < heap[child]:
-                child = right
-            if item <= heap[child]:
-                break
-            heap[i] = heap[child]
-            pos[heap[i][3]] = i
-            i = child
-        heap[i] = item
-        pos[item[3]] = i
+    def _maybe_compact(self) -> None:
+        if len(self._heap) > 2 * max(len(self._live), COMPACT_MIN):
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)

@@ -13,7 +13,9 @@ Invariants (checked by ``check()``; the property tests run it after every operat
     KV of chunks ``0..i`` *and* the state after chunk ``i``.
   * ``kv_children`` counts the children holding KV, so KV leaves are O(1) to recognise.
   * ``weight`` = Σ 1/P_s over the sessions s whose path (root … session node) passes
-    through the node, P_s the session's context length: the density of internal hits.
+    through the node, P_s the session's context length: the density of internal hits;
+    ``passes`` = the number of those sessions (the end hits that can resume from the
+    node once everything below it is gone; ``units.expected_recompute``).
   * Empty nodes (no KV, no snapshot, no children) are pruned; a session whose node is
     pruned moves to the parent, so a session's node is its deepest live node.
 
@@ -47,6 +49,7 @@ class Node:
         "kv_since",
         "kv_tiers",
         "parent",
+        "passes",
         "pins",
         "snap_bytes",
         "snap_since",
@@ -67,6 +70,7 @@ class Node:
         self.snap_bytes = 0
         self.snap_since = 0.0
         self.weight = 0.0
+        self.passes = 0
         self.ends: set[Session] | None = None
         self.access = 0.0
         self.pins = 0
@@ -275,7 +279,7 @@ class PrefixIndex:
             raise ValueError(f"session {sid!r}: end_tokens must be positive")
         session = self.sessions.get(sid)
         if session is not None:
-            self._add_weight(session, -1.0 / session.end_tokens)
+            self._add_weight(session, -1.0 / session.end_tokens, -1)
             self._detach_end(session)
             session.node = node
             session.end_tokens = end_tokens
@@ -286,14 +290,14 @@ class PrefixIndex:
             if node.ends is None:
                 node.ends = set()
             node.ends.add(session)
-        self._add_weight(session, 1.0 / end_tokens)
+        self._add_weight(session, 1.0 / end_tokens, 1)
         return session
 
     def drop_session(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
         if session is None:
             return
-        self._add_weight(session, -1.0 / session.end_tokens)
+        self._add_weight(session, -1.0 / session.end_tokens, -1)
         self._detach_end(session)
 
     def _detach_end(self, session: Session) -> None:
@@ -303,10 +307,11 @@ class PrefixIndex:
             if not ends:
                 session.node.ends = None
 
-    def _add_weight(self, session: Session, delta: float) -> None:
+    def _add_weight(self, session: Session, delta: float, count: int) -> None:
         node: Node | None = session.node
         while node is not None and node.depth >= 0:
             node.weight = max(0.0, node.weight + delta)
+            node.passes += count
             node = node.parent
 
     # ---------------------------------------------------------------- checking
@@ -329,3 +334,9 @@ class PrefixIndex:
             assert session.node is self.root or self.nodes.get(session.node.key) is session.node
             if session.node is not self.root:
                 assert session.node.ends is not None and session in session.node.ends
+        passes: dict[Node, int] = {}
+        for session in self.sessions.values():
+            for node in session.node.path():
+                passes[node] = passes.get(node, 0) + 1
+        for node in self.nodes.values():
+            assert node.passes == passes.get(node, 0), f"passes of {node}"

@@ -33,16 +33,23 @@ and ``τ`` is the sessions' own re-access scale, measured, not tuned.
   go before anything that can still be hit unless that is more than
   ``−ln(MIN_RATIO) ≈ 20.7`` re-access scales older.
 
-**Worked example** (``τ = 60 s``). A bundle (a session's last 4,224-token segment plus
-its final snapshot of ``N_s = 1,572`` token units; ``p_end = 0.95``): ``C = 4,224 · 0.95
-= 4,013`` tokens, ``M = 4,224 + 1,572 = 5,796``, ``ln(C/M) = −0.37``. An intermediate
-snapshot on disk with the same spacing, of a session whose remaining internal-hit
-mass is 0.5: ``C = 4,224 · 0.05 · 0.5 = 106``, ``M = 1,572``, ``ln(C/M) = −2.70``. The
-bundle's ``H`` is ``60 · (2.70 − 0.37) = 140 s`` above the snapshot's at equal ``t``: the
-final bundle of a session that has waited 2 minutes on a tool outranks the history
-snapshot of the session that is active right now; after 2 minutes 20 s more idling it
-does not. With the paper's form and ``τ = 600 s`` over 65 sessions the same gap was
-``600 · (4,013/5,796 − 106/1,572) / 65 = 5.8 s``.
+**Worked example** (``τ = 60 s``, ``p_end = 0.95``, ``N_s = 1,572`` token units).
+* A session's final bundle (its last 4,224-token segment plus its final snapshot):
+  ``C = 4,224 · 0.95 = 4,013`` tokens, ``M = 4,224 + 1,572 = 5,796``, ``ln(C/M) = −0.37``.
+* An intermediate snapshot on disk with the same spacing, one session through it,
+  remaining internal-hit mass 0.5: ``C = 4,224 · (0.05 · 0.5 + 0.95 · 1) = 4,118``
+  (its end hits count: the resume point once the tail below has left, ``units`` NOTE
+  1), ``M = 1,572``, ``ln(C/M) = +0.96``. Its ``H`` is ``60 · (0.96 + 0.37) = 80 s``
+  above the bundle's at equal ``t``: a cold session leaves from its tail, one interval
+  at a time, and an idle session's bundle goes before an active session's history
+  snapshot unless it is more than 80 s more recent.
+* An intermediate snapshot one 528-token chunk after the previous one (Figure 7's S2):
+  ``C = 528 · 0.975 = 515``, ``ln(515/1,572) = −1.12``: ``60 · (1.12 − 0.37) = 45 s``
+  *below* the bundle at equal ``t``: a snapshot that saves little recompute goes before
+  the final bundle of a session waiting on a tool, which is the paper's Figure 7.
+With the paper's form, ``τ = 600 s`` and ``C`` divided by 65 sessions, the gap between
+the bundle and an internal-hit-only snapshot (``C = 4,224 · 0.05 · 0.5 = 106``) was
+``600 · (4,013/5,796 − 106/1,572) / 65 = 5.8 s``: a few seconds of recency, i.e. LRU.
 
 NOTE 1 (calibration). ``T`` is an EMA of the gaps between consecutive accesses of the
 same session (``begin`` of request ``i+1`` minus ``begin`` of request ``i``: think time,

@@ -33,6 +33,33 @@ sessions whose hits can need the snapshot, one access each: it is the loss *when
 come back*. Whether they come back is the recency term's business (``score``); the
 paper's ``1/N`` (every live session equally likely to be next) is a constant factor that
 the score ignores by construction, so it is not applied.
+
+**End hits of an intermediate snapshot: priced as the resume point it is once the tail
+below it has left** (NOTE 1). Every session passing the snapshot (``Node.passes``) counts
+an end access, not only those ending in its zone: ``mass = (1 − p_end)·internal +
+p_end·passes``.
+
+NOTE 1 (why: granularity, measured). The cost term ranks only where units leave the
+cache (the last tier, ``score`` NOTE 3), and there a cold session's units must leave
+*from the tail*, one interval at a time (the peel above): each step frees one
+segment and the session, if it comes back, still resumes from the snapshot above it.
+Priced by internal hits alone (``C = δ·(1 − p_end)·…``, ``p_end`` ≈ 0.97 in the Weka
+traces), an intermediate snapshot is the cheapest thing in the tier and goes *first*;
+once a session's intermediates are gone its KV belongs to one bundle from its root to
+its end, and that bundle leaves at once. Measured on the whole Weka folder at 1/8 of the
+paper's CPU+disk: 281 end-of-context requests lost 240K tokens each that way, while
+``file-lru`` (objects peeled a chunk at a time) kept resume points
+(``benchmarks/sim_eviction.md``). Per byte the two orders lose the same when *both*
+units go (a merged bundle loses ``p_end·(δ_s + δ_t)`` for ``δ_s + δ_t + N_s`` bytes, the
+pair ``p_end·δ_t`` for ``δ_t + N_s`` and then ``p_end·δ_s`` for ``δ_s + N_s``); they
+differ when only part of the room is needed, which is the common case (a store needs one
+chunk, the merged bundle frees a whole context). Pricing the snapshot's end hits as
+needed makes its ``C/M = p_end·δ_s / N_s`` exceed the tail bundle's ``p_end·δ_t / (δ_t +
+N_s) < p_end`` whenever ``δ_s ≥ N_s`` (intervals are ``√(2·L·N_s·F)``, above ``N_s`` for
+any segment ``L > N_s / 2F``), so at equal recency the tail goes first. While the tail
+is cached this overstates the snapshot's value (the end hit resumes from the final
+snapshot, not from it): an upper bound that only matters once the tail is the next
+victim, which is exactly when the snapshot becomes the session's resume point.
 """
 
 from __future__ import annotations
@@ -143,9 +170,11 @@ def expected_recompute(
     per token as the rest; ``inf`` = tokens only).
 
     Walks the snapshot's *zone* (descendants reachable without crossing another
-    snapshot): sessions ending in the zone lose ``p - p_prev`` on end accesses and on
-    internal hits in ``[p, P_s)``; sessions passing a boundary snapshot at ``q`` lose it
-    on internal hits in ``[p, q)``, whose mass is ``(q - p) · weight(q)``.
+    snapshot): sessions ending in the zone lose ``p - p_prev`` on internal hits in
+    ``[p, P_s)``; sessions passing a boundary snapshot at ``q`` lose it on internal hits
+    in ``[p, q)``, whose mass is ``(q - p) · weight(q)``. Every session passing the
+    snapshot (``node.passes``) loses it on an end access once its tail is gone (module
+    NOTE 1).
     """
     if not node.snap_tiers:
         return 0.0
@@ -153,7 +182,6 @@ def expected_recompute(
     prev = snapshot_ancestor(node)
     delta = p - (0 if prev is None else (prev.depth + 1) * chunk_tokens)
     internal = 0.0
-    ends = 0
     stack = [node]
     while stack:
         q = stack.pop()
@@ -161,12 +189,11 @@ def expected_recompute(
             for session in q.ends:
                 if session.end_tokens > p:
                     internal += (session.end_tokens - p) / session.end_tokens
-                ends += 1
         if q.children:
             for child in q.children.values():
                 if child.snap_tiers:
                     internal += ((child.depth + 1) * chunk_tokens - p) * child.weight
                 else:
                     stack.append(child)
-    mass = (1.0 - end_probability) * internal + end_probability * ends
+    mass = (1.0 - end_probability) * internal + end_probability * node.passes
     return delta * mass * (1.0 + (2 * p - delta) / (2.0 * attention_tokens))

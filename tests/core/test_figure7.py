@@ -93,23 +93,25 @@ def test_figure7_victim_flips_at_the_hand_computed_tau() -> None:
     p_end: prior 0.9, three end accesses of B (t = 2, 3, 5) with α = 0.05:
     1 − 0.1·0.95³ = 1 − 0.0857375 = 0.9142625.
     C2: S2 at 1,050, previous snapshot S1 at 1,000 → δ = 50; its zone ends at S3
-    (1,200), B's density 1/1,200 → internal mass (1,200 − 1,050)/1,200 = 0.125;
-    C2 = 50 · (1 − p_end) · 0.125 = 0.535859.
+    (1,200), B's density 1/1,200 → internal mass (1,200 − 1,050)/1,200 = 0.125; one
+    session (B) passes S2, whose end access resumes from S2 once S3's tail is gone
+    (``units`` NOTE 1): C2 = 50 · (0.0857375 · 0.125 + 0.9142625 · 1)
+    = 50 · 0.9249796875 = 46.248984375.
     C6: S6 is C's final at 1,000, no snapshot before it → δ = 1,000, one session end;
     C6 = 1,000 · p_end = 914.2625.
     Both free one snapshot (M = 1,572 tokens) in the snapshot tier; after B's read at
     t = 5, H2 = 5 + τ·ln(C2/M) and H6 = 4 + τ·ln(C6/M), so H2 < H6 ⟺
-    τ > 1 / ln(C6/C2) = 1 / ln(1,706.16) = 1 / 7.44199 = 0.13437 s.
-    (S1, S3 stay above S2: same t = 5, larger C: C1 = 1,000·0.0857375·50/1,200 = 3.57,
-    C3 = 150·p_end = 137.1.)
+    τ > 1 / ln(C6/C2) = 1 / ln(19.76827) = 1 / 2.98408 = 0.33511 s.
+    (S1, S3 stay above S2: same t = 5, larger C: C1 = 1,000 · (0.0857375 · 50/1,200 +
+    0.9142625) = 917.83, C3 = 150·p_end = 137.1.)
     """
     by_tau = {}
-    for tau in (0.13, 0.14):
+    for tau in (0.33, 0.34):
         cache, names = build(tau, True)
         found = cache.victim(1)
         assert found is not None
         by_tau[tau] = {v: k for k, v in names.items()}[found[0]]
-    assert by_tau == {0.13: "S6", 0.14: "S2"}
+    assert by_tau == {0.33: "S6", 0.34: "S2"}
 
 
 def test_refresh_is_lazy_and_victim_reranks_stale_entries() -> None:
@@ -164,7 +166,7 @@ def test_cost_priced_with_causal_attention() -> None:
     S6: δ = 1,000 over [0, 1,000) → factor 1 + 1,000/20,000 = 1.05;
         C6 = 914.2625 · 1.05 = 959.975625.
     S2: δ = 50 over [1,000, 1,050) → factor 1 + 2,050/20,000 = 1.1025;
-        C2 = 0.535859375 · 1.1025 = 0.590785.
+        C2 = 46.248984375 · 1.1025 = 50.989505.
     """
     cache, names = build(600.0, True)
     s6, s2 = cache.node(names["S6"]), cache.node(names["S2"])
@@ -172,4 +174,42 @@ def test_cost_priced_with_causal_attention() -> None:
     assert queue.cost(s6) == pytest.approx(914.2625)  # type: ignore[arg-type]
     queue.attention_tokens = 10_000.0
     assert queue.cost(s6) == pytest.approx(959.975625)  # type: ignore[arg-type]
-    assert queue.cost(s2) == pytest.approx(0.590785, abs=1e-6)  # type: ignore[arg-type]
+    assert queue.cost(s2) == pytest.approx(50.989505, abs=1e-6)  # type: ignore[arg-type]
+
+
+def test_a_cold_session_leaves_the_last_tier_from_its_tail() -> None:
+    """``units`` NOTE 1: at the last tier a cold session peels from its tail, keeping a
+    resume point, instead of losing its intermediates first and then its whole context.
+
+    One tier (the last), 4-token chunks, 10 B per KV token (a chunk = 40 B), 80-B
+    snapshots (N_s = 8 tokens), τ = 5 s, snapshots every 8 tokens. Session A (24 tokens,
+    t = 1) holds 6 KV chunks (240 B) and snapshots at 8, 16 and 24 (240 B): 480 B, the
+    tier's capacity. p_end is the prior 0.9 (no access has continued a session yet).
+    Units and their C/M (tokens):
+    * bundle at 24 (KV chunks 5–6 + the final): C = δ·p_end = 8·0.9 = 7.2,
+      M = 80/10 + 8 = 16 → 0.45, H = 1 + 5·ln 0.45 = −2.99;
+    * snapshot at 16: δ = 8, internal mass (24 − 16)·(1/24) = 1/3, one session passes:
+      C = 8·(0.1/3 + 0.9) = 7.467, M = 8 → 0.933, H = 1 + 5·ln 0.933 = 0.66;
+    * snapshot at 8: the same C and M (its zone ends at 16: (16 − 8)/24 = 1/3): H = 0.66.
+    Session B (t = 2) stores one chunk and its final: 120 B. The bundle goes first and
+    frees 160 B, enough: A keeps KV chunks 1–4 and the snapshots at 8 and 16, so A's
+    next request resumes from 16 tokens. (Priced by internal hits alone, the snapshots'
+    C/M would be 8·0.1/3/8 = 0.033: both would go first, then A's whole context.)
+    """
+    cfg = CacheConfig(
+        chunk_tokens=4, kv_chunk_bytes=40, snapshot_bytes=80,
+        tiers=(TierSpec("disk", 480),),
+        rules=PlacementRules(kv_tier=0, snapshot_tier=0, final_tier=0),
+        fixed_interval=8, tau=5.0,
+    )
+    cache = HiStateCache(cfg)
+    a = [1, 2, 3, 4, 5, 6]
+    cache.complete(cache.begin("A", a, 1.0), 24, 1.0)
+    assert cache.stats().end_probability == pytest.approx(0.9)
+    assert cache.used_bytes(0) == 480
+    cache.complete(cache.begin("B", [101], 2.0), 4, 2.0)
+    cache.check()
+    nodes = [cache.node(k) for k in a]
+    assert [n is not None and n.has_kv for n in nodes] == [True] * 4 + [False] * 2
+    assert [i + 1 for i, n in enumerate(nodes[:4]) if n.has_snapshot] == [2, 4]
+    assert cache.lookup(a).hit_chunks == 4

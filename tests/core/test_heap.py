@@ -49,3 +49,17 @@ def test_equal_priorities_go_by_tie_then_insertion() -> None:
     heap.set("e", 2.0)
     heap.set("e", 2.0, -1)
     assert heap.pop()[0] == "e"
+
+
+def test_moved_entries_are_compacted_and_the_order_survives() -> None:
+    # Three keys re-set 1,000 times each leave 2,997 stale entries behind; the list is
+    # rebuilt whenever it exceeds 2·max(live, 64) = 128 entries, so it never holds more
+    # than 129, and the last priorities (a 3.0, b 1.0, c 2.0) decide the order.
+    heap: IndexedHeap[str] = IndexedHeap()
+    for i in range(1000):
+        for key, base in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
+            heap.set(key, base + (999 - i))
+            assert len(heap._heap) <= 129
+    assert len(heap) == 3
+    assert [heap.pop() for _ in range(3)] == [("b", 1.0), ("c", 2.0), ("a", 3.0)]
+    assert heap.peek() is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from lmcache_histate.sim.baselines import BASELINES, baseline_policies
 from lmcache_histate.sim.baselines.file_lru import FileLRUPolicy, file_lru_policy
+from lmcache_histate.sim.capture import Capture, capture_of, capture_time
 from lmcache_histate.sim.traces import Request
 
 GEO = {"chunk_tokens": 4, "kv_bytes_per_token": 1, "snapshot_bytes": 8}
@@ -61,3 +62,38 @@ def test_objects_leave_one_by_one_not_as_units() -> None:
     assert tiers[6] == ("gpu", "disk")
     assert [pol.resident(index.get(k)) for k in b] == [("gpu", None), ("gpu", "gpu")]
     pol.engine.check()
+
+
+def test_interval_states_are_charged_as_histate_charges_them() -> None:
+    # The 48-token segment of test_placement_and_interval_are_histate_s plans states at
+    # chunks 7 (intermediate) and 12 (final). HiState's bill for such a plan
+    # (``histate_capture``): prefill in steps of one 4-token chunk and one device → host
+    # copy (the intermediate state). With a 2 ms step overhead, an 8,192-token engine
+    # step and 8 B/s copies: 48 recomputed tokens take ceil(48/4) = 12 small steps
+    # instead of ceil(48/8192) = 1, so 11 more steps = 0.022 s; one 8-B copy = 1.0 s.
+    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
+    keys = list(range(1, 13))
+    req = request("A", keys, 48)
+    lookup = pol.begin(req, 1.0)
+    cap = capture_of(pol, req, lookup)
+    assert cap == Capture(step_tokens=4, splits=0, host_states=1)
+    compute, copy = capture_time(
+        cap, 48, 8, step_overhead_s=2e-3, engine_step_tokens=8192, copy_bytes_per_s=8.0
+    )
+    assert (round(compute, 9), copy) == (0.022, 1.0)
+    # What is charged is what is stored: states at chunks 7 and 12, nothing else.
+    pol.complete(req, lookup, 1.0)
+    nodes = [pol.engine.index.get(k) for k in keys]
+    assert [i + 1 for i, n in enumerate(nodes) if n.has_snapshot] == [7, 12]
+
+
+def test_a_request_adding_no_segment_plans_and_stores_no_state() -> None:
+    # A repeats A's 12 chunks: the KV match covers the prompt, so there is no new
+    # segment, no interval state (no host copy) and the final state stays the one saved.
+    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
+    keys = list(range(1, 13))
+    req = request("A", keys, 48)
+    pol.complete(req, pol.begin(req, 1.0), 1.0)
+    again = pol.begin(req, 2.0)
+    assert again.handle.plan.chunks == []
+    assert capture_of(pol, req, again).host_states == 0

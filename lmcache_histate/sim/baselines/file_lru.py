@@ -15,7 +15,11 @@ independent LRU object. Everything else stays HiState's, so the row isolates evi
   snapshot tier), and each object moves down one tier at a time when LRU picks it;
 * **the same interval control**: ``IntervalController`` with the pressure factor from
   the observed residence times of KV and snapshots (every object leaving the cache is
-  a sample, as in ``TieredStore.drop``).
+  a sample, as in ``TieredStore.drop``);
+* **the same capture bill**: the interval states are planned when the request is
+  scheduled (``plan``, as ``histate_capture`` does for HiState's rows), charged from
+  that plan (``capture``: one-chunk prefill steps, one device → host copy per
+  intermediate state) and stored by ``complete`` exactly as planned.
 
 What it lacks is exactly the ablated mechanism: no units (a KV chunk can leave while the
 snapshot that makes it useful stays, and vice versa), no cost term, no refresh-all
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ...core.defaults import MAX_INTERVAL_CHUNKS
 from ...core.index import Node, PrefixIndex
 from ...core.interval import IntervalController, ResidenceTracker, supported_intervals
+from ..capture import Capture
 from ..policy import Lookup
 from ..traces import Request
-from .end_state import EndStatePolicy
+from .end_state import EndStatePolicy, StatePlan
 from .tiered_lru import STATE, PoolSpec, TieredLRU, UseHandle
 
 __all__ = ["FileLRU", "file_lru_policy"]
@@ -103,11 +109,25 @@ class FileLRUPolicy(EndStatePolicy):
         self.file_engine = engine
         self.interval = interval
 
+    def plan(self, request: Request, handle: UseHandle) -> StatePlan:
+        """HiState's interval boundaries of the new segment, the last one final."""
+        chunk = self.chunk_tokens
+        bounds = self.interval.boundaries(
+            handle.match.kv_chunks * chunk, len(handle.keys) * chunk
+        )
+        chunks = [p // chunk for p in bounds]
+        return StatePlan(chunks[-1] if chunks else 0, chunks)
+
+    def capture(self, request: Request, lookup: Lookup) -> Capture:
+        """HiState's bill (``histate_capture``): prefill in steps of one chunk (the
+        engine must be able to end a step at any planned boundary), and a device → host
+        copy of every intermediate state."""
+        mid = len(lookup.handle.plan.mid)
+        return Capture(step_tokens=self.chunk_tokens, host_states=mid if self.has_host_tier else 0)
+
     def complete(self, request: Request, lookup: Lookup, now: float) -> dict[str, int]:
         handle: UseHandle = lookup.handle
-        chunk = self.chunk_tokens
-        plan = self.interval.boundaries(handle.match.kv_chunks * chunk, len(handle.keys) * chunk)
-        return self.file_engine.admit_at(handle, [p // chunk for p in plan], now)
+        return self.file_engine.admit_at(handle, handle.plan.chunks, now)
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
@@ -121,7 +141,7 @@ def file_lru_policy(
     """File-level LRU over ``tiers`` = [(name, capacity bytes), ...], fastest first (the
     last one is the snapshot tier), with HiState's interval control. ``geometry``:
     ``chunk_tokens``, ``kv_bytes_per_token``, ``snapshot_bytes`` (what every row gets)
-    and optionally ``max_interval_multiple`` (64)."""
+    and optionally ``max_interval_chunks`` (``core.defaults.MAX_INTERVAL_CHUNKS``)."""
     chunk = geometry["chunk_tokens"]
     per_token = geometry["kv_bytes_per_token"]
     snapshot = geometry["snapshot_bytes"]
@@ -134,7 +154,7 @@ def file_lru_policy(
     interval = IntervalController(
         chunk,
         snapshot / per_token,
-        supported_intervals(chunk, geometry.get("max_interval_multiple", 64)),
+        supported_intervals(chunk, geometry.get("max_interval_chunks", MAX_INTERVAL_CHUNKS)),
         residence,
     )
     return FileLRUPolicy(name, engine, interval)
