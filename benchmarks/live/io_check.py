@@ -90,10 +90,15 @@ def cpu_copy(size: int, repeats: int = 20) -> dict[str, float]:
     return {"tier_mb_s": tier, "memmove_mb_s": plain}
 
 
-def measure(folder: Path, count: int = 8) -> dict[str, Any]:
-    """All rows, raw disk measured first and last (its mean is the reference)."""
+def measure(folder: Path, total_mb: int = 400) -> dict[str, Any]:
+    """All rows, raw disk measured first and last (its mean is the reference).
+
+    Each object size writes about ``total_mb`` MB (8 snapshots, 24 KV chunks at 400), the
+    order of dd's 256 MiB: eight 17 MB objects took ~0.1 s, too short to time against dd.
+    """
     first = raw_disk(folder)
-    rows = {name: tier_disk(folder, size, count) for name, size in SIZES.items()}
+    rows = {name: tier_disk(folder, size, max(1, round(total_mb * 1e6 / size)))
+            for name, size in SIZES.items()}
     last = raw_disk(folder)
     raw = {k: (first[k] + last[k]) / 2 for k in first}
     return {"raw_disk": raw, "raw_disk_runs": [first, last], "disk_tier": rows,
@@ -125,17 +130,18 @@ def markdown(io: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python benchmarks/live/io_check.py [--folder DIR] [--count N]``: the I/O table alone."""
+    """``python benchmarks/live/io_check.py [--folder DIR] [--total-mb N]``: the I/O table alone."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, default=Path.cwd(),
                         help="folder on the disk to measure (default: the current one)")
-    parser.add_argument("--count", type=int, default=8, help="objects per size (default 8)")
+    parser.add_argument("--total-mb", type=int, default=400,
+                        help="MB written per object size (default 400)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(dir=args.folder, prefix="io-check-"))
     try:
-        print(markdown(measure(work, args.count)))
+        print(markdown(measure(work, args.total_mb)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
