@@ -27,6 +27,7 @@ sessions through them). Deterministic given the call sequence and the ``now`` va
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .cache_types import CacheConfig, RequestHandle
 from .eviction import EvictionQueue
@@ -40,26 +41,17 @@ from .units import HitModel
 __all__ = ["RequestPath"]
 
 
+@dataclass(slots=True)
 class RequestPath:
     """The request verbs over the parts ``HiStateCache`` wires together (shared, not owned)."""
 
-    def __init__(
-        self,
-        config: CacheConfig,
-        index: PrefixIndex,
-        queue: EvictionQueue,
-        store: TieredStore,
-        interval: IntervalController,
-        hit_model: HitModel,
-        reaccess: ReaccessScale,
-    ) -> None:
-        self.config = config
-        self.index = index
-        self.queue = queue
-        self.store = store
-        self.interval = interval
-        self.hit_model = hit_model
-        self.reaccess = reaccess
+    config: CacheConfig
+    index: PrefixIndex
+    queue: EvictionQueue
+    store: TieredStore
+    interval: IntervalController
+    hit_model: HitModel
+    reaccess: ReaccessScale
 
     def snapshot_plan(self, start_tokens: int, input_tokens: int) -> list[int]:
         """Token positions at which to save states for a segment ``[start, input)``."""
