@@ -29,15 +29,17 @@ def run(name: str, hits: list[int], ttfts: list[float] | None = None) -> RunResu
 
 
 def test_reuse_sensitive_by_hand() -> None:
-    # Per request (hit % of 100 tokens):   0    1    2    3    4    5
-    unlimited = run("unlimited", [90, 90, 90, 90, 50, 0])
-    offload = run("vllm-cpu-disk-offload", [90, 86, 85, 90, 50, 0])
-    histate = run("histate", [90, 86, 85, 95, 46, 0])
+    # Per request (hit % of 100 tokens):   0    1    2    3    4    5   6
+    unlimited = run("unlimited", [90, 90, 90, 90, 50, 0, 90])
+    offload = run("vllm-cpu-disk-offload", [90, 86, 85, 90, 50, 0, 90])
+    histate = run("histate", [90, 86, 85, 95, 46, 0, 84])
     # 0: equal everywhere -> no. 1: 4 points below unlimited, same as HiState -> no.
     # 2: exactly 5 points below unlimited -> yes. 3: HiState 5 points above -> yes.
     # 4: HiState 4 points below offload, offload = unlimited -> no. 5: all miss -> no.
+    # 6: HiState 6 points *below* offload (offload = unlimited) -> yes: the difference
+    #    counts both ways.
     runs = {"histate": histate, "vllm-cpu-disk-offload": offload, "unlimited": unlimited}
-    assert reuse_sensitive(runs) == {("s", 2), ("s", 3)}
+    assert reuse_sensitive(runs) == {("s", 2), ("s", 3), ("s", 6)}
     # Without one of the three rows there is no definition.
     assert reuse_sensitive({"histate": histate, "unlimited": unlimited}) is None
 

@@ -1,0 +1,217 @@
+"""``C`` and ``H`` on a small tree, every expected value worked out by hand.
+
+The tree (chunks of 10 tokens; ``[S]`` = a snapshot at the chunk's end)::
+
+    1 ─ 2[S] ─ 3 ─ 4[S] ─ 5 ─ 6[S]    session a ends at 6 (60 tokens)
+                    └──── 7 ─ 8        session b ends at 8 (60 tokens), no snapshot
+
+Hit densities (``weight`` = Σ 1/P_s over the sessions through a node): nodes 1–4 carry
+both sessions (2/60), 5–6 only a (1/60), 7–8 only b (1/60). The units: snapshot units at
+2 and 4 (they have KV below them), the bundle at 6 (KV leaf with a snapshot) and the dead
+tail at 8 (KV leaf without one). The hit model's ``p_end`` is its prior, 0.9.
+
+Bytes: 4 per token, so a KV chunk is 40 B; a snapshot is 200 B (50 token units).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lmcache_histate.core.eviction import EvictionQueue
+from lmcache_histate.core.index import Node, PrefixIndex
+from lmcache_histate.core.units import HitModel, expected_recompute
+
+CHUNK = 10
+TOKEN_BYTES = 4
+KV = CHUNK * TOKEN_BYTES
+SNAP = 200
+LN_1E9 = math.log(1e-9)  # −20.723266
+
+
+def tree(kv_tier: int = 0, snap_tier: int = 0) -> tuple[PrefixIndex, dict[int, Node]]:
+    index = PrefixIndex(CHUNK)
+    a = index.insert_chain([1, 2, 3, 4, 5, 6])
+    b = index.insert_chain([1, 2, 3, 4, 7, 8])
+    nodes = {n.key: n for n in (*a, *b)}
+    for key in (1, 2, 3, 4, 5, 6, 7, 8):
+        index.set_kv(nodes[key], 1 << kv_tier, KV, 0.0)
+    for key in (2, 4, 6):
+        index.set_snapshot(nodes[key], 1 << snap_tier, SNAP, 0.0)
+    index.set_session("a", nodes[6], 60)
+    index.set_session("b", nodes[8], 60)
+    for node in nodes.values():
+        node.access = 100.0
+    return index, nodes
+
+
+def queue(index: PrefixIndex, tiers: int, tau: float, **kw: object) -> EvictionQueue:
+    q = EvictionQueue(index, tiers, tau=tau, token_bytes=TOKEN_BYTES,
+                      hit_model=HitModel(prior=0.9), **kw)  # type: ignore[arg-type]
+    for node in index.nodes.values():
+        q.update(node)
+    return q
+
+
+def test_expected_recompute_of_a_snapshot_a_bundle_and_a_dead_tail() -> None:
+    _, n = tree()
+    # S2 (p = 20, nothing above: δ = 20). Its zone is 3, then boundary S4 at q = 40:
+    # internal mass (40 − 20)·weight(4) = 20·2/60 = 2/3; no session ends in the zone.
+    # C = 20·(0.1·2/3 + 0.9·0) = 1.333333.
+    assert expected_recompute(n[2], CHUNK, 0.9) == pytest.approx(4 / 3)
+    # S4 (p = 40, previous S2 at 20: δ = 20). Zone: 5 → boundary S6 at 60, mass
+    # (60 − 40)·1/60 = 1/3; 7 → 8, where b ends: internal (60 − 40)/60 = 1/3, one end.
+    # C = 20·(0.1·2/3 + 0.9·1) = 20·0.966667 = 19.333333.
+    assert expected_recompute(n[4], CHUNK, 0.9) == pytest.approx(58 / 3)
+    # Bundle S6 (p = 60, previous S4 at 40: δ = 20): a ends here (no internal hit past
+    # 60 in a 60-token context). C = 20·0.9 = 18.
+    assert expected_recompute(n[6], CHUNK, 0.9) == pytest.approx(18.0)
+    # The dead tail holds no snapshot: nothing can hit in it, C = 0.
+    assert expected_recompute(n[8], CHUNK, 0.9) == 0.0
+    # p_end = 0.5 weighs end and internal hits equally: S4: 20·(0.5·2/3 + 0.5) = 16.666667.
+    assert expected_recompute(n[4], CHUNK, 0.5) == pytest.approx(50 / 3)
+
+
+def test_rank_on_the_last_tier_is_t_plus_tau_ln_cost_per_byte() -> None:
+    index, n = tree()
+    q = queue(index, 1, tau=10.0)
+    # One tier, so every unit is priced by H = t + τ·ln(C·4 B / M), t = 100, τ = 10:
+    # S2: M = 200 (dropped alone), C·4 = 5.333333 → ln 0.0266667 = −3.624341 → 63.756590.
+    # S4: M = 200, C·4 = 77.333333 → ln 0.386667 = −0.950192 → 90.498077.
+    # bundle 6: M = 200 + KV of 6 and 5 (80) = 280, C·4 = 72 → ln 0.257143 = −1.358123
+    #   → 86.418771.
+    # dead 8: M = KV of 8 and 7 = 80, C = 0 → floored: 100 + 10·(−20.723266) = −107.23266.
+    assert q.rank(n[2], 0) == pytest.approx(63.756590, abs=1e-5)
+    assert q.rank(n[4], 0) == pytest.approx(90.498077, abs=1e-5)
+    assert q.rank(n[6], 0) == pytest.approx(86.418771, abs=1e-5)
+    assert q.rank(n[8], 0) == pytest.approx(100.0 + 10.0 * LN_1E9, abs=1e-5)
+    assert q.rank(n[3], 0) is None  # no unit is anchored at plain interior KV
+    order = []
+    while (found := q.victim(0)) is not None:
+        order.append(found[0].key)
+        q.heaps[0].discard(found[0])
+    assert order == [8, 2, 6, 4]
+
+
+def test_victim_flips_at_the_hand_computed_tau() -> None:
+    """S2 (t = 100) against the older bundle 6 (t = 90), on one tier.
+
+    H2 = 100 + τ·(−3.624341), H6 = 90 + τ·(−1.358123): H2 < H6 ⟺ 10 < τ·2.266218
+    ⟺ τ > 4.412638. Below it recency wins (the bundle goes), above it cost does.
+    """
+    victims = {}
+    for tau in (4.40, 4.42):
+        index, n = tree()
+        n[6].access = n[5].access = 90.0
+        q = queue(index, 1, tau=tau)
+        for key in (1, 3, 4, 7, 8):  # only S2 and the bundle compete
+            q.remove(n[key])
+        found = q.victim(0)
+        assert found is not None
+        victims[tau] = found[0].key
+    assert victims == {4.40: 6, 4.42: 2}
+
+
+def test_each_tier_has_its_own_ranking() -> None:
+    """KV on tier 0, snapshots on tier 1 (the last): tier 0 demotes, ranked by t alone;
+    tier 1 drops, ranked by H.
+
+    t: S2 90, S4 60, bundle 6 70, dead 8 80 (τ = 10, C as in the test above).
+    Tier 0 (every unit moves its KV there): by t → 4 (60), 6 (70), 8 (80), 2 (90).
+    Tier 1 frees snapshots only (M = 200 each; the dead tail frees nothing there):
+    S2: 90 + 10·(−3.624341) = 53.756590; S4: 60 + 10·(−0.950192) = 50.498077;
+    bundle 6: C·4/M = 72/200 = 0.36 → 70 + 10·(−1.021651) = 59.783490 → 4, 2, 6.
+    """
+    index, n = tree(kv_tier=0, snap_tier=1)
+    for key, t in ((2, 90.0), (4, 60.0), (6, 70.0), (8, 80.0)):
+        n[key].access = t
+    q = queue(index, 2, tau=10.0)
+    assert n[8] in q.heaps[0] and n[8] not in q.heaps[1]
+    assert q.rank(n[2], 0) == 90.0 and q.rank(n[6], 0) == 70.0
+    assert q.rank(n[2], 1) == pytest.approx(53.756590, abs=1e-5)
+    assert q.rank(n[4], 1) == pytest.approx(50.498077, abs=1e-5)
+    assert q.rank(n[6], 1) == pytest.approx(59.783490, abs=1e-5)
+    q.check(exact=True)
+    orders = []
+    for tier in (0, 1):
+        order = []
+        while (found := q.victim(tier)) is not None:
+            order.append(found[0].key)
+            q.heaps[tier].discard(found[0])
+        orders.append(order)
+    assert orders == [[4, 6, 8, 2], [4, 2, 6]]
+
+
+@pytest.mark.parametrize(("refresh_all", "order"), [(True, [8, 6, 4, 2]), (False, [4, 8, 2, 6])])
+def test_refresh_all_or_only_the_hit_unit(refresh_all: bool, order: list[int]) -> None:
+    """A hit on session a's whole prefix at t = 200, on tier 0 (ranked by t).
+
+    Before: S2 90, S4 60, bundle 6 70, dead 8 80. Refresh-all writes 200 into 1–6:
+    8 (80) goes first, then the tie at 200 deepest first: 6, 4, 2. Without it only the
+    hit node 6 gets 200: 4 (60), 8 (80), 2 (90), 6 (200). The refresh is lazy: the
+    queued ranks still say 60/70/90 until ``victim`` re-ranks the top.
+    """
+    index, n = tree(kv_tier=0, snap_tier=1)
+    for key, t in ((2, 90.0), (4, 60.0), (6, 70.0), (8, 80.0)):
+        n[key].access = t
+    q = queue(index, 2, tau=10.0, refresh_all=refresh_all)
+    path = [n[k] for k in (1, 2, 3, 4, 5, 6)]
+    q.touch(path, 6, 200.0)
+    assert q.heaps[0].priority(n[6]) == 70.0  # not re-ranked by the access
+    assert [n[k].access for k in (2, 4, 6)] == ([200.0] * 3 if refresh_all else [90.0, 60.0, 200.0])
+    q.check()  # queued ranks are lower bounds of the fresh ones on tier 0
+    got = []
+    while (found := q.victim(0)) is not None:
+        got.append(found[0].key)
+        q.heaps[0].discard(found[0])
+    assert got == order
+
+
+def test_a_new_snapshot_re_ranks_the_snapshot_above_it() -> None:
+    """A snapshot appears at 8 (b's end): the dead tail becomes a bundle, and S4's zone
+    loses b's end.
+
+    S4 (one tier, τ = 10, t = 100): its zone is now 5 → boundary S6 (mass 1/3) and 7 →
+    boundary S8 at 60: (60 − 40)·1/60 = 1/3; no end. C = 20·0.1·2/3 = 1.333333,
+    C·4/M = 5.333333/200 → H = 100 + 10·(−3.624341) = 63.756590 (was 90.498077).
+    Bundle 8: δ = 60 − 40 = 20, b ends there: C = 18, M = 200 + 80 → 86.418771.
+    ``update_around(8)`` re-ranks both: 8 itself and S4, the snapshot above its parent.
+    """
+    index, n = tree()
+    q = queue(index, 1, tau=10.0)
+    assert q.heaps[0].priority(n[4]) == pytest.approx(90.498077, abs=1e-5)
+    index.set_snapshot(n[8], 1, SNAP, 100.0)
+    q.update_around(n[8])
+    assert q.heaps[0].priority(n[4]) == pytest.approx(63.756590, abs=1e-5)
+    assert q.heaps[0].priority(n[8]) == pytest.approx(86.418771, abs=1e-5)
+    q.check(exact=True)
+
+
+def test_check_catches_a_stale_rank() -> None:
+    index, n = tree()
+    q = queue(index, 1, tau=10.0)
+    q.check(exact=True)
+    q.heaps[0].set(n[4], 95.0, -n[4].depth)  # fresh rank is 90.498077
+    with pytest.raises(AssertionError, match="rank"):
+        q.check(exact=True)
+
+
+def test_cost_uses_the_bytes_per_token() -> None:
+    """The same tree with 8 B per token (KV chunk 80 B): C·8/M for S2 is
+    10.666667/200 = 0.0533333, ln = −2.931194 → H = 100 − 29.311937 = 70.688063,
+    i.e. τ·ln 2 = 6.931472 above the 4 B/token rank (63.756590)."""
+    index, n = tree()
+    q = EvictionQueue(index, 1, tau=10.0, token_bytes=8, hit_model=HitModel(prior=0.9))
+    assert q.rank(n[2], 0) == pytest.approx(70.688063, abs=1e-5)
+
+
+def test_p_end_moves_with_end_and_internal_accesses() -> None:
+    # prior 0.9, α = 0.05: end → 0.9 + 0.05·(1 − 0.9) = 0.905;
+    # internal → 0.905 − 0.05·0.905 = 0.85975.
+    model = HitModel(alpha=0.05, prior=0.9)
+    model.observe(True)
+    assert model.end_probability == pytest.approx(0.905)
+    model.observe(False)
+    assert model.end_probability == pytest.approx(0.85975)
+    assert model.samples == 2
