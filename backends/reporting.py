@@ -30,6 +30,7 @@ class ReportingMixin:
                 "counters": dict(sorted(self.stats.items())),
                 "pending_l1_retries": len(self._retry_l1),
                 "queued_l1_events": len(self._events),
+                "janitor_ticks": self.janitor_ticks,
                 "requests": len(self.requests),
             }
             if self.adapter is not None:

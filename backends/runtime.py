@@ -139,6 +139,7 @@ class HiStateRuntime(
         self._listener = CoreListener(self)
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
+        self.janitor_ticks = 0  # completed ``tick`` calls: tests wait for one to pass
         self._foreign_warned: set[tuple[str, int]] = set()
         self._rank_basis: tuple[float, float] = (0.0, cfg.end_probability_prior)
         self._sweep: list[int] | None = None
@@ -213,3 +214,4 @@ class HiStateRuntime(
             with self.lock:
                 retry = [k for k in retry if not self.is_cpu_tracked(k)]
             self._l1_delete(retry)
+        self.janitor_ticks += 1
