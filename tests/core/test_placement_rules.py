@@ -1,16 +1,17 @@
 """The paper's placement rules, observed through the cache's public API.
 
-Where each object lands is read from the ``PlacementListener`` events (tier 0 = CPU,
-tier 1 = disk) and from ``lookup``; nothing reaches into the cache's parts. Chunks of
-10 tokens, 1 B per token: a KV chunk is 10 B, a snapshot 20 B. ``τ = 0`` (LRU over
-units) wherever the test is about placement rather than ranking, so every ``H`` is the
-unit's last access ``t``.
+Where each object lands is read from the ``PlacementListener`` events
+(``support.listeners.EventLog``; tier 0 = CPU, tier 1 = disk) and from ``lookup``;
+nothing reaches into the cache's parts. Chunks of 10 tokens, 1 B per token: a KV chunk
+is 10 B, a snapshot 20 B. ``τ = 0`` (LRU over units) wherever the test is about
+placement rather than ranking, so every ``H`` is the unit's last access ``t``.
 """
 
 from __future__ import annotations
 
+from support.listeners import EventLog
+
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.index import Node
 from lmcache_histate.core.placement import PlacementRules, TierSpec
 
 CHUNK = 10
@@ -19,28 +20,8 @@ SNAP = 20
 CPU, DISK = 0, 1
 
 
-class Events:
-    """Records every byte movement as ``(what, key, part, tiers...)``."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[object, ...]] = []
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self.log.append(("moved", node.key, part, src, dst))
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        self.log.append(("stored", node.key, part, tier))
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        self.log.append(("dropped", node.key, part, tiers))
-
-    def take(self) -> list[tuple[object, ...]]:
-        out, self.log = self.log, []
-        return out
-
-
-def cache(cpu: int, disk: int, tau: float = 0.0) -> tuple[HiStateCache, Events]:
-    events = Events()
+def cache(cpu: int, disk: int, tau: float = 0.0) -> tuple[HiStateCache, EventLog]:
+    events = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK, kv_chunk_bytes=KV, snapshot_bytes=SNAP,
         tiers=(TierSpec("cpu", cpu), TierSpec("disk", disk)),
@@ -80,9 +61,9 @@ def test_new_kv_demotes_colder_kv_instead_of_going_to_disk() -> None:
     ev.take()
     request(c, "B", [11, 12], 10.0, [20])
     assert ev.take() == [
-        ("moved", 2, "kv", CPU, DISK),
-        ("moved", 1, "kv", CPU, DISK),
-        ("moved", 2, "snapshot", CPU, DISK),
+        ("moved", 2, "kv", DISK),
+        ("moved", 1, "kv", DISK),
+        ("moved", 2, "snapshot", DISK),
         ("stored", 11, "kv", CPU),
         ("stored", 12, "kv", CPU),
         ("stored", 12, "snapshot", CPU),
@@ -148,7 +129,7 @@ def test_residence_times_reach_the_snapshot_plan() -> None:
       133.33 = 268.33 → 270: 270, 540, 810, 1,080, then the final 1,200.
       (F = 1, I* = √48,000 = 219.1: 210 → 219.29, 220 → 219.09 → 220.)
     """
-    events = Events()
+    events = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK, kv_chunk_bytes=KV, snapshot_bytes=SNAP,
         tiers=(TierSpec("all", 40),),
@@ -159,7 +140,7 @@ def test_residence_times_reach_the_snapshot_plan() -> None:
     request(c, "A", [1, 2], 0.0, [])
     request(c, "A", [1, 2], 10.0, [20])
     request(c, "B", [11], 30.0, [10])
-    assert ("dropped", 2, "snapshot", 1) in events.log
+    assert ("dropped", 2, "snapshot", 1) in events.events
     assert c.snapshot_plan(0, 1200) == [270, 540, 810, 1080, 1200]
 
 
