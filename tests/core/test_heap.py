@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,3 +50,15 @@ def test_equal_priorities_go_by_tie_then_insertion() -> None:
     heap.set("e", 2.0)
     heap.set("e", 2.0, -1)
     assert heap.pop()[0] == "e"
+
+
+def test_pop_returns_the_minimum_and_refuses_an_empty_heap() -> None:
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("x", 3.0)
+    heap.set("y", -1.0)
+    assert heap.pop() == ("y", -1.0)
+    assert ("y" in heap, "x" in heap, len(heap)) == (False, True, 1)
+    assert heap.pop() == ("x", 3.0)
+    with pytest.raises(IndexError, match="empty IndexedHeap"):
+        heap.pop()
+    assert heap.peek() is None
