@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.index import PrefixIndex
-from lmcache_histate.core.placement import TierSpec
+from lmcache_histate.core.placement import KV, TierSpec
 
 
 def test_paths_token_ends_and_membership() -> None:
@@ -31,3 +31,4 @@ def test_session_for_finds_the_deepest_session_end_on_a_chain() -> None:
     assert cache.session_for([1, 2, 7]) == "a"
     assert cache.session_for([1]) is None
     assert cache.session_for([9]) is None
+    assert cache.adopt([], KV, 0, 10, 3.0) is False  # an empty chain names no object
