@@ -34,7 +34,7 @@ lint:
 # cores; `.venv/bin/mutmut results` lists the survivors, `mutmut show NAME` shows one.
 mutants:
 	rm -rf mutants
-	nice -n 15 .venv/bin/mutmut run --max-children 2
+	HYPOTHESIS_PROFILE=mutants nice -n 15 .venv/bin/mutmut run --max-children 2
 	.venv/bin/mutmut export-cicd-stats
 	@cat mutants/mutmut-cicd-stats.json; echo
 
