@@ -215,3 +215,46 @@ def test_p_end_moves_with_end_and_internal_accesses() -> None:
     model.observe(False)
     assert model.end_probability == pytest.approx(0.85975)
     assert model.samples == 2
+
+
+def test_previous_snapshot_at_the_first_chunk_and_two_ends_in_a_zone() -> None:
+    """Chain 1 ─ 2 ─ 3 with snapshots at 1 (depth 0, 10 tokens) and 3 (30 tokens); two
+    sessions end at 2 (20 tokens each). S3: δ = 30 − 10 = 20, its zone is empty (no
+    end past 30): C = 0. S1 (δ = 10): zone 2 (ends of c and d: internal (20 − 10)/20 =
+    0.5 each, two ends), boundary S3 at 30 with weight 0: C = 10·(0.1·1 + 0.9·2) = 19."""
+    index = PrefixIndex(CHUNK)
+    n1, n2, n3 = index.insert_chain([1, 2, 3])
+    for node in (n1, n2, n3):
+        index.set_kv(node, 1, KV, 0.0)
+    index.set_snapshot(n1, 1, SNAP, 0.0)
+    index.set_snapshot(n3, 1, SNAP, 0.0)
+    index.set_session("c", n2, 20)
+    index.set_session("d", n2, 20)
+    assert expected_recompute(n3, CHUNK, 0.9) == 0.0
+    assert expected_recompute(n1, CHUNK, 0.9) == pytest.approx(19.0)
+    # S3 with a session ending beyond it (40 tokens at 3: internal (40 − 30)/40 = 0.25,
+    # one end): C = 20·(0.1·0.25 + 0.9) = 18.5, δ from S1 at depth 0.
+    index.set_session("e", n3, 40)
+    assert expected_recompute(n3, CHUNK, 0.9) == pytest.approx(18.5)
+
+
+def test_pinned_looks_at_what_would_leave_the_tier() -> None:
+    """S4's unit demotes with its KV segment (4 and 3) from tier 0 but drops alone from
+    the last tier: a pin on chunk 3 blocks the first, not the second."""
+    index, n = tree(kv_tier=0, snap_tier=1)
+    q = queue(index, 2, tau=10.0)
+    n[3].pins += 1
+    assert q.pinned(n[4], 0) is True
+    assert q.pinned(n[4], 1) is False
+    assert q.pinned(n[4]) is False
+    n[4].pins += 1
+    assert q.pinned(n[4], 1) is True
+
+
+def test_victim_respects_the_bound() -> None:
+    # One tier (τ = 10): the lowest H is the dead tail's, −107.23266.
+    index, n = tree()
+    q = queue(index, 1, tau=10.0)
+    assert q.victim(0, below=-107.3) is None  # nothing below the bound
+    found = q.victim(0, below=-107.2)
+    assert found is not None and found[0] is n[8]

@@ -32,3 +32,19 @@ def test_session_for_finds_the_deepest_session_end_on_a_chain() -> None:
     assert cache.session_for([1]) is None
     assert cache.session_for([9]) is None
     assert cache.adopt([], KV, 0, 10, 3.0) is False  # an empty chain names no object
+
+
+def test_fixed_interval_plan_and_ending_a_session() -> None:
+    """fixed_interval = 20 tokens, chunk 10: a segment [15, 75) starts on the grid at 10
+    and ends at 70: states at 30, 50 and the final 70. A segment within one chunk
+    ([10, 15) → [10, 10)) saves nothing."""
+    cache = HiStateCache(CacheConfig(
+        chunk_tokens=10, kv_chunk_bytes=10, snapshot_bytes=20,
+        tiers=(TierSpec("cpu", 1000), TierSpec("disk", 1000)), tau=0.0, fixed_interval=20,
+    ))
+    assert cache.snapshot_plan(15, 75) == [30, 50, 70]
+    assert cache.snapshot_plan(10, 15) == []
+    cache.complete(cache.begin("a", [1, 2], 0.0), 20, 0.0)
+    assert cache.session_for([1, 2]) == "a"
+    cache.end_session("a")
+    assert cache.session_for([1, 2]) is None

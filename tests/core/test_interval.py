@@ -38,6 +38,9 @@ def test_choice_is_nearest_supported_interval(factor: float, expected: int, cost
     choice = ctl.choose(8000, factor)
     assert choice.interval == expected
     assert choice.cost == pytest.approx(cost, abs=1e-6)
+    assert choice.pressure_factor == factor
+    # I* = √(2·8,000·100·F): 1,264.911 (F = 1), 2,529.822 (F = 4).
+    assert choice.continuous_optimum == pytest.approx(1264.911 * math.sqrt(factor), abs=1e-3)
 
 
 def test_pressure_factor_from_residence_times() -> None:
@@ -67,6 +70,7 @@ def test_residence_averages_are_seeded_by_their_first_sample() -> None:
     assert res.kv_ema == 30.0
     res.observe_kv(10.0)
     assert res.kv_ema == pytest.approx(29.0)
+    assert res.kv_samples == 2
     res.observe_snapshot(8.0)
     assert (res.snapshot_ema, res.snapshot_samples) == (8.0, 1)
     assert res.pressure_factor == pytest.approx(29.0 / 8.0)
@@ -106,3 +110,27 @@ def test_bad_inputs_are_rejected_with_clear_messages() -> None:
         IntervalController(chunk_tokens=528, snapshot_tokens=0)
     assert supported_intervals(528, 3) == (528, 1056, 1584)
     assert math.isclose(IntervalController(528, 100).continuous_optimum(0), 0.0)
+
+
+def test_supported_intervals_and_the_cost_of_nothing() -> None:
+    assert supported_intervals(1, 1) == (1,)
+    with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
+        supported_intervals(0)
+    with pytest.raises(ValueError, match="max_multiple must be positive, got 0"):
+        supported_intervals(528, 0)
+    ctl = IntervalController(chunk_tokens=10, snapshot_tokens=50)
+    assert ctl.cost(100, 0) == 0.0  # an empty segment costs nothing
+    assert ctl.cost(100, 1) == 50.0 + 50 * 1 / 100  # I/2 + F·N_s·L/I, F = 1
+
+
+def test_an_explicit_factor_overrides_the_measured_pressure() -> None:
+    """Measured F = 4 (KV 400 s, snapshots 100 s); the segment of the test above with
+    F = 1 given explicitly still gets interval 300, and F = 4 (I* = √400,000 = 632.5):
+    600 → 300 + 333.3 = 633.3, 700 → 350 + 285.7 = 635.7 → 600: 9,600 and the final."""
+    res = ResidenceTracker()
+    res.observe_kv(400.0)
+    res.observe_snapshot(100.0)
+    ctl = IntervalController(chunk_tokens=100, snapshot_tokens=50, residence=res)
+    assert ctl.boundaries(9000, 10000, factor=1.0) == [9300, 9600, 9900, 10000]
+    assert ctl.boundaries(9000, 10000) == [9600, 10000]
+    assert ctl.cost(600, 1000) == pytest.approx(300 + 4 * 50 * 1000 / 600)
