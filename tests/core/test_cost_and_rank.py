@@ -258,3 +258,25 @@ def test_victim_respects_the_bound() -> None:
     assert q.victim(0, below=-107.3) is None  # nothing below the bound
     found = q.victim(0, below=-107.2)
     assert found is not None and found[0] is n[8]
+
+
+def test_a_snapshot_inside_a_segment_re_ranks_the_units_below_it() -> None:
+    """A snapshot appears at 5, inside the bundle 6's KV segment (one tier, τ = 10, t = 100).
+
+    Bundle 6: previous snapshot now S5 at 50 → δ = 10, C = 10·0.9 = 9; its segment is 6
+    alone: M = 200 + 40 → H = 100 + 10·ln(36/240) = 100 − 18.971200 = 81.028800.
+    S5: δ = 10, zone: boundary S6 at 60, (60 − 50)·1/60 = 1/6 → C = 10·0.1/6 = 0.166667,
+    C·4/M = 0.00333333 → H = 100 − 57.037825 = 42.962175.
+    S4: zone 5 is now a boundary at 50: 10·1/60 = 1/6, plus b's end (1/3, one end):
+    C = 20·(0.1·0.5 + 0.9) = 19 → H = 100 + 10·ln 0.38 = 90.324160.
+    ``update_around(5)`` reaches all three: S5, its parent S4, and the bundle below.
+    """
+    index, n = tree()
+    q = queue(index, 1, tau=10.0)
+    index.set_snapshot(n[5], 1, SNAP, 100.0)
+    q.update_around(n[5])
+    heap = q.heaps[0]
+    assert heap.priority(n[6]) == pytest.approx(81.028800, abs=1e-5)
+    assert heap.priority(n[5]) == pytest.approx(42.962175, abs=1e-5)
+    assert heap.priority(n[4]) == pytest.approx(90.324160, abs=1e-5)
+    q.check(exact=True)
