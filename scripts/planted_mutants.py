@@ -76,13 +76,13 @@ MUTANTS = (
     Mutant(
         "cost-swaps-p-end-weights",
         "lmcache_histate/core/units.py",
-        "mass = (1.0 - end_probability) * internal + end_probability * ends",
-        "mass = end_probability * internal + (1.0 - end_probability) * ends",
+        "mass = (1.0 - end_probability) * internal + end_probability * node.passes",
+        "mass = end_probability * internal + (1.0 - end_probability) * node.passes",
         "expected recompute: swapping the p_end and 1 − p_end weights",
     ),
     Mutant(
         "hit-model-observes-the-opposite",
-        "lmcache_histate/core/cache.py",
+        "lmcache_histate/core/request_path.py",
         "self.hit_model.observe(at_end)",
         "self.hit_model.observe(not at_end)",
         "expected recompute: the hit model observing end vs internal the wrong way round",
@@ -104,8 +104,8 @@ MUTANTS = (
     Mutant(
         "cache-fresh-residence-tracker",
         "lmcache_histate/core/cache.py",
-        "self.index, self.queue, config.tiers, config.rules, self.residence, listener",
-        "self.index, self.queue, config.tiers, config.rules, None, listener",
+        "self._index, self._queue, config.tiers, config.rules, self._residence, listener",
+        "self._index, self._queue, config.tiers, config.rules, None, listener",
         "interval control: the cache wiring a fresh residence tracker (pressure stays 1)",
     ),
     Mutant(

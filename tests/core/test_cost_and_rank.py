@@ -172,23 +172,27 @@ def test_refresh_all_or_only_the_hit_unit(refresh_all: bool, order: list[int]) -
 
 
 def test_a_new_snapshot_re_ranks_the_snapshot_above_it() -> None:
-    """A snapshot appears at 7 (50 tokens, on b's branch): S4's zone now ends there.
+    """Without S4 (snapshots at 2 and 6 only), a snapshot appears at 7 (50 tokens, on b's
+    branch, below the plain branch point 4): S2's zone now ends there, and S2 is two
+    levels above the new snapshot's parent, so only ``update_around``'s walk up finds it.
 
-    S4 (one tier, τ = 10, t = 100): its zone is 5 → boundary S6 (mass 1/3) and 7 →
-    boundary S7 at 50: (50 − 40)·weight(7) = 10·1/60 = 1/6; 2 sessions pass.
-    C = 20·(0.1·1/2 + 0.9·2) = 37, C·4/M = 148/200 = 0.74 → H = 100 + 10·(−0.301105)
-    = 96.988949 (was 97.078636). S7: δ = 50 − 40 = 10, zone 8 where b ends: internal
-    (60 − 50)/60 = 1/6, one session passes: C = 10·(0.1/6 + 0.9) = 9.166667,
-    C·4/M = 36.666667/200 → ln 0.183333 = −1.696449 → H = 83.035507.
-    ``update_around(7)`` re-ranks both: 7 itself and S4, the snapshot above its parent.
+    S2 (one tier, τ = 10, t = 100, δ = 20, a and b pass: 2). Before: zone 3, 4, 5 →
+    boundary S6 at 60: (60 − 20)·1/60 = 2/3; 7 → 8 where b ends: (60 − 20)/60 = 2/3;
+    C = 20·(0.1·4/3 + 0.9·2) = 38.666667, C·4/M = 154.666667/200 = 0.773333
+    → H = 100 + 10·(−0.257045) = 97.429549. After: the boundary at 7 gives
+    (50 − 20)·weight(7) = 30/60 = 1/2 instead of 2/3: C = 20·(0.1·7/6 + 1.8) = 38.333333,
+    C·4/M = 0.766667 → H = 100 + 10·(−0.265703) = 97.342968.
+    S7: δ = 50 − 20 = 30, zone 8 where b ends: (60 − 50)/60 = 1/6, one session passes:
+    C = 30·(0.1/6 + 0.9) = 27.5, C·4/M = 0.55 → H = 100 + 10·(−0.597837) = 94.021630.
     """
     index, n = tree()
+    index.clear_snapshot(n[4])
     q = queue(index, 1, tau=10.0)
-    assert q.heaps[0].priority(n[4]) == pytest.approx(97.078636, abs=1e-5)
+    assert q.heaps[0].priority(n[2]) == pytest.approx(97.429549, abs=1e-5)
     index.set_snapshot(n[7], 1, SNAP, 100.0)
     q.update_around(n[7])
-    assert q.heaps[0].priority(n[4]) == pytest.approx(96.988949, abs=1e-5)
-    assert q.heaps[0].priority(n[7]) == pytest.approx(83.035507, abs=1e-5)
+    assert q.heaps[0].priority(n[2]) == pytest.approx(97.342968, abs=1e-5)
+    assert q.heaps[0].priority(n[7]) == pytest.approx(94.021630, abs=1e-5)
     q.check(exact=True)
 
 
