@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 # CI runs must be reproducible: the same examples every run. Locally, HYPOTHESIS_PROFILE=deep
 # explores far more sequences.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("deep", max_examples=5000)
+# Mutation testing (make mutants): a failing example is enough to kill a mutant, so no
+# shrinking (which can take a minute per mutant) and fewer examples.
+settings.register_profile(
+    "mutants", derandomize=True, max_examples=30,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
 )

@@ -250,13 +250,32 @@ class EvictionQueue:
             heap.set(anchor, pri, -anchor.depth)
         return found
 
-    def check(self) -> None:
-        """Every unit is queued in exactly the tiers where it frees bytes (O(n); tests)."""
+    def check(self, exact: bool = False) -> None:
+        """Every unit is queued in exactly the tiers where it frees bytes (O(n); tests).
+
+        And at a rank consistent with a fresh ``rank()``: in the tiers ranked by ``t``
+        alone (every tier when ``τ = 0``) a queued rank is never above the fresh one
+        (accesses only raise ``t``, NOTE 1). On the cost-ranked tier ``τ`` and ``p_end``
+        drift both ways, so there only ``exact`` checks: every queued rank *equals* the
+        fresh one, which holds whenever no access and no sample happened since the last
+        structural change (a test's quiescent point).
+        """
         live = set(self.index.nodes.values())
         for heap in self.heaps:
             for anchor in heap:
                 assert anchor in live, f"queued node {anchor} is not in the index"
+        last = len(self.heaps) - 1
+        by_t = not self.tau
         for node in live:
             freed = self._tier_bytes(node) if unit_kind(node) is not None else [0] * len(self.heaps)
             for tier, heap in enumerate(self.heaps):
                 assert (freed[tier] > 0) == (node in heap), (node, tier, freed)
+                if node not in heap:
+                    continue
+                queued, fresh = heap.priority(node), self.rank(node, tier)
+                assert fresh is not None
+                tol = 1e-9 * max(1.0, abs(fresh))
+                if exact:
+                    assert abs(queued - fresh) <= tol, f"stale rank {queued} ≠ {fresh}: {node}"
+                elif by_t or tier < last:
+                    assert queued <= fresh + tol, f"rank {queued} above fresh {fresh}: {node}"

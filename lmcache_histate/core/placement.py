@@ -23,55 +23,25 @@ counts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from .eviction import EvictionQueue
 from .index import Node, PrefixIndex
 from .interval import ResidenceTracker
+from .tiers import (
+    KV,
+    SNAPSHOT,
+    NullListener,
+    PlacementListener,
+    PlacementRules,
+    TierSpec,
+    bits,
+    only_on,
+)
 from .units import unit_nodes
 
+# The tier vocabulary lives in ``tiers``; re-exported here for the callers that import it
+# together with the store.
 __all__ = ["KV", "SNAPSHOT", "PlacementListener", "PlacementRules", "TierSpec", "TieredStore"]
-
-KV = "kv"
-SNAPSHOT = "snapshot"
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    name: str
-    capacity: int
-
-    def __post_init__(self) -> None:
-        if self.capacity < 0:
-            raise ValueError(f"tier {self.name!r}: capacity must be ≥ 0, got {self.capacity}")
-
-
-@dataclass(frozen=True, slots=True)
-class PlacementRules:
-    """Home tier (index) of each kind of object."""
-
-    kv_tier: int = 0
-    snapshot_tier: int = 1
-    final_tier: int = 0
-    final_copy_tier: int | None = None
-
-
-class PlacementListener(Protocol):
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None: ...
-    def stored(self, node: Node, part: str, tier: int) -> None: ...
-    def dropped(self, node: Node, part: str, tiers: int) -> None: ...
-
-
-class _NullListener:
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        pass
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        pass
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        pass
 
 
 class TieredStore:
@@ -99,7 +69,7 @@ class TieredStore:
             if not 0 <= value < len(self.tiers):
                 raise ValueError(f"placement {field}={value} is not a tier index")
         self.residence = residence if residence is not None else ResidenceTracker()
-        self.listener: PlacementListener = listener if listener is not None else _NullListener()
+        self.listener: PlacementListener = listener if listener is not None else NullListener()
         self.used = [0] * len(self.tiers)
         self.dropped_units = 0
 
@@ -152,7 +122,7 @@ class TieredStore:
         if not mask or not node.kv_tiers:
             return False
         self.index.set_snapshot(node, mask, nbytes, now)
-        for tier in _bits(mask):
+        for tier in bits(mask):
             self.used[tier] += nbytes
             self.listener.stored(node, SNAPSHOT, tier)
         self.queue.update_around(node)
@@ -170,10 +140,10 @@ class TieredStore:
         home = self.rules.snapshot_tier
         if not node.snap_tiers or node.snap_tiers & (1 << home):
             # Already on the snapshot tier: fast-tier copies are just released.
-            for tier in _bits(node.snap_tiers & ~(1 << home)):
+            for tier in bits(node.snap_tiers & ~(1 << home)):
                 self._release_snapshot_copy(node, tier)
             return
-        for tier in _bits(node.snap_tiers):
+        for tier in bits(node.snap_tiers):
             self._move_snapshot(node, tier, home, now)
             break
 
@@ -231,8 +201,8 @@ class TieredStore:
             snap, chain = unit_nodes(anchor, demote=True)
             if self.queue.pinned(anchor, tier) or (snap is None and not chain):
                 return
-            need = sum(n.kv_bytes for n in chain if _only_on(n.kv_tiers, tier, lower))
-            if snap is not None and _only_on(snap.snap_tiers, tier, lower):
+            need = sum(n.kv_bytes for n in chain if only_on(n.kv_tiers, tier, lower))
+            if snap is not None and only_on(snap.snap_tiers, tier, lower):
                 need += snap.snap_bytes
             if self.free(lower) >= need:
                 for node in chain:
@@ -265,7 +235,7 @@ class TieredStore:
             self._forget_snapshot(snap)
         for node in chain:  # leaf first, so KV stays prefix-closed
             self.residence.observe_kv(now - node.kv_since)
-            for tier in _bits(node.kv_tiers):
+            for tier in bits(node.kv_tiers):
                 self.used[tier] -= node.kv_bytes
             self.listener.dropped(node, KV, node.kv_tiers)
             self.index.clear_kv(node)
@@ -285,7 +255,7 @@ class TieredStore:
             self.queue.update_around(parent)
 
     def _forget_snapshot(self, node: Node) -> None:
-        for tier in _bits(node.snap_tiers):
+        for tier in bits(node.snap_tiers):
             self.used[tier] -= node.snap_bytes
         self.listener.dropped(node, SNAPSHOT, node.snap_tiers)
         self.index.clear_snapshot(node)
@@ -398,11 +368,11 @@ class TieredStore:
         doomed.sort(key=lambda n: n.depth, reverse=True)  # leaves first: KV stays prefix-closed
         for n in doomed:
             if n.snap_tiers:
-                for t in _bits(n.snap_tiers):
+                for t in bits(n.snap_tiers):
                     self.used[t] -= n.snap_bytes
                 self.listener.dropped(n, SNAPSHOT, n.snap_tiers)
                 self.index.clear_snapshot(n)
-            for t in _bits(n.kv_tiers):
+            for t in bits(n.kv_tiers):
                 self.used[t] -= n.kv_bytes
             report = n.kv_tiers & ~bit if n is node else n.kv_tiers
             if report:
@@ -421,26 +391,10 @@ class TieredStore:
         """Recount bytes per tier from the index and assert capacities (O(n); tests)."""
         counted = [0] * len(self.tiers)
         for node in self.index.nodes.values():
-            for t in _bits(node.kv_tiers):
+            for t in bits(node.kv_tiers):
                 counted[t] += node.kv_bytes
-            for t in _bits(node.snap_tiers):
+            for t in bits(node.snap_tiers):
                 counted[t] += node.snap_bytes
         assert counted == self.used, (counted, self.used)
         for t, spec in enumerate(self.tiers):
             assert 0 <= self.used[t] <= spec.capacity, (spec, self.used[t])
-
-
-def _bits(mask: int) -> list[int]:
-    out = []
-    t = 0
-    while mask:
-        if mask & 1:
-            out.append(t)
-        mask >>= 1
-        t += 1
-    return out
-
-
-def _only_on(mask: int, tier: int, lower: int) -> bool:
-    """The part has a copy on ``tier`` that must be moved (none on ``lower`` yet)."""
-    return bool(mask & (1 << tier)) and not mask & (1 << lower)

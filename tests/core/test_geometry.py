@@ -310,3 +310,44 @@ def test_unknown_preset_lists_names() -> None:
     with pytest.raises(GeometryError, match=r"qwen3\.5-9b"):
         load_geometry("no/such/path")
 
+
+
+def test_mamba2_key_aliases_bounds_and_messages() -> None:
+    """Nemotron's key names give Granite's geometry; every bound and message by hand."""
+    base = from_hf_config(_granite())
+    nemo = _granite()
+    for old, new in (("mamba_n_heads", "mamba_num_heads"), ("mamba_d_head", "mamba_head_dim"),
+                     ("mamba_d_state", "ssm_state_size"), ("mamba_n_groups", "n_groups"),
+                     ("mamba_d_conv", "conv_kernel"), ("mamba_expand", "expand")):
+        nemo[new] = nemo.pop(old)
+    assert from_hf_config(nemo) == base
+    # "auto" or absent head dim: expand·hidden/heads = 2·512/16 = 64, an int.
+    for head in ("auto", None):
+        cfg = {k: v for k, v in nemo.items() if k != "mamba_head_dim"}
+        if head is not None:
+            cfg["mamba_head_dim"] = head
+        derived = from_hf_config(cfg)
+        assert derived == base
+        assert all(type(x) is int for t in derived.state_tensors for x in t.shape)
+    # The smallest kernel, 2, keeps one conv column: (1, 16·64 + 2·1·128 = 1,280).
+    assert from_hf_config(_granite(mamba_d_conv=2)).state_tensors[0].shape == (1, 1280)
+    with pytest.raises(GeometryError, match=r"'conv_kernel' must be >= 2 \(the state keeps"):
+        from_hf_config(_granite(mamba_d_conv=1))
+    # Head dim 1 is valid: SSM (16, 1, 128), conv (3, 16 + 256 = 272).
+    one = from_hf_config(_granite(mamba_d_head=1))
+    assert [t.shape for t in one.state_tensors] == [(3, 272), (16, 1, 128)]
+    for bad in (0, -64, True, "64", 6.5):
+        with pytest.raises(GeometryError, match="'mamba_head_dim' must be a positive integer"):
+            from_hf_config(_granite(mamba_d_head=bad))
+    # auto with expand·hidden = 1,024 not divisible by 48 heads (1,024 = 21·48 + 16).
+    with pytest.raises(GeometryError, match=r"mamba_expand \* hidden_size not divisible"):
+        from_hf_config(_granite(mamba_d_head="auto", mamba_n_heads=48))
+    no_layout = _granite()
+    del no_layout["layer_types"]
+    with pytest.raises(GeometryError, match="missing 'hybrid_override_pattern', 'layer_types' "
+                                            "or 'layers_block_type'"):
+        from_hf_config(no_layout)
+    with pytest.raises(GeometryError, match=r"unknown layer types \['conv'\]"):
+        from_hf_config(_granite(layer_types=["mamba", "conv", "attention"], num_hidden_layers=3))
+    with pytest.raises(ValueError, match="tokens must be >= 0, got -1"):
+        base.kv_bytes(-1)

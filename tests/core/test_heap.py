@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -62,4 +63,16 @@ def test_moved_entries_are_compacted_and_the_order_survives() -> None:
             assert len(heap._heap) <= 129
     assert len(heap) == 3
     assert [heap.pop() for _ in range(3)] == [("b", 1.0), ("c", 2.0), ("a", 3.0)]
+    assert heap.peek() is None
+
+
+def test_pop_returns_the_minimum_and_refuses_an_empty_heap() -> None:
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("x", 3.0)
+    heap.set("y", -1.0)
+    assert heap.pop() == ("y", -1.0)
+    assert ("y" in heap, "x" in heap, len(heap)) == (False, True, 1)
+    assert heap.pop() == ("x", 3.0)
+    with pytest.raises(IndexError, match="empty IndexedHeap"):
+        heap.pop()
     assert heap.peek() is None

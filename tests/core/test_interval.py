@@ -21,30 +21,74 @@ def test_continuous_optimum_matches_brief_example() -> None:
     assert ctl.continuous_optimum(8000, 4.0) == pytest.approx(2 * ctl.continuous_optimum(8000, 1.0))
 
 
-@pytest.mark.parametrize(("factor", "expected"), [(1.0, 1056), (4.0, 2640)])
-def test_choice_is_nearest_supported_interval(factor: float, expected: int) -> None:
+@pytest.mark.parametrize(
+    ("factor", "expected", "cost"),
+    [
+        # F = 1: I* = √(2·8,000·100) = 1,264.9, between 1,056 and 1,584:
+        #   1,056 → 528 + 800,000/1,056 = 528 + 757.575758 = 1,285.575758;
+        #   1,584 → 792 + 505.050505 = 1,297.050505 → 1,056.
+        (1.0, 1056, 1285.575758),
+        # F = 4: I* = 2,529.8: 2,112 → 1,056 + 3,200,000/2,112 = 2,571.151515;
+        #   2,640 → 1,320 + 1,212.121212 = 2,532.121212; 3,168 → 2,594.101010 → 2,640.
+        (4.0, 2640, 2532.121212),
+    ],
+)
+def test_choice_is_nearest_supported_interval(factor: float, expected: int, cost: float) -> None:
     ctl = IntervalController(chunk_tokens=528, snapshot_tokens=100)
     choice = ctl.choose(8000, factor)
     assert choice.interval == expected
-    nearest = min(ctl.supported, key=lambda i: abs(i - choice.continuous_optimum))
-    assert choice.interval == nearest
-    # And it is the exact minimiser of the discrete cost over the supported set.
-    assert choice.cost == min(ctl.cost(i, 8000, factor) for i in ctl.supported)
+    assert choice.cost == pytest.approx(cost, abs=1e-6)
+    assert choice.pressure_factor == factor
+    # I* = √(2·8,000·100·F): 1,264.911 (F = 1), 2,529.822 (F = 4).
+    assert choice.continuous_optimum == pytest.approx(1264.911 * math.sqrt(factor), abs=1e-3)
 
 
 def test_pressure_factor_from_residence_times() -> None:
     res = ResidenceTracker(alpha=0.5)
     ctl = IntervalController(chunk_tokens=528, snapshot_tokens=100, residence=res)
     assert ctl.pressure_factor == 1.0  # no evidence yet
-    res.observe_kv(400.0)
+    res.observe_kv(400.0)  # the first sample seeds the average: 400 (not 0.5·400)
     assert ctl.pressure_factor == 1.0  # snapshots never left yet
-    res.observe_snapshot(100.0)
-    assert ctl.pressure_factor == pytest.approx(4.0)
+    res.observe_snapshot(100.0)  # seeds: 100
+    assert ctl.pressure_factor == 4.0  # 400 / 100
     assert ctl.choose(8000).interval == 2640
-    # Snapshots evicted even sooner: sparser snapshots.
+    # Snapshots evicted even sooner: 100 + 0.5·(20 − 100) = 60 → F = 400/60 = 6.666667,
+    # sparser snapshots: I* = √(2·8,000·100·6.666667) = 3,266.0: 3,168 → 1,584 +
+    # 5,333,333/3,168 = 1,584 + 1,683.5 = 3,267.5; 3,696 → 1,848 + 1,443.0 = 3,291.0;
+    # 2,640 → 1,320 + 2,020.2 = 3,340.2 → 3,168.
     res.observe_snapshot(20.0)
-    assert ctl.pressure_factor > 4.0
-    assert ctl.choose(8000).interval >= 2640
+    assert (res.snapshot_ema, res.kv_ema) == (60.0, 400.0)
+    assert ctl.pressure_factor == pytest.approx(400 / 60)
+    assert ctl.choose(8000).interval == 3168
+
+
+def test_residence_averages_are_seeded_by_their_first_sample() -> None:
+    # α = 0.05: the first KV sample is the average (30), the second moves it by 5 %:
+    # 30 + 0.05·(10 − 30) = 29. Unseeded, the average would start at 0.05·30 = 1.5.
+    res = ResidenceTracker(alpha=0.05)
+    res.observe_kv(30.0)
+    assert res.kv_ema == 30.0
+    res.observe_kv(10.0)
+    assert res.kv_ema == pytest.approx(29.0)
+    assert res.kv_samples == 2
+    res.observe_snapshot(8.0)
+    assert (res.snapshot_ema, res.snapshot_samples) == (8.0, 1)
+    assert res.pressure_factor == pytest.approx(29.0 / 8.0)
+
+
+def test_the_interval_is_chosen_from_the_new_segment_not_the_context() -> None:
+    """A 1,000-token segment at the end of a 10,000-token context (chunk 100, N_s = 50).
+
+    Cost I/2 + 50·L/I with L = 1,000: I* = √100,000 = 316.2; 300 → 150 + 166.67 =
+    316.67, 400 → 200 + 125 = 325 → 300: states at 9,300, 9,600, 9,900 and the final
+    10,000. (Chosen from the whole context, L = 10,000, I* = 1,000 would leave only the
+    final one.)
+    """
+    ctl = IntervalController(chunk_tokens=100, snapshot_tokens=50)
+    assert ctl.boundaries(9000, 10000, factor=1.0) == [9300, 9600, 9900, 10000]
+    # A segment that starts mid-chunk starts on the grid below (the previous final):
+    # 9,050 → 9,000, and an end mid-chunk is rounded down: 10,040 → 10,000.
+    assert ctl.boundaries(9050, 10040, factor=1.0) == [9300, 9600, 9900, 10000]
 
 
 def test_boundaries_are_chunk_aligned_and_end_with_final() -> None:
@@ -66,3 +110,27 @@ def test_bad_inputs_are_rejected_with_clear_messages() -> None:
         IntervalController(chunk_tokens=528, snapshot_tokens=0)
     assert supported_intervals(528, 3) == (528, 1056, 1584)
     assert math.isclose(IntervalController(528, 100).continuous_optimum(0), 0.0)
+
+
+def test_supported_intervals_and_the_cost_of_nothing() -> None:
+    assert supported_intervals(1, 1) == (1,)
+    with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
+        supported_intervals(0)
+    with pytest.raises(ValueError, match="max_multiple must be positive, got 0"):
+        supported_intervals(528, 0)
+    ctl = IntervalController(chunk_tokens=10, snapshot_tokens=50)
+    assert ctl.cost(100, 0) == 0.0  # an empty segment costs nothing
+    assert ctl.cost(100, 1) == 50.0 + 50 * 1 / 100  # I/2 + F·N_s·L/I, F = 1
+
+
+def test_an_explicit_factor_overrides_the_measured_pressure() -> None:
+    """Measured F = 4 (KV 400 s, snapshots 100 s); the segment of the test above with
+    F = 1 given explicitly still gets interval 300, and F = 4 (I* = √400,000 = 632.5):
+    600 → 300 + 333.3 = 633.3, 700 → 350 + 285.7 = 635.7 → 600: 9,600 and the final."""
+    res = ResidenceTracker()
+    res.observe_kv(400.0)
+    res.observe_snapshot(100.0)
+    ctl = IntervalController(chunk_tokens=100, snapshot_tokens=50, residence=res)
+    assert ctl.boundaries(9000, 10000, factor=1.0) == [9300, 9600, 9900, 10000]
+    assert ctl.boundaries(9000, 10000) == [9600, 10000]
+    assert ctl.cost(600, 1000) == pytest.approx(300 + 4 * 50 * 1000 / 600)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.listeners import EventLog
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache, RequestHandle
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.index import Node
 from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
 
 CHUNK = 4
@@ -22,22 +22,8 @@ SNAP_BYTES = 25
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, int, str, int]] = []
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self.events.append(("moved", node.key, part, dst))
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        self.events.append(("stored", node.key, part, tier))
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        self.events.append(("dropped", node.key, part, tiers))
-
-
-def make(cpu: int = 100, disk: int = 100, copy: bool = True) -> tuple[HiStateCache, Recorder]:
-    rec = Recorder()
+def make(cpu: int = 100, disk: int = 100, copy: bool = True) -> tuple[HiStateCache, EventLog]:
+    rec = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK,
         kv_chunk_bytes=KV_BYTES,

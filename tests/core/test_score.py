@@ -39,6 +39,13 @@ def test_a_constant_factor_on_cost_changes_no_decision() -> None:
     assert b - a == pytest.approx(score(0.0, 1000.0, 1000.0, 5.0) - score(10.0, 100.0, 1000.0, 5.0))
 
 
+def test_nothing_freed_or_one_byte_freed() -> None:
+    # M = 0 frees nothing: the ratio counts as 0 and is floored: 7 + 2·ln(1e-9).
+    assert score(7.0, 5.0, 0.0, 2.0) == pytest.approx(7.0 + 2.0 * math.log(1e-9))
+    # M = 1, C = 1: ln 1 = 0, H = t.
+    assert score(3.0, 1.0, 1.0, 4.0) == 3.0
+
+
 def test_dead_tail_is_floored() -> None:
     # C = 0: H = t + τ·ln(1e-9) = 7 + 2·(−20.7233) = −34.4465.
     assert MIN_RATIO == 1e-9
@@ -68,7 +75,7 @@ def test_cache_calibrates_tau_from_session_gaps() -> None:
     cache.complete(cache.begin("B", [100, 101], 31.0), 8, 31.0)
     status = cache.score_status()
     assert status["tau_s"] == 10.5 and status["tau_calibrated"] is True
-    assert status["reaccess_samples"] == 2
+    assert status["reaccess_samples"] == 2 and status["reaccess_gap_s"] == 10.5
     fixed = HiStateCache(CacheConfig(
         chunk_tokens=4, kv_chunk_bytes=40, snapshot_bytes=80,
         tiers=(TierSpec("cpu", 10_000), TierSpec("disk", 10_000)), tau=7.0,

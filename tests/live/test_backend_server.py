@@ -96,19 +96,9 @@ def wait_until(pred: Callable[[], bool], what: str, timeout: float = 15.0) -> No
 
 def settle(server: LMCacheServer) -> dict[str, Any]:
     """Wait until stores, disk writes, deferred deletes and queued L1 events are done."""
-    server.wait_l2_flushed()
-
-    def quiet() -> bool:
-        status = hs(server)
-        return (
-            status["disk"]["writes_in_flight"] == 0
-            and status["pending_l1_retries"] == 0
-            and status["queued_l1_events"] == 0
-        )
-
-    wait_until(quiet, "HiState to settle")
-    time.sleep(0.3)  # one janitor tick
-    return hs(server)
+    status = server.histate_settled()
+    assert status["active"], status
+    return status
 
 
 def on_disk(disk: Path, engine: HybridEngineClient, prefix: list[int], group: int) -> list[int]:

@@ -34,7 +34,6 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,26 +155,9 @@ def connector_config(port: int) -> dict[str, Any]:
     }
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def settle(server: Any) -> dict[str, Any]:
     """Wait until stores, disk writes and queued L1 events are done; the HiState status."""
-    server.wait_l2_flushed()
-
-    def quiet() -> bool:
-        hs = server.status()["histate"]
-        return (hs["disk"]["writes_in_flight"] == 0 and hs["pending_l1_retries"] == 0
-                and hs["queued_l1_events"] == 0)
-
-    wait_until(quiet, 20, "HiState to settle")
-    time.sleep(0.3)  # one janitor tick
-    return server.status()["histate"]
+    return server.histate_settled()
 
 
 def disk_objects(disk: Path) -> list[tuple[str, int]]:

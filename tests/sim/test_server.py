@@ -228,3 +228,36 @@ def test_histate_rows_capture_their_planned_states() -> None:
     assert cap == Capture(step_tokens=528, host_states=2)
     align = histate_policy(s, "histate-align", **dict(VARIANTS["histate-align"]))
     assert capture_of(align, r, align.begin(r, 0.0)) == Capture()
+
+
+def test_fifo_service_counts_loads_and_the_capture_of_the_uncached_part() -> None:
+    """Two 16-token requests at t = 0 under FIFO, each hitting 4 tokens after loading
+    100 B from CPU (1 s at 100 B/s), capturing with one-chunk steps, 1 split, 2 states.
+
+    Uncached 12 tokens: ceil(12/4) − ceil(12/8) = 3 − 2 = 1 extra step + 1 split = 2
+    steps of 0.5 s = 1.0 s; the copies 2·S/100 s. Recompute 0.5·12 + 0.01·(256 − 16)/2 =
+    6 + 1.2 = 7.2 s. Service = 0.125 + 1 + 7.2 + 1.0 + copy; b waits one service.
+    """
+    from dataclasses import replace
+
+    from lmcache_histate.sim.capture import Capture
+
+    class Capturing(FixedPolicy):
+        def capture(self, request: Request, lookup: Lookup) -> Capture:
+            return Capture(step_tokens=CHUNK, splits=1, host_states=2)
+
+    cost = replace(COST, step_overhead_s=0.5, engine_step_tokens=8)
+    s = SimSetup.paper(cost=cost, chunk_tokens=CHUNK, session_gap_s=0.0, gpu_scheduling="fifo")
+    a = Session("a", None, (req("a", 0, 16),))
+    b = Session("b", None, (req("b", 0, 16),))
+    run = simulate(trace(a, b), Capturing(hit=4, load={"cpu": 100}), s)
+    ra, rb = run.results
+    copy = 2 * s.snapshot_bytes / 100.0
+    service = 0.125 + 1.0 + 7.2 + 1.0 + copy
+    assert (ra.key, rb.key) == (("a", 0), ("b", 0))
+    assert (ra.input_tokens, ra.hit_tokens) == (16, 4)
+    assert ra.capture_s == pytest.approx(1.0 + copy)
+    assert ra.ttft == pytest.approx(service)
+    assert rb.queue_s == pytest.approx(service)
+    assert rb.ttft == pytest.approx(2 * service)
+    assert run.makespan == pytest.approx(2 * service + 4 * 0.25)  # b's decode ends it

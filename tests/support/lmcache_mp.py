@@ -255,6 +255,31 @@ class LMCacheServer:
             time.sleep(0.1)
         raise LMCacheServerError(f"L2 stores still in flight after {timeout}s")
 
+    def histate_settled(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Wait until HiState is idle and a janitor tick ran after that; its status.
+
+        Idle: L2 stores flushed, no disk write in flight, no L1 delete to retry and no
+        queued L1 event. Then the janitor's tick count (``janitor_ticks``) must grow by
+        two: the first tick may have started before idle was seen, the second began
+        after it, so whatever the janitor does with an idle server (drain, re-rank
+        sweep step, deferred deletes) has been done once. Polls; no fixed sleep.
+        """
+        self.wait_l2_flushed(timeout)
+        deadline = time.monotonic() + timeout
+        ticks: int | None = None
+        while time.monotonic() < deadline:
+            hs = self.status()["histate"]
+            idle = (hs.get("disk", {}).get("writes_in_flight", 0) == 0
+                    and hs["pending_l1_retries"] == 0 and hs["queued_l1_events"] == 0)
+            if not idle:
+                ticks = None
+            elif ticks is None:
+                ticks = hs["janitor_ticks"]
+            elif hs["janitor_ticks"] >= ticks + 2:
+                return hs
+            time.sleep(0.05)
+        raise LMCacheServerError(f"HiState not settled after {timeout}s")
+
 
 def _wait_ready(server: LMCacheServer, timeout: float) -> None:
     """Poll ``/healthcheck`` until the engine is up; fail fast if the process exits."""

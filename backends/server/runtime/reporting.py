@@ -50,6 +50,7 @@ class StatusReport:
             "counters": dict(sorted(self.stats.items())),
             "pending_l1_retries": len(self.actions.retry_l1),
             "queued_l1_events": len(self.actions.events),
+            "janitor_ticks": self.stats["janitor_ticks"],
             "requests": len(self.sessions.requests),
         }
         disk = self.actions.disk

@@ -296,3 +296,4 @@ class HiStateRuntime:
             actions = self.actions.take()
         self.actions.run(actions)
         self.actions.retry_refused()
+        self.stats["janitor_ticks"] += 1  # /status janitor_ticks: tests wait for a tick to pass

@@ -1,0 +1,96 @@
+"""The tiers and what placement reports: tier specs, home tiers, the listener, bitmasks.
+
+Vocabulary shared by ``placement.TieredStore`` and its callers (the facade, the simulator,
+the live runtime), kept apart from the store so that the store module holds its algorithm
+only; ``placement`` re-exports every public name.
+
+* Tiers are numbered fast → slow (``0`` = CPU, ``1`` = disk in the paper's setup); a
+  ``TierSpec`` is a tier's name and capacity in bytes (≥ 0).
+* ``PlacementRules`` names the home tier of each kind of object: the KV tier, the
+  snapshot tier for intermediate snapshots, the final tier for a session's final
+  snapshot and the optional tier of its write-through copy. Every home must be a tier
+  index (``TieredStore`` checks at construction).
+* An object is one part (``KV`` or ``SNAPSHOT``) of one index node; where it lives is a
+  bitmask (bit ``t`` = tier ``t``). ``bits`` lists the tiers of a mask in ascending
+  order, so every loop over tiers visits them fast → slow.
+* A ``PlacementListener`` hears every byte movement the store decides (``stored``,
+  ``moved``, ``dropped``); the live backend moves or deletes the real objects, the
+  simulator uses ``NullListener`` and only counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .index import Node
+
+__all__ = [
+    "KV",
+    "SNAPSHOT",
+    "NullListener",
+    "PlacementListener",
+    "PlacementRules",
+    "TierSpec",
+    "bits",
+    "only_on",
+]
+
+KV = "kv"
+SNAPSHOT = "snapshot"
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise ValueError(f"tier {self.name!r}: capacity must be ≥ 0, got {self.capacity}")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRules:
+    """Home tier (index) of each kind of object."""
+
+    kv_tier: int = 0
+    snapshot_tier: int = 1
+    final_tier: int = 0
+    final_copy_tier: int | None = None
+
+
+class PlacementListener(Protocol):
+    def moved(self, node: Node, part: str, src: int, dst: int) -> None: ...
+    def stored(self, node: Node, part: str, tier: int) -> None: ...
+    def dropped(self, node: Node, part: str, tiers: int) -> None: ...
+
+
+class NullListener:
+    """A listener that ignores every event (the store's default)."""
+
+    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
+        pass
+
+    def stored(self, node: Node, part: str, tier: int) -> None:
+        pass
+
+    def dropped(self, node: Node, part: str, tiers: int) -> None:
+        pass
+
+
+def bits(mask: int) -> list[int]:
+    """The tiers set in ``mask``, ascending (fast → slow)."""
+    out = []
+    t = 0
+    while mask:
+        if mask & 1:
+            out.append(t)
+        mask >>= 1
+        t += 1
+    return out
+
+
+def only_on(mask: int, tier: int, lower: int) -> bool:
+    """The part has a copy on ``tier`` that must be moved (none on ``lower`` yet)."""
+    return bool(mask & (1 << tier)) and not mask & (1 << lower)
