@@ -1,9 +1,10 @@
 """Two real HiState servers on one disk folder, sharing one index in a real redis-server.
 
-Each test starts a ``redis-server`` on a free port and two servers through the launcher
-(``test_backend_server.histate``) whose YAML carries the same ``shared_index`` section
-(instances ``a`` and ``b``), and drives them with the toy hybrid engine client: what
-server A writes to the shared folder, server B finds through the index and loads.
+Each test starts a ``redis-server`` on a free port (the ``redis_server`` fixture) and two
+servers through the launcher (``test_backend_server.histate``) whose YAML carries the
+same ``shared_index`` section (instances ``a`` and ``b``), and drives them with the toy
+hybrid engine client: what server A writes to the shared folder, server B finds through
+the index and loads.
 
 Sizes with the harness's default engine geometry (``test_backend_server``): one chunk's
 attention object is 2,048 B of payload, one recurrent snapshot 8,192 B.
@@ -48,16 +49,6 @@ DEPLOYMENT = "t"
 MODEL = "tiny-qwen3-next"  # the namespace the launcher derives from the YAML's model
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def section(url: str, instance: str) -> dict[str, Any]:
     return {
         "url": url, "deployment": DEPLOYMENT, "instance": instance,
@@ -99,6 +90,16 @@ def files(disk: Path) -> dict[str, int]:
     }
 
 
+def store_demoted(server: LMCacheServer, engine: HybridEngineClient, p: list[int],
+                  q: list[int]) -> tuple[bytes, bytes]:
+    """Store session P, then Q, whose bundle pushes P's (4 KV chunks + its snapshot) to the
+    shared folder; returns the bytes a 4-chunk hit of P must restore."""
+    sp = engine.store_chunks(p, snapshot_chunks=[3])
+    engine.store_chunks(q, snapshot_chunks=[3])
+    settle(server)
+    return engine.stored_bytes(sp, 4)
+
+
 def metrics(server: LMCacheServer) -> str:
     with urllib.request.urlopen(server.endpoints.http_url + "/metrics", timeout=10) as r:
         return r.read().decode()
@@ -123,12 +124,9 @@ def test_b_loads_what_a_stored_bytes_identical(
     p, q = tokens.tokens(4 * CHUNK), tokens.tokens(4 * CHUNK)
     with two_servers(tmp_path, disk, redis_server.url, cpu_fill=fill) as (a, b):
         with HybridEngineClient(a.endpoints.zmq_url, GEOMETRY) as engine_a:
-            sp = engine_a.store_chunks(p, snapshot_chunks=[3])
-            engine_a.store_chunks(q, snapshot_chunks=[3])  # pushes P's bundle to disk
-            settle(a)
+            expected = store_demoted(a, engine_a, p, q)
             assert on_disk(disk, engine_a, p, ATTN_GROUP) == [0, 1, 2, 3]
             assert on_disk(disk, engine_a, p, REC_GROUP) == [3]
-            expected = engine_a.stored_bytes(sp, 4)
         # Every file A wrote is an entry owned by A, stored, of the file's size.
         on_folder = files(disk)
         index = entries(redis_server.url)
@@ -163,10 +161,7 @@ def test_redis_killed_both_keep_serving_then_reregister(
     p, q = tokens.tokens(4 * CHUNK), tokens.tokens(4 * CHUNK)
     with two_servers(tmp_path, disk, redis_server.url, cpu_fill=fill) as (a, b):
         with HybridEngineClient(a.endpoints.zmq_url, GEOMETRY) as engine_a:
-            sp = engine_a.store_chunks(p, snapshot_chunks=[3])
-            engine_a.store_chunks(q, snapshot_chunks=[3])
-            settle(a)
-            expected = engine_a.stored_bytes(sp, 4)
+            expected = store_demoted(a, engine_a, p, q)
             registered = len(entries(redis_server.url))
             assert registered == len(files(disk)) >= 5
 

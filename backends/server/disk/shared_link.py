@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache_histate.shared_index_config import SharedIndexConfig
 
 from ..shared_index import open_index
-from ..shared_index.budget import reserve_with_eviction
+from ..shared_index.budget import delete_victims, reserve_with_eviction
 from ..shared_index.index import Victim
 from ..shared_index.layout import ObjectRecord, object_id
 from ..shared_index.reconcile import reconcile
@@ -163,16 +163,7 @@ class SharedIndexLink:
 
     def _delete_claimed(self, victims: list[Victim]) -> list[str]:
         """Delete the files of entries this server claimed; returns the ids now gone."""
-        gone: list[str] = []
-        for v in victims:
-            try:
-                (self.root / v.path).unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("shared index: cannot delete %s: %s", v.path, exc)
-                continue
-            gone.append(v.id)
+        gone = delete_victims(self.root)(victims)
         if gone:
             self.stats["evicted"] += len(gone)
             self.registrar.removed(gone)
