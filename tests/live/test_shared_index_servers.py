@@ -143,10 +143,12 @@ def test_b_loads_what_a_stored_bytes_identical(
             assert loads(b) == (4, 1)  # 4 KV chunks + 1 snapshot read from A's files
         link = shared(b)["link"]
         assert link["lookup_hits"] >= 5
-        # The load leases were given back: nothing blocks an eviction of these files.
+        # The load leases were given back (by B's background thread, right after the
+        # unlock): nothing blocks an eviction of these files.
         client = redis.Redis.from_url(redis_server.url, decode_responses=True)
         keys = KeySpace(DEPLOYMENT, MODEL)
-        assert sum(client.zcard(keys.lease(i)) for i in index) == 0
+        wait_until(lambda: sum(client.zcard(keys.lease(i)) for i in index) == 0,
+                   "B's leases given back", timeout=5)
         client.close()
 
 

@@ -8,11 +8,11 @@ stays the one that reads and writes files; this part answers, per hook:
 |---|---|
 | start | ``join`` (refused on a budget mismatch or an unreachable Redis), ``reconcile`` |
 | lookup-and-lock | ``lookup`` of every key (one script): stored ones are hits, leased |
-| unlock (load done) | ``release`` of the leases this server no longer needs |
+| unlock (load done) | leases this server no longer needs queued for ``release`` |
 | load found a file gone / corrupt | ``forget_stored`` |
 | write batch | ``reserve_with_eviction`` before, ``Registrar.committed`` after the rename |
 | a victim this server claimed | file deleted, own local entry forgotten, ``drop`` |
-| background thread | ``poll`` (re-registration when Redis returns), ``reconcile`` |
+| background thread | ``release`` (NOTE 3), ``poll`` (re-registration), ``reconcile`` |
 
 Invariants:
 
@@ -33,6 +33,11 @@ registered until the deployment's ``H`` ranking claims it at a write that needs 
 NOTE 2 (``C`` and ``M``): an object is committed with ``M`` = its file size and ``C`` =
 ``M``, i.e. ``ln(C/M) = 0`` and ``H`` = last access: the deployment ranking is recency
 until the runtime publishes its core's ``C`` through ``rescore`` (not wired yet).
+
+NOTE 3 (release off the path): the unlock runs on LMCache's request path right after the
+load; a second round trip there would add to every LOOKUP that reads from disk. Leases
+are handed to the background thread, which gives them back at once (woken by the
+unlock), so a lease outlives its load by one thread wake-up, far below ``lease_ttl_s``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ class SharedIndexLink:
         self._forget_local = forget_local  # own objects whose files a claim deleted
         self._own: dict[str, ObjectKey] = {}  # id -> key of the objects this server wrote
         self._own_lock = threading.Lock()
+        self._releases: list[str] = []  # lease ids to give back (background thread)
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_reconcile = 0.0
         self.last_reconcile: dict[str, int] = {}
@@ -118,7 +125,12 @@ class SharedIndexLink:
         return [i in found for i in ids]
 
     def release(self, keys: Sequence[ObjectKey]) -> None:
-        self.index.release(key_id(k) for k in keys)
+        """Give the leases back, off the request's path: the background thread sends them
+        (NOTE 3)."""
+        if keys:
+            with self._own_lock:
+                self._releases.extend(key_id(k) for k in keys)
+            self._wake.set()
 
     def lost(self, keys: Sequence[ObjectKey]) -> None:
         """Files found gone or corrupt on load: their entries go, wherever they came from."""
@@ -178,8 +190,13 @@ class SharedIndexLink:
 
     # ------------------------------------------------------------- background
     def _loop(self) -> None:
-        while not self._stop.wait(POLL_S):
+        while not self._stop.is_set():
+            self._wake.wait(POLL_S)
+            self._wake.clear()
             try:
+                with self._own_lock:
+                    ids, self._releases = self._releases, []
+                self.index.release(ids)
                 self.index.conn.poll()
                 if time.monotonic() - self._last_reconcile >= RECONCILE_S:
                     self._reconcile()
@@ -213,5 +230,6 @@ class SharedIndexLink:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         self.index.conn.close()
