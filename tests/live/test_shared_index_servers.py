@@ -242,3 +242,27 @@ def test_concurrent_eviction_from_both_stays_in_budget_and_orphans_nothing(
         assert evicted >= 1  # 12 sessions' files do not fit: the ranking made room
         for server in (a, b):
             assert hs(server)["disk"]["stats"].get("corrupt_files", 0) == 0
+
+
+def test_unreachable_redis_or_another_budget_refuses_the_start(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A server whose Redis cannot be reached does not start serving a shared folder from a
+    partial view; nor does one configured with another disk budget than the deployment's:
+    both fail at start, the message naming the key."""
+    from support.lmcache_mp import LMCacheServerError, free_port
+
+    disk = tmp_path / "disk"
+    closed = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with (
+        pytest.raises(LMCacheServerError, match=r"shared_index: Redis at \S+ is unreachable"),
+        histate(tmp_path / "down", disk, shared_index=section(closed, "a")),
+    ):
+        pass
+    with (
+        histate(tmp_path / "a", disk, shared_index=section(redis_server.url, "a")),
+        pytest.raises(LMCacheServerError, match="disk_gib: this server's disk budget"),
+        histate(tmp_path / "b", disk, shared_index=section(redis_server.url, "b"),
+                disk_gib=0.02),
+    ):
+        pass
