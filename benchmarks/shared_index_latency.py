@@ -3,6 +3,7 @@
 Command (results in benchmarks/README.md, "shared_index_latency")::
 
     .venv/bin/python benchmarks/shared_index_latency.py
+    .venv/bin/python benchmarks/shared_index_latency.py --live --repeats 400
 
 What one LOOKUP of a hit costs on the server, per number of disk objects in the hit:
 
@@ -14,6 +15,14 @@ What one LOOKUP of a hit costs on the server, per number of disk objects in the 
   leases and refreshes last access (the hot path: one round trip);
 * ``shared+release``: plus ``release`` of the leases (a second round trip, which the
   server makes after the load, off the request's path).
+
+With ``--live``: the whole server path instead. Two real ``histate-server`` processes at
+once, one without a ``shared_index`` section, one with it (a real ``redis-server`` on
+loopback), sampled alternately, each holding ``--sessions`` sessions of 4 chunks all on
+its disk tier (a CPU tier below one chunk); per sample, ``POST /cache/clear`` empties L1
+(untimed), then one LOOKUP (+ prefetch wait) of a session is timed from the toy engine
+client (``tests/support/lmcache_mp``): the disk tier's lookup-and-lock (with the index: one
+``lookup`` script, the leases) and the load of 4 KV chunks + 1 snapshot from disk into L1.
 
 Each with redis-py's pure-Python reply parser and with hiredis when it is installed
 (``.venv/bin/pip install hiredis``; not a dependency: it does not measurably help, see
@@ -81,12 +90,83 @@ def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
     return samples
 
 
+def live(repeats: int, sessions: int) -> None:
+    """The ``--live`` rows (module docstring): both servers up at once, samples interleaved,
+    so the machine's load changes touch both alike."""
+    import contextlib
+
+    import yaml
+    from support.lmcache_mp import EngineGeometry, HybridEngineClient, TokenSource, lmcache_server
+
+    chunk, l1_bytes = 16, int(0.05 * 2**30)
+    work = Path(tempfile.mkdtemp(prefix="histate-bench-live-"))
+    server = RedisServer(work / "redis")
+    server.start()
+    rows: dict[str, list[float]] = {"single": [], "shared": []}
+    source = TokenSource(seed=1)
+    prompts = [source.tokens(4 * chunk) for _ in range(sessions)]
+    try:
+        with contextlib.ExitStack() as stack:
+            pairs = {}
+            for mode in rows:
+                cfg = {
+                    "model": "tiny-qwen3-next", "chunk_size": chunk, "cpu_gib": 0.05,
+                    "cpu_fill": 512 / l1_bytes,  # below one 2,048 B KV chunk: all on disk
+                    "disk_path": str(work / mode / "disk"), "disk_gib": 0.05,
+                    "disk_fsync": False,
+                }
+                if mode == "shared":
+                    cfg["shared_index"] = {"url": server.url, "deployment": "bench",
+                                           "instance": "a"}
+                (work / mode).mkdir(parents=True)
+                path = work / mode / "histate.yaml"
+                path.write_text(yaml.safe_dump(cfg))
+                command = [sys.executable, "-m", "lmcache_histate.backends.server.launcher",
+                           "--config", str(path)]
+                srv = stack.enter_context(
+                    lmcache_server(workdir=work / mode, chunk_size=chunk, command=command))
+                e = stack.enter_context(
+                    HybridEngineClient(srv.endpoints.zmq_url, EngineGeometry(num_blocks=2048)))
+                for p in prompts:
+                    e.store_chunks(p, snapshot_chunks=[3])
+                srv.wait_l2_flushed()
+                pairs[mode] = (srv, e)
+            for i in range(repeats):
+                for mode, (srv, e) in pairs.items():
+                    srv.clear_l1()
+                    p, rid = prompts[i % sessions], f"bench-{i}"
+                    t0 = time.perf_counter_ns()
+                    hits = e.lookup(p, rid)
+                    rows[mode].append((time.perf_counter_ns() - t0) / 1000)
+                    if hits != 4:
+                        raise SystemExit(f"{mode}: LOOKUP hit {hits} chunks, expected 4")
+                    e.free_lookup_locks(p, hits, rid)
+                    e.end_session(rid)
+    finally:
+        server.stop()
+    print(f"live server path: {repeats} LOOKUPs of 4 chunks (4 KV + 1 snapshot from disk) "
+          f"over {sessions} sessions, L1 cleared before each; the two servers sampled alternately")
+    print("| path | median (µs) | p99 (µs) | median − single (µs) |")
+    print("|---|---:|---:|---:|")
+    base = statistics.median(rows["single"])
+    for mode, samples in rows.items():
+        samples.sort()
+        med = statistics.median(samples)
+        p99 = samples[int(0.99 * (len(samples) - 1))]
+        print(f"| {mode} | {med:.1f} | {p99:.1f} | {med - base:+.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--files", type=int, default=5000)
     ap.add_argument("--objects", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--live", action="store_true", help="the live server path (docstring)")
+    ap.add_argument("--sessions", type=int, default=20, help="--live: sessions stored")
     args = ap.parse_args()
+    if args.live:
+        live(args.repeats, args.sessions)
+        return
     work = Path(tempfile.mkdtemp(prefix="histate-bench-"))
     objects = _objects(work / "disk", args.files)
     adapter = HiStateDiskAdapter(

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -128,6 +129,15 @@ def _module_available(name: str) -> bool:
         return False
 
 
+def index_model_name(model: str) -> str:
+    """The shared index namespace's model name: the model directory's (or preset's) name,
+    in the characters a key name allows."""
+    name = Path(model.rstrip("/")).name
+    if name == "config.json":
+        name = Path(model).parent.name
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:128] or "model"
+
+
 def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "type": "plugin",
@@ -142,6 +152,9 @@ def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
             "adopt": cfg.disk_adopt,
         },
     }
+    if cfg.shared_index is not None:  # one folder for the deployment (docs/shared-index.md)
+        spec["adapter_params"]["shared_index"] = cfg.shared_index.to_dict()
+        spec["adapter_params"]["model"] = index_model_name(cfg.model)
     if cfg.policy == "lru":
         # Baseline: LMCache's own LRU evicts the disk tier when it is full.
         spec["eviction"] = {"eviction_policy": "LRU", "trigger_watermark": 0.9,

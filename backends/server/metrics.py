@@ -19,6 +19,11 @@ and appear with a ``_total`` suffix, e.g.::
     histate_snapshot_interval_tokens              interval chosen for the latest segment
     histate_pressure_factor                       T_KV / T_state
     histate_tier_used_bytes{tier}, histate_tier_capacity_bytes{tier}
+    histate_shared_index_connected                with a shared_index section: 1 / 0
+                                                  (degraded: serving the local view)
+    histate_shared_index_calls{what}              calls, failures, skipped, outages, ...
+    histate_shared_index_reregistered             objects registered again after an outage
+    histate_shared_index_disk_bytes{what}         the deployment's used / budget / evicting
 """
 
 from __future__ import annotations
@@ -89,7 +94,35 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
 
         return read
 
+    def shared(read_part: Callable[[dict], list[tuple[float, dict]]]) -> Callable:
+        """A series of the disk tier's shared-index status (none without the section)."""
+        def read() -> list[tuple[float, dict]]:
+            part = (runtime.status().get("disk") or {}).get("shared_index")
+            return [] if part is None else read_part(part)
+
+        return read
+
     return {
+        "histate_shared_index_connected": (
+            "1 while the shared index's Redis answers, 0 while degraded (local view)",
+            shared(lambda p: [(float(p["mode"] == "connected"), {})]),
+        ),
+        "histate_shared_index_calls": (
+            "Shared index connection counters (calls, failures, skipped while degraded, "
+            "outages, recoveries, probes)",
+            shared(lambda p: [(float(v), {"what": k}) for k, v in p["connection"].items()]),
+        ),
+        "histate_shared_index_reregistered": (
+            "Objects this server registered again after Redis returned",
+            shared(lambda p: [(float(p["registrar"].get("reregistered", 0)), {})]),
+        ),
+        "histate_shared_index_disk_bytes": (
+            "The deployment's shared disk tier: used, budget and being-evicted bytes",
+            shared(lambda p: [
+                (float(p[f"{k}_bytes"]), {"what": k})
+                for k in ("used", "budget", "evicting") if f"{k}_bytes" in p
+            ]),
+        ),
         "histate_snapshot_interval_tokens": (
             "Snapshot interval (tokens) chosen for the latest segment", status_value(
                 "interval_tokens"

@@ -68,7 +68,7 @@ def check_disk(cfg: HiStateConfig) -> None:
     if path.exists():
         try:
             check_claim(path, adopt=cfg.disk_adopt)
-            check_free(path)
+            check_free(path, shared=cfg.shared_index is not None)
         except FolderError as exc:
             raise ConfigError(f"disk_path: {exc}") from None
     held = held_bytes(path) if path.exists() else 0

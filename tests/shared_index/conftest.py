@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.redis_server import RedisServer
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+from support.redis_server import redis_server  # noqa: F401 (the fixture)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,15 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real ``redis-server`` on a free port for one test (import it into a conftest or
+    a test module to use it)."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -101,28 +101,34 @@ def claim(root: Path, *, adopt: bool) -> str:
     return found
 
 
-def hold(root: Path) -> int:
+def hold(root: Path, *, shared: bool = False) -> int:
     """Lock ``root``'s marker for as long as the returned fd stays open.
+
+    ``shared``: the servers of one shared-index deployment use one folder; each holds a
+    shared lock, which still refuses a server *without* a shared index (it asks for the
+    exclusive lock), and a shared server is refused while such a server runs.
 
     Raises:
         FolderError: another tier (a running server) holds it.
     """
     fd = os.open(root / MARKER, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise FolderError(
             f"{str(root)!r} is in use by another HiState disk tier (a running server); "
-            "give each server its own disk_path"
+            "give each server its own disk_path, or every server of the folder the same "
+            "shared_index section"
         ) from None
     return fd
 
 
-def check_free(root: Path) -> None:
-    """Raise ``FolderError`` if a running tier holds ``root`` (no-op without a marker)."""
+def check_free(root: Path, *, shared: bool = False) -> None:
+    """Raise ``FolderError`` if a running tier holds ``root`` so that this one cannot
+    (``hold``'s ``shared``); no-op without a marker."""
     if (root / MARKER).exists():
-        os.close(hold(root))
+        os.close(hold(root, shared=shared))
 
 
 def held_bytes(root: Path) -> int:

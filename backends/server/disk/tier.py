@@ -22,6 +22,11 @@ found again after a restart) with what HiState needs on top:
   follows);
 * a torn or corrupted file found on load is a miss, never served, and is deleted;
 * per-key lookup locks: a delete that races a lookup→load waits for the unlock.
+* with a ``shared_index`` section, one folder (held with a shared lock) for a deployment's
+  servers: the Redis index answers lookups, reserves writes, picks victims (``shared_link``).
+
+NOTE 1: a shared folder is never scanned at start (``file_format.scan`` would delete the
+other servers' writes in progress); ``shared_link`` reconciles it instead.
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
@@ -40,7 +45,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +58,10 @@ from lmcache.v1.platform import create_event_notifier
 from .. import registry
 from . import file_format as df
 from .config import HiStateDiskAdapterConfig
+from .entries import DiskEntry, recover_entries
 from .folder import FolderError, claim, hold
-from .keys import to_key, to_oid
+from .keys import to_oid
+from .shared_link import SharedIndexLink
 from .writes import CapacityListener, DiskWritesMixin
 
 if TYPE_CHECKING:
@@ -70,18 +76,6 @@ __all__ = ["DiskEntry", "HiStateDiskAdapter", "HiStateDiskAdapterConfig"]
 ObjectMeta = tuple[int, int, bytes]
 MetaProvider = Callable[[ObjectKey], ObjectMeta]
 WriteCallback = Callable[[list[ObjectKey], list[ObjectKey]], None]
-
-
-@dataclass(slots=True)
-class DiskEntry:
-    """One object on disk."""
-
-    size: int  # file size (header + payload): what capacity accounting counts
-    payload_len: int
-    kind: int
-    depth: int
-    parent: bytes
-    mtime: float
 
 
 class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
@@ -99,7 +93,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self.root = Path(config.path)
         try:
             claimed = claim(self.root, adopt=config.adopt)
-            self._folder_fd: int | None = hold(self.root)
+            self._folder_fd: int | None = hold(self.root, shared=config.shared_index is not None)
         except FolderError as exc:
             raise ValueError(f"HiState disk tier path {exc}") from None
         self._lock = threading.Lock()
@@ -120,22 +114,32 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self._logged_causes: set[str] = set()
         self._capacity_checked = 0.0
         self._closed = False
+        self.shared: SharedIndexLink | None = None
+        if config.shared_index is None:
+            self._recover_index(claimed)
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
+        if config.shared_index is not None:
+            # NOTE 1: no start-up scan; the deployment's index, reconciled.
+            self.shared = SharedIndexLink(
+                config.shared_index, config.model, self.root, config.capacity_bytes,
+                lambda keys: self._forget(keys, unlink=False),
+            )
+            logger.info("HiState disk tier at %s (%s folder), shared through Redis at %s",
+                        self.root, claimed, self.shared.index.conn.where)
 
+        registry.announce_disk_tier(self)  # the HiState runtime, if any, drives it
+
+    def _recover_index(self, claimed: str) -> None:
+        """Index the files of an own folder (one server); leftovers removed."""
         t0 = time.monotonic()
-        result = df.scan(self.root)
+        self._index, result = recover_entries(self.root)
         self.stats["restart_tmp_removed"] = result.removed_tmp
         self.stats["restart_invalid_removed"] = result.removed_corrupt
-        keys: list[ObjectKey] = []
-        sizes: list[int] = []
-        for _path, header, mtime in result.objects:
-            key = to_key(header.oid)
-            entry = DiskEntry(
-                header.file_size, header.payload_len, header.kind, header.depth,
-                header.parent, mtime,
-            )
-            self._index[key] = entry
-            keys.append(key)
-            sizes.append(entry.size)
+        keys = list(self._index)
+        sizes = [e.size for e in self._index.values()]
         if keys:
             self._notify_keys_stored(keys, sizes)
         self.stats["restart_objects"] = len(keys)
@@ -145,15 +149,8 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
             "%d temporary and %d invalid files removed; capacity %d bytes (configured %d)",
             self.root, claimed, len(keys), sum(sizes), time.monotonic() - t0,
             result.removed_tmp, result.removed_corrupt, self.capacity_bytes(),
-            config.capacity_bytes,
+            self.config.capacity_bytes,
         )
-
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
-        self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
-
-        registry.announce_disk_tier(self)  # the HiState runtime, if any, drives it
 
     # ---------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
@@ -237,9 +234,15 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
     ) -> L2TaskId:
         tid = self._task_id()
         bitmap = Bitmap(len(keys))
+        # Shared: the deployment's entries decide, leased (one round trip); None = degraded.
+        found = None if self.shared is None else self.shared.lookup(keys)
         with self._lock:
             for i, key in enumerate(keys):
-                if key in self._index and key not in self._delete_on_unlock:
+                if found is not None:
+                    if found[i]:
+                        self._locks[key] += 1
+                        bitmap.set(i)
+                elif key in self._index and key not in self._delete_on_unlock:
                     self._locks[key] += 1
                     bitmap.set(i)
             self._lookup_done[tid] = bitmap
@@ -252,15 +255,19 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         doomed: list[ObjectKey] = []
+        unleased: list[ObjectKey] = []
         with self._lock:
             for key in keys:
                 if self._locks[key] <= 1:
                     self._locks.pop(key, None)
+                    unleased.append(key)
                     if key in self._delete_on_unlock:
                         self._delete_on_unlock.discard(key)
                         doomed.append(key)
                 else:
                     self._locks[key] -= 1
+        if self.shared is not None:
+            self.shared.release(unleased)
         if doomed:
             self._delete_now(doomed)
 
@@ -299,6 +306,8 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
                 corrupt.append(key)  # gone from disk: forget it too
         if corrupt:
             self._forget(corrupt, unlink=True)
+            if self.shared is not None:
+                self.shared.lost(corrupt)
             self._tell(self.loss_listener, "loss", corrupt)
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
@@ -309,6 +318,10 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
 
     # ------------------------------------------------------------------- delete
     def delete(self, keys: list[ObjectKey]) -> None:
+        if self.shared is not None:  # shared_link NOTE 1: the deployment ranking deletes
+            self._forget(keys, unlink=False)
+            self.stats["objects_forgotten_locally"] += len(keys)
+            return
         now: list[ObjectKey] = []
         with self._lock:
             for key in keys:
@@ -374,6 +387,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
             "locked_keys": locked,
             "writes_in_flight": writing,
             "stats": dict(self.stats),
+            **({} if self.shared is None else {"shared_index": self.shared.status()}),
         }
 
     # -------------------------------------------------------------------- close
@@ -383,6 +397,8 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self._closed = True
         registry.withdraw_disk_tier(self)
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self.shared is not None:
+            self.shared.close()
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()

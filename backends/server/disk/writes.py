@@ -36,6 +36,7 @@ from lmcache.logging import init_logger
 from . import file_format as df
 from .folder import capacity_limit
 from .keys import to_oid
+from .shared_link import key_id
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -71,7 +72,11 @@ class DiskWritesMixin:
         written = 0
         dirs: set[Path] = set()
         self._maybe_recheck_capacity()
+        skip = self._shared_reserve(keys, buffers)
         for i, key in enumerate(keys):
+            if key in skip:  # shared: another server stored it, or over the budget
+                (ok if skip[key] == "present" else failed).append(key)
+                continue
             try:
                 outcome, nbytes, path = self._write_one(key, buffers[i])
             except BaseException as exc:  # _write_one released its reservation
@@ -91,8 +96,44 @@ class DiskWritesMixin:
                 with contextlib.suppress(OSError):
                     df.fsync_dir(d)
         self.stats["objects_written"] += len(stored)
+        if self.shared is not None and stored:
+            self._shared_commit(stored, dict(zip(keys, buffers, strict=True)))
         self._tell(self.write_listener, "write", stored, failed)
         return ok, failed, written
+
+    def _shared_reserve(self, keys: list[ObjectKey], buffers: list[Any]) -> dict[ObjectKey, str]:
+        """Shared folder: reserve the batch under the deployment budget (evicting by the
+        deployment's ranking); returns the keys not to write: ``"present"`` (another
+        server stored it) or ``"full"`` (not persisted). Degraded: the local view."""
+        if self.shared is None:
+            return {}
+        sized = []
+        for key, buf in zip(keys, buffers, strict=True):
+            with contextlib.suppress(Exception):  # a bad key fails in _write_one
+                oid = to_oid(key)
+                payload = memoryview(buf).nbytes
+                sized.append((key, df.header_size(oid, self._meta(key)[2]) + payload))
+        got = self.shared.reserve(sized)
+        if got is None:
+            return {}
+        present, full = got
+        out: dict[ObjectKey, str] = {}
+        for key, _size in sized:
+            i = key_id(key)
+            if i in present:
+                out[key] = "present"
+            elif i in full:
+                out[key] = "full"
+                self.stats["not_persisted_deployment_budget"] += 1
+        return out
+
+    def _shared_commit(self, stored: list[ObjectKey], buffers: dict[ObjectKey, Any]) -> None:
+        """Shared folder: the renamed files are committed to the deployment's index."""
+        with self._lock:
+            entries = [(k, self._index.get(k)) for k in stored]
+        self.shared.commit_written([
+            (k, e.size, buffers[k], e.kind, e.depth, e.parent) for k, e in entries if e is not None
+        ])
 
     def _write_one(self, key: ObjectKey, buf: Any) -> tuple[str, int, Path]:
         """Write one object: ``("stored" | "present" | "failed", payload bytes, path)``.
