@@ -134,6 +134,14 @@ def _model_dtype(cfg: _Cfg) -> Any:
     return "bfloat16" if str(dtype) == "auto" else dtype
 
 
+def _declared_layers(cfg: _Cfg, n: int, source: str) -> int:
+    """``n`` layers listed by ``source``; an explicit ``num_hidden_layers`` must agree."""
+    declared = cfg.get("num_hidden_layers")
+    if declared is not None and declared != n:
+        raise cfg.error(f"{source} has {n} entries but 'num_hidden_layers' is {declared}")
+    return n
+
+
 def _gdn_layers(cfg: _Cfg) -> tuple[int, int, int]:
     """(num_layers, attention, recurrent) from layer_types or full_attention_interval."""
     layer_types = cfg.get("layer_types")
@@ -141,10 +149,7 @@ def _gdn_layers(cfg: _Cfg) -> tuple[int, int, int]:
         unknown = sorted({t for t in layer_types} - {"linear_attention", "full_attention"})
         if unknown:
             raise cfg.error(f"unknown 'layer_types' entries {unknown}")
-        n = len(layer_types)
-        declared = cfg.get("num_hidden_layers")
-        if declared is not None and declared != n:
-            raise cfg.error(f"'layer_types' has {n} entries but 'num_hidden_layers' is {declared}")
+        n = _declared_layers(cfg, len(layer_types), "'layer_types'")
         full = sum(t == "full_attention" for t in layer_types)
         return n, full, n - full
     n = cfg.need_int("num_hidden_layers")
@@ -200,10 +205,7 @@ def _mamba_layers(cfg: _Cfg) -> tuple[int, int, int]:
         bad = sorted(set(kinds) - set(_BLOCK_KINDS))
         if bad:
             raise cfg.error(f"unknown layer types {bad}")
-    n = len(kinds)
-    declared = cfg.get("num_hidden_layers")
-    if declared is not None and declared != n:
-        raise cfg.error(f"layer pattern has {n} entries but 'num_hidden_layers' is {declared}")
+    n = _declared_layers(cfg, len(kinds), "layer pattern")
     return n, kinds.count("attention"), kinds.count("mamba")
 
 
