@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_stack = {k: _median_rows(v) for k, v in runs.items() if v}
     sensitive = reuse_sensitive(per_stack, chunk)
     summary = {k: summarize(v, sensitive) for k, v in per_stack.items()}
-    io = io_check.measure(work)
+    io = io_check.measure(work, args.io_mb)
     _plot(per_stack, out / "ttft_cdf.png")
     return {"layout": layout.__dict__, "budget": budget.__dict__, "footprint": footprint,
             "requests": len(workload), "sensitive": sorted(sensitive), "summary": summary,
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fraction", type=float, default=0.5)
     p.add_argument("--max-model-len", type=int, default=4608)
     p.add_argument("--guard-sample", type=int, default=4)
+    p.add_argument("--io-mb", type=int, default=400,
+                   help="MB written per object size by the I/O check (default 400)")
     p.add_argument("--stacks", default=",".join(stacks.STACKS))
     p.add_argument("--out", default="benchmarks/live/results")
     args = p.parse_args(argv)
