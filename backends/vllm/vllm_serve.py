@@ -21,6 +21,10 @@ runs its engine core in a *spawned* process (``cli_env_setup`` sets
 ``VLLM_WORKER_MULTIPROC_METHOD=spawn``), which imports lmcache only when it builds the
 connector; the in-process start-up fix of ``upstream`` is for ``vllm.LLM`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` only.
+
+NOTE 2 (CPU cores). On a CPU host with few cores and a KV connector, vLLM's OpenMP binding
+would take every core; ``cpu_binding.apply_reservation`` keeps the reservation vLLM makes
+without a connector (``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless the user set it).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ PROG = "histate serve"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run vLLM's ``serve`` subcommand with ``argv`` (default ``sys.argv[1:]``); blocks."""
+    from lmcache_histate.backends.vllm.cpu_binding import apply_reservation
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG, cli_env_setup
     from vllm.logger import configure_logging_from_args
@@ -54,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(["serve", *args_in])
     configure_logging_from_args(args)
     command.validate(args)
+    apply_reservation(args)  # before the engine process is spawned (cpu_binding)
     args.dispatch_function(args)
     return 0
 

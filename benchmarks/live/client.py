@@ -37,7 +37,7 @@ def _sessions(workload: Sequence[DemoRequest]) -> list[list[DemoRequest]]:
     return [sorted(v, key=lambda r: r.turn) for v in by.values()]
 
 
-async def _timed(client: Any, prompt: Sequence[int]) -> tuple[float, int]:
+async def timed(client: Any, prompt: Sequence[int]) -> tuple[float, int]:
     started = time.monotonic()
     ttft = None
     cached = None
@@ -72,7 +72,7 @@ async def replay(base_url: str, workload: Sequence[DemoRequest], *, concurrency:
                 if previous is not None:
                     gap = max(0.0, request.arrival - previous.arrival) * think_scale
                     await asyncio.sleep(min(gap, think_cap_s))
-                ttft, cached = await _timed(client, request.prompt)
+                ttft, cached = await timed(client, request.prompt)
                 rows[(request.session, request.turn)] = Row(
                     request.session, request.turn, len(request.prompt), cached, ttft)
                 if progress is not None:

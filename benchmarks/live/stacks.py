@@ -78,6 +78,7 @@ class Stack:
     log_path: Path
     server: ServerProcess | None = None
     connector: str = ""
+    api_pid: int = 0  # the API server's process (its EngineCore is a child)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.base_url.removesuffix("/v1") + "/metrics",
@@ -168,8 +169,10 @@ def _offload_configs(work: Path, budget: Budget) -> list[tuple[str, dict[str, An
 
 @contextlib.contextmanager
 def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, work: Path,
-                max_model_len: int, errors: dict[str, str]) -> Iterator[Stack]:
-    """Start ``key``'s servers; ``errors`` collects refusals of tried alternatives."""
+                max_model_len: int, errors: dict[str, str],
+                env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """Start ``key``'s servers; ``errors`` collects refusals of tried alternatives; ``env``
+    adds to vLLM's environment."""
     from lmcache_histate.backends.server.launcher import kv_transfer_config, vllm_flags
 
     from lmcache_histate.config import load_config
@@ -180,7 +183,7 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
     # is reset before every guard prompt through the dev endpoint, so it computes from zero.
     base = _vllm_argv(model, port, layout, max_model_len, budget, caching=True)
     # Dev mode for POST /reset_prefix_cache, which the correctness guard needs (NOTE 3).
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     server: ServerProcess | None = None
     attempts: list[tuple[str, list[str]]]
     if key in ("vllm", "reference"):
@@ -214,7 +217,8 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
                 api.stop()
                 api = None
                 continue
-            yield Stack(key, f"http://127.0.0.1:{port}/v1", api.log_path, server, name)
+            yield Stack(key, f"http://127.0.0.1:{port}/v1", api.log_path, server, name,
+                        api.proc.pid)
             return
         raise StackError("; ".join(v for k, v in errors.items() if k.startswith(key)))
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,3 +51,21 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     text = (out / "live.md").read_text()
     assert f"block size {tiny_layout.block_size}" in text and "vLLM + HiState" in text
     assert (out / "ttft_cdf.png").stat().st_size > 0
+    # The connector stack computes on cores the engine core does not spin on, like vLLM
+    # alone (backends/vllm/cpu_binding.py): wherever vLLM alone keeps a core out of its
+    # OpenMP binding, the HiState stack does too.
+    plain = _omp_binding(out / "work" / "rep0" / "vllm-vllm-plain.log")
+    ours = _omp_binding(out / "work" / "rep0" / "histate-vllm-HiStateConnector.log")
+    if plain["reserved"]:
+        assert ours["reserved"], (plain, ours)
+        assert not set(ours["cores"]) & set(ours["reserved"]), ours
+
+
+def _omp_binding(log: Path) -> dict[str, list[int]]:
+    """vLLM-CPU's "OpenMP thread binding info" lines: rank 0's cores and the reserved ones."""
+    text = log.read_text(errors="replace")
+    cores = re.search(r"local_rank=0, core ids=\[([\d, ]*)\]", text)
+    reserved = re.search(r"reserved_cpus=\[([\d, ]*)\]", text)
+    assert cores and reserved, f"no OpenMP binding info in {log}"
+    return {k: [int(x) for x in m.group(1).split(",") if x.strip()]
+            for k, m in (("cores", cores), ("reserved", reserved))}
