@@ -126,6 +126,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
             self.shared = SharedIndexLink(
                 config.shared_index, config.model, self.root, config.capacity_bytes,
                 lambda keys: self._forget(keys, unlink=False),
+                own_bytes=lambda: int(self._total_bytes_used + self._reserved),
             )
             logger.info("HiState disk tier at %s (%s folder), shared through Redis at %s",
                         self.root, claimed, self.shared.index.conn.where)

@@ -145,6 +145,7 @@ class DiskWritesMixin:
         oid = to_oid(key)
         size = df.header_size(oid, parent) + len(view)
         path = df.object_path(self.root, oid)
+        share = None if self.shared is None else self.shared.degraded_share()
         with self._lock:
             if key in self._index or key in self._writing:
                 # Already persisted (objects are immutable), or a concurrent writer owns
@@ -152,6 +153,9 @@ class DiskWritesMixin:
                 return "present", 0, path
             if self._total_bytes_used + self._reserved + size > self._max_capacity_bytes:
                 self.stats["not_persisted_capacity"] += 1
+                return "failed", 0, path
+            if share is not None and self._total_bytes_used + self._reserved + size > share:
+                self.stats["not_persisted_degraded_share"] += 1  # shared_link NOTE 4
                 return "failed", 0, path
             self._reserved += size
             self._writing[key] = False
