@@ -120,7 +120,7 @@ class SharedIndexLink:
         self._own_bytes = own_bytes
         self.alive, self._used_seen, self._own_seen = 1, budget_bytes, 0
         self._last_heartbeat = 0.0
-        self._heartbeat()  # NOTE 4
+        self.heartbeat()  # NOTE 4
         self.registrar = Registrar(self.index, budget_bytes)
         self.stats: Counter[str] = Counter()
         self._forget_local = forget_local  # own objects whose files a claim deleted
@@ -138,7 +138,8 @@ class SharedIndexLink:
                                         daemon=True)
         self._thread.start()
 
-    def _heartbeat(self) -> None:
+    def heartbeat(self) -> None:
+        """Tell the deployment this server is alive; remember what it looked like (NOTE 4)."""
         own = self._own_bytes()
         self._last_heartbeat = time.monotonic()
         seen = self.index.heartbeat(ALIVE_S)
@@ -242,7 +243,7 @@ class SharedIndexLink:
                 self.index.release(ids)
                 self.index.conn.poll()
                 if time.monotonic() - self._last_heartbeat >= HEARTBEAT_S:
-                    self._heartbeat()
+                    self.heartbeat()
                 if time.monotonic() - self._last_reconcile >= RECONCILE_S:
                     self._reconcile()
             except Exception:
