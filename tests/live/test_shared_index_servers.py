@@ -134,6 +134,13 @@ def test_b_loads_what_a_stored_bytes_identical(
         assert {e["owner"] for e in index.values()} == {"a"}
         assert {e["state"] for e in index.values()} == {"stored"}
         assert shared(a)["used_bytes"] == sum(on_folder.values())
+        # Ranked by A's core (shared_link NOTE 2, docs/shared-index.md §3): P's 4 KV chunks
+        # and its snapshot leave the disk as one bundle, M = 4 × 2,048 + 8,192 = 16,384
+        # payload bytes each; C is A's share alone (B's core holds none of them): C ≠ M.
+        assert len(index) == 5
+        assert {float(e["freed"]) for e in index.values()} == {4 * KV + SNAP} == {16_384.0}
+        assert all(float(e["cost"]) == float(e["c:a"]) > 0 for e in index.values())
+        assert all(float(e["cost"]) != float(e["freed"]) for e in index.values())
 
         with HybridEngineClient(b.endpoints.zmq_url, GEOMETRY, seed=1) as engine_b:
             assert loads(b) == (0, 0)

@@ -42,6 +42,13 @@ def stored(listener: object = None, disk: int = 1000) -> HiStateCache:
     return cache
 
 
+def synced(now: float) -> tuple[DeploymentSync, HiStateCache]:
+    """A ``DeploymentSync`` listening to the core of ``stored()``, its clock at ``now``;
+    object keys stood in for by strings ``"<node>/<part>"`` (their own ids)."""
+    sync = DeploymentSync(lambda nk, part: [f"{nk}/{part}"], lambda key: key, lambda: now)
+    return sync, stored(listener=sync)
+
+
 def test_eviction_inputs_are_the_units_t_c_and_m_on_the_disk() -> None:
     cache = stored()
     # S102 (intermediate, on disk): p = 8, nothing above: delta = 8. Its zone: 103, then the
@@ -123,11 +130,8 @@ def test_c_is_the_sum_of_the_servers_shares(redis_server: RedisServer,
 def test_collect_publishes_the_cores_inputs_once() -> None:
     """The runtime's part: what a tick publishes for the core of ``stored()`` after its
     bundle was demoted (values of the first test), and nothing again when they did not
-    change. Object keys are stood in for by strings ``"<node>/<part>"``."""
-    clock = [10.0]
-    sync = DeploymentSync(lambda nk, part: [f"{nk}/{part}"], lambda key: key,
-                          lambda: clock[0])
-    cache = stored(listener=sync)
+    change."""
+    sync, cache = synced(now=10.0)
     cache.evict(CPU, 1, 2.0)
     batch = sync.collect(cache, lambda: KEYS, 4, 0)
     by_id = {u[0]: tuple(round(x, 9) for x in u[1:]) for u in batch.updates}
@@ -150,10 +154,7 @@ def test_a_cpu_drop_is_a_residence_sample_and_a_disk_drop_withdraws_the_share() 
     snapshot leaves the disk (its file stays the deployment's: no sample, share 0). Then
     the CPU tier is made 0 B: with no room below, its 4 KV chunks and the final snapshot
     leave the cache: 4 ``kv`` samples and 1 ``state`` sample of 11 - 1 = 10 s."""
-    clock = [11.0]
-    sync = DeploymentSync(lambda nk, part: [f"{nk}/{part}"], lambda key: key,
-                          lambda: clock[0])
-    cache = stored(listener=sync)
+    sync, cache = synced(now=11.0)
     cache.set_capacity(DISK, 0, 11.0)
     batch = sync.collect(cache, lambda: KEYS, 4, 0)
     assert batch.samples == []

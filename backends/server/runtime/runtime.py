@@ -199,8 +199,8 @@ class HiStateRuntime:
             if core is None or not chain:
                 return
             self.sessions.lookup(core, key, chain, now)
-            if self._shared() is not None:
-                self.deployment.began(self.sessions.requests[key.request_id].sid or "")
+            if self._shared() is not None:  # told to the deployment at the next tick
+                self.deployment.began(self.sessions.requests[key.request_id].sid or "", chain)
             actions = self.actions.take()
         self.actions.run(actions)
 

@@ -9,8 +9,9 @@ LOOKUP's or a STORE's path), in one pipeline (``SharedIndex.sync``):
   disk with (``HiStateCache.eviction_inputs``), published with ``rescore`` as this
   server's share of ``C`` (``scripts`` NOTE 3) and the age of its last access. Only
   changed values go out (NOTE 1); a sweep covers ``SWEEP_BUDGET`` nodes per tick, nodes
-  the core just touched first. An object that left this core's disk view is published
-  with a zero share (this server's sessions no longer need it);
+  the core just changed or a LOOKUP just refreshed (refresh-all) first. An object that
+  left this core's disk view is published with a zero share (this server's sessions no
+  longer need it);
 * **residence samples**: every object leaving this server's cache for good (dropped
   from its CPU tier; files leave the deployment through ``drop``, which feeds the same
   EMAs) is one sample of ``kv`` or ``state`` (``observe``), so the deployment EMAs pool
@@ -124,10 +125,12 @@ class DeploymentSync:
             self._samples.append((name, max(0.0, self._clock() - since)))
 
     # ------------------------------------------------------------- requests
-    def began(self, sid: str) -> None:
-        """A request of session ``sid`` began here (LOOKUP): told at the next tick."""
+    def began(self, sid: str, chain: Iterable[int] = ()) -> None:
+        """A request of session ``sid`` began here (LOOKUP) on ``chain``: told at the next
+        tick, with the accesses the core just gave the chain's nodes (refresh-all)."""
         if len(self._begun) < MAX_QUEUED:
             self._begun[sid] = None
+            self._touched.update(chain)
 
     # ------------------------------------------------------------- the tick
     def collect(self, core: HiStateCache, nodes: Callable[[], Iterable[int]], chunk: int,
