@@ -1,6 +1,7 @@
 """The shared index's API: what a server asks Redis, each question one round trip.
 
-A server calls (phase 2 wires these to the runtime's hook points, ``docs/shared-index.md``):
+A server calls (``docs/shared-index.md`` §9 says where: the disk tier's link, the runtime's
+``deployment`` part):
 
 * ``join`` at start: the deployment's disk budget (the first server sets it; a server
   configured with another one is refused, naming ``disk_gib``) and a heartbeat;
