@@ -218,7 +218,10 @@ class HiStateRuntime:
 
     def status(self) -> dict[str, Any]:
         with self.lock:
-            return self.report.status()
+            out = self.report.status()
+            if self._shared() is not None:  # the janitor's exchange with the deployment
+                out["deployment_sync"] = self.deployment.status()
+            return out
 
     # ============================================================ store policy
     def on_committed(self, keys: Sequence[ObjectKey]) -> set[ObjectKey]:
