@@ -268,6 +268,9 @@ def test_concurrent_eviction_from_both_stays_in_budget_and_orphans_nothing(
         assert n_kv > 0 and n_state > 0
         wait_until(lambda: all(abs(hs(s)["pressure_factor"] - deployment_f()) < 1e-9
                                for s in (a, b)), "both servers follow the deployment's F")
+        for server in (a, b):  # both published their cores' score inputs and samples
+            sync = hs(server)["deployment_sync"]
+            assert sync["syncs"] > 0 and sync["published"] > 0 and sync["sessions"] > 0
         client.close()
 
 
