@@ -15,7 +15,8 @@ interval controller are private. Callers (the simulator's policy, the live runti
 use the verbs below: queries (``lookup``, ``node``, ``tiers_of``, ``holds_kv_prefix``,
 ``stats``, ``used_bytes`` / ``free_bytes``), the request life (``begin``, ``promote``,
 ``complete``, ``release``) and the live-server hooks (``attach``, ``lose``, ``adopt``,
-``evict``, ``rerank``, ``set_capacity``, ``force_pressure_factor``).
+``evict``, ``rerank``, ``set_capacity``, ``force_pressure_factor``) and the two verbs of
+a deployment that shares its last tier (``eviction_inputs``, ``follow_residence``).
 """
 
 from __future__ import annotations
@@ -268,6 +269,44 @@ class HiStateCache:
         if store.used[tier] > nbytes:
             store.tiers = _with_capacity(store.tiers, tier, store.used[tier])
         return store.tiers[tier].capacity
+
+    def eviction_inputs(self, key: int, part: str, tier: int) -> tuple[float, float, float] | None:
+        """``(t, C, M)`` of the unit with which ``part`` of ``key`` leaves ``tier``, as the
+        eviction queue ranks it: ``H = score(t, C, M, τ)`` (``C`` in the bytes ``M`` is
+        counted in, ``M`` the bytes the unit frees in ``tier``).
+
+        For a deployment whose servers share the last tier (one disk folder, one ranking
+        computed elsewhere from these inputs). None when the part is not in ``tier`` or
+        leaves it with no unit: interior KV of the last tier, which goes only after every
+        unit below it (``units.unit_nodes``).
+        """
+        node = self._index.get(key)
+        if node is None or not (self.tiers_of(key, part) >> tier) & 1:
+            return None
+        anchor = node
+        if part == KV:  # the anchor is the KV leaf (or snapshot) the segment runs down to
+            while anchor.kv_children == 1 and not anchor.snap_tiers:
+                anchor = next(c for c in anchor.children.values() if c.kv_tiers)
+            if anchor.kv_children and tier == len(self.config.tiers) - 1:
+                return None  # an intermediate snapshot leaves the last tier alone
+        freed = self._queue._tier_bytes(anchor)[tier]  # what ``EvictionQueue.rank`` uses
+        if freed <= 0:
+            return None
+        cost = self._queue.cost(anchor) * self.config.token_bytes if anchor.snap_tiers else 0.0
+        return anchor.access, cost, float(freed)
+
+    def follow_residence(
+        self, kv_s: float, kv_samples: int, snapshot_s: float, snapshot_samples: int
+    ) -> float:
+        """Make the interval controller plan with these residence-time EMAs (a
+        deployment's, pooled over servers that share a tier) instead of this core's own;
+        eviction keeps feeding the core's own tracker. Returns the pressure factor in
+        effect. ``force_pressure_factor(None)`` goes back to the core's own EMAs."""
+        pooled = ResidenceTracker(self.config.ema_alpha)
+        pooled.kv_ema, pooled.kv_samples = float(kv_s), int(kv_samples)
+        pooled.snapshot_ema, pooled.snapshot_samples = float(snapshot_s), int(snapshot_samples)
+        self._interval.residence = pooled
+        return self._interval.pressure_factor
 
     def force_pressure_factor(self, factor: float | None) -> float:
         """TEST HOOK: make the interval controller use pressure factor ``factor`` (None:

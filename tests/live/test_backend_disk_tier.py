@@ -316,7 +316,7 @@ def test_every_write_task_completes_and_each_cause_is_logged_once(
         assert a.stats["not_persisted_bad_key"] == 2
         status = a.report_status()
         assert status["writes_in_flight"] == 0 and status["files"] == 1
-        assert a._reserved == 0
+        assert a.writer.reserved == 0
         assert [line for line in tier_log if "bad_key" in line] == [tier_log[0]]
         assert len(tier_log) == 1
         # A buffer that is not one: the demotion path reports it failed, nothing escapes.

@@ -134,6 +134,14 @@ def test_b_loads_what_a_stored_bytes_identical(
         assert {e["owner"] for e in index.values()} == {"a"}
         assert {e["state"] for e in index.values()} == {"stored"}
         assert shared(a)["used_bytes"] == sum(on_folder.values())
+        # Ranked by A's core (shared_link NOTE 2, docs/shared-index.md §3): P's 4 KV chunks
+        # and its snapshot leave the disk as one bundle, M = 4 × 2,048 + 8,192 = 16,384
+        # payload bytes each; Q's final snapshot has a write-through copy on the folder
+        # (its KV is on A's CPU tier): its bundle frees only that copy there, M = 8,192.
+        # C is A's share alone (B's core holds none of them): C ≠ M.
+        assert sorted(float(e["freed"]) for e in index.values()) == [SNAP] + [4 * KV + SNAP] * 5
+        assert all(float(e["cost"]) == float(e["c:a"]) > 0 for e in index.values())
+        assert all(float(e["cost"]) != float(e["freed"]) for e in index.values())
 
         with HybridEngineClient(b.endpoints.zmq_url, GEOMETRY, seed=1) as engine_b:
             assert loads(b) == (0, 0)
@@ -242,6 +250,28 @@ def test_concurrent_eviction_from_both_stays_in_budget_and_orphans_nothing(
         assert evicted >= 1  # 12 sessions' files do not fit: the ranking made room
         for server in (a, b):
             assert hs(server)["disk"]["stats"].get("corrupt_files", 0) == 0
+        # The deployment's residence EMAs (every eviction of both servers) drive both
+        # interval controllers: each server's pressure factor is the deployment's
+        # F = T_KV / T_state (1 until both kinds left the cache), read back on its ticks.
+        client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        ema_key = KeySpace(DEPLOYMENT, MODEL).ema
+
+        def deployment_f() -> float:
+            e = {k: float(v) for k, v in client.hgetall(ema_key).items()}
+            if not (e.get("kv_n") and e.get("state_n")) or e["state"] <= 0:
+                return 1.0
+            return e["kv"] / e["state"]
+
+        n_kv, n_state = (float(client.hget(ema_key, f) or 0) for f in ("kv_n", "state_n"))
+        assert n_kv + n_state >= evicted  # each deletion is a sample
+        # Bundles (KV + snapshot, one H) left: both kinds seen, so F is measured, not 1.
+        assert n_kv > 0 and n_state > 0
+        wait_until(lambda: all(abs(hs(s)["pressure_factor"] - deployment_f()) < 1e-9
+                               for s in (a, b)), "both servers follow the deployment's F")
+        for server in (a, b):  # both published their cores' score inputs and samples
+            sync = hs(server)["deployment_sync"]
+            assert sync["syncs"] > 0 and sync["published"] > 0 and sync["sessions"] > 0
+        client.close()
 
 
 def test_unreachable_redis_or_another_budget_refuses_the_start(

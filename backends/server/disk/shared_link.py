@@ -30,14 +30,28 @@ at that moment, and the deployment's ranking, not one server's, decides which fi
 so ``forget_local`` drops the object from this server's view only, and the file stays
 registered until the deployment's ``H`` ranking claims it at a write that needs room.
 
-NOTE 2 (``C`` and ``M``): an object is committed with ``M`` = its file size and ``C`` =
-``M``, i.e. ``ln(C/M) = 0`` and ``H`` = last access: the deployment ranking is recency
-until the runtime publishes its core's ``C`` through ``rescore`` (not wired yet).
+NOTE 2 (``C`` and ``M``): an object is committed with its core's ``C`` and ``M``
+(``score_of``, set by the HiState runtime: the unit it leaves the disk with), so the
+deployment ranks it by the same ``H`` from its first second; the runtime re-publishes
+them on its janitor tick when they change (``shared_index/deployment``). Without a
+runtime (a stock ``lmcache server``), or for an object the core does not hold, ``C`` =
+``M`` = the file size: ``ln(C/M) = 0`` and ``H`` = last access.
 
 NOTE 3 (release off the path): the unlock runs on LMCache's request path right after the
 load; a second round trip there would add to every LOOKUP that reads from disk. Leases
 are handed to the background thread, which gives them back at once (woken by the
 unlock), so a lease outlives its load by one thread wake-up, far below ``lease_ttl_s``.
+
+NOTE 4 (degraded writes): without Redis a write has no reservation, and every degraded
+server sees only its own files. So each one keeps what the deployment looked like at its
+last heartbeat (every ``HEARTBEAT_S``): the bytes used, the servers alive (heartbeat at
+most ``ALIVE_S`` old, itself included) and its own bytes then; while degraded it holds at
+most its own bytes then plus an equal share of the free bytes then, ``own + (budget −
+used) // alive``. Summed over the servers alive, own files then + shares ≤ used + free =
+the budget, however many of them are degraded at once (up to the writes of one
+heartbeat period, which the heartbeats of different servers do not see alike). Deletes
+while degraded (``budget.local_delete_allowed``) only lower this. The filesystem's
+limit (ENOSPC) stays the last guard.
 """
 
 from __future__ import annotations
@@ -73,6 +87,10 @@ RECONCILE_S = 300.0
 """Seconds between two reconciles of the shared folder (one more at start)."""
 POLL_S = 0.5
 """Seconds between two polls of a degraded connection (it probes every ``retry_s``)."""
+HEARTBEAT_S = 5.0
+"""Seconds between two heartbeats of this server (``SharedIndex.heartbeat``)."""
+ALIVE_S = 30.0
+"""A server whose last heartbeat is older than this no longer counts as alive (NOTE 4)."""
 GRACE_S = 60.0
 """A file or temporary younger than this is left alone by a reconcile (its commit may be
 on its way)."""
@@ -93,13 +111,21 @@ class SharedIndexLink:
         root: Path,
         budget_bytes: int,
         forget_local: Callable[[list[ObjectKey]], None],
+        own_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         self.root = root
         self.index = open_index(cfg, model, tau=None)
         self.index.join(budget_bytes)  # raises BudgetMismatch / Unavailable
+        self.budget_bytes = budget_bytes
+        self._own_bytes = own_bytes
+        self.alive, self._used_seen, self._own_seen = 1, budget_bytes, 0
+        self._last_heartbeat = 0.0
+        self.heartbeat()  # NOTE 4
         self.registrar = Registrar(self.index, budget_bytes)
         self.stats: Counter[str] = Counter()
         self._forget_local = forget_local  # own objects whose files a claim deleted
+        # (C, M) of an object as the server's core ranks it (the runtime sets it; NOTE 2).
+        self.score_of: Callable[[ObjectKey], tuple[float, float] | None] | None = None
         self._own: dict[str, ObjectKey] = {}  # id -> key of the objects this server wrote
         self._own_lock = threading.Lock()
         self._releases: list[str] = []  # lease ids to give back (background thread)
@@ -111,6 +137,23 @@ class SharedIndexLink:
         self._thread = threading.Thread(target=self._loop, name="histate-shared-index",
                                         daemon=True)
         self._thread.start()
+
+    def heartbeat(self) -> None:
+        """Tell the deployment this server is alive; remember what it looked like (NOTE 4)."""
+        own = self._own_bytes()
+        self._last_heartbeat = time.monotonic()
+        seen = self.index.heartbeat(ALIVE_S)
+        if seen is not None:
+            self.alive, self._used_seen = seen
+            self._own_seen = own
+
+    def degraded_share(self) -> int | None:
+        """The bytes of own files this server may hold while Redis is unreachable (NOTE
+        4); None while connected (the index's reservations bound the writes)."""
+        if not self.index.conn.degraded:
+            return None
+        free = max(0, self.budget_bytes - self._used_seen)
+        return self._own_seen + free // max(1, self.alive)
 
     # ------------------------------------------------------------------ reads
     def lookup(self, keys: Sequence[ObjectKey]) -> list[bool] | None:
@@ -160,14 +203,15 @@ class SharedIndexLink:
         self, written: Sequence[tuple[ObjectKey, int, Any, int, int, bytes]]
     ) -> None:
         """Files renamed into place: ``(key, file size, payload, kind, depth, parent)``."""
-        records = [
-            ObjectRecord(
+        records = []
+        for k, size, payload, kind, depth, parent in written:
+            score = None if self.score_of is None else self.score_of(k)
+            cost, freed = score if score is not None else (float(size), float(size))  # NOTE 2
+            records.append(ObjectRecord(
                 df.encode_id(to_oid(k)), self._relative(k), size,
                 zlib.crc32(memoryview(payload).cast("B")), kind, depth, parent,
-                cost=float(size), freed=float(size),  # NOTE 2
-            )
-            for k, size, payload, kind, depth, parent in written
-        ]
+                cost=cost, freed=freed,
+            ))
         if records:
             with self._own_lock:
                 self._own.update((r.id, w[0]) for r, w in zip(records, written, strict=True))
@@ -198,6 +242,8 @@ class SharedIndexLink:
                     ids, self._releases = self._releases, []
                 self.index.release(ids)
                 self.index.conn.poll()
+                if time.monotonic() - self._last_heartbeat >= HEARTBEAT_S:
+                    self.heartbeat()
                 if time.monotonic() - self._last_reconcile >= RECONCILE_S:
                     self._reconcile()
             except Exception:

@@ -62,7 +62,7 @@ from .entries import DiskEntry, recover_entries
 from .folder import FolderError, claim, hold
 from .keys import to_oid
 from .shared_link import SharedIndexLink
-from .writes import CapacityListener, DiskWritesMixin
+from .writes import CapacityListener, DiskWriter, TierAccess, tell
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -78,7 +78,7 @@ MetaProvider = Callable[[ObjectKey], ObjectMeta]
 WriteCallback = Callable[[list[ObjectKey], list[ObjectKey]], None]
 
 
-class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
+class HiStateDiskAdapter(L2AdapterInterface):
     """One file per object under ``path``; thread-pool I/O; hard capacity."""
 
     def __init__(
@@ -100,8 +100,6 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self._index: dict[ObjectKey, DiskEntry] = {}
         self._locks: Counter[ObjectKey] = Counter()
         self._delete_on_unlock: set[ObjectKey] = set()
-        self._writing: dict[ObjectKey, bool] = {}  # key -> cancelled
-        self._reserved = 0
         self._next_task = 0
         self._store_done: dict[L2TaskId, L2StoreResult] = {}
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
@@ -111,21 +109,25 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         self.write_listener: WriteCallback | None = None
         self.loss_listener: Callable[[list[ObjectKey]], None] | None = None
         self.capacity_listener: CapacityListener | None = None
-        self._logged_causes: set[str] = set()
-        self._capacity_checked = 0.0
         self._closed = False
         self.shared: SharedIndexLink | None = None
+        self.writer = DiskWriter(self, TierAccess(
+            self._lock, self._index, lambda: self._total_bytes_used,
+            lambda: self._max_capacity_bytes,
+            lambda nbytes: setattr(self, "_max_capacity_bytes", nbytes),
+            self._notify_keys_stored, self._notify_keys_deleted,
+        ))
         if config.shared_index is None:
             self._recover_index(claimed)
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
+        self._store_efd, self._lookup_efd, self._load_efd = (
+            create_event_notifier(), create_event_notifier(), create_event_notifier())
         self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
         if config.shared_index is not None:
             # NOTE 1: no start-up scan; the deployment's index, reconciled.
             self.shared = SharedIndexLink(
                 config.shared_index, config.model, self.root, config.capacity_bytes,
                 lambda keys: self._forget(keys, unlink=False),
+                own_bytes=lambda: int(self._total_bytes_used + self.writer.reserved),
             )
             logger.info("HiState disk tier at %s (%s folder), shared through Redis at %s",
                         self.root, claimed, self.shared.index.conn.where)
@@ -135,7 +137,8 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
     def _recover_index(self, claimed: str) -> None:
         """Index the files of an own folder (one server); leftovers removed."""
         t0 = time.monotonic()
-        self._index, result = recover_entries(self.root)
+        entries, result = recover_entries(self.root)
+        self._index.update(entries)  # the writer shares this dict
         self.stats["restart_tmp_removed"] = result.removed_tmp
         self.stats["restart_invalid_removed"] = result.removed_corrupt
         keys = list(self._index)
@@ -143,7 +146,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         if keys:
             self._notify_keys_stored(keys, sizes)
         self.stats["restart_objects"] = len(keys)
-        self._recheck_capacity()  # never more than the filesystem can hold
+        self.writer.recheck_capacity()  # never more than the filesystem can hold
         logger.info(
             "HiState disk tier at %s (%s folder): %d objects (%d bytes) recovered in %.2fs, "
             "%d temporary and %d invalid files removed; capacity %d bytes (configured %d)",
@@ -182,10 +185,10 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
     def _store_task(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         result = L2StoreResult(False, 0)
         try:
-            _ok_keys, failed, written = self._write_batch(keys, [o.byte_array for o in objects])
+            _ok, failed, written = self.writer.write_batch(keys, [o.byte_array for o in objects])
             result = L2StoreResult(not failed, written)
         except BaseException as exc:  # the task must complete whatever happened
-            self._not_persisted_all(keys, exc)
+            self.writer.not_persisted_all(keys, exc)
         finally:
             with self._lock:
                 self._store_done[tid] = result
@@ -203,30 +206,18 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
             ok: list[ObjectKey] = []
             failed = list(keys)
             try:
-                ok, failed, _ = self._write_batch(list(keys), list(buffers))
+                ok, failed, _ = self.writer.write_batch(list(keys), list(buffers))
             except BaseException as exc:
-                self._not_persisted_all(keys, exc)
+                self.writer.not_persisted_all(keys, exc)
             finally:
                 done(ok, failed)
 
         self._pool.submit(run)
 
-    def _not_persisted_all(self, keys: Sequence[ObjectKey], exc: BaseException) -> None:
-        """A whole batch failed before its objects were tried (e.g. a bad buffer)."""
-        for key in keys:
-            self._not_persisted(key, exc)
+    def capacity_bytes(self) -> int:
+        """The effective capacity: configured, or less when the filesystem is smaller."""
+        return int(self._max_capacity_bytes)
 
-    def _entry(self, size: int, payload: int, kind: int, depth: int, parent: bytes) -> DiskEntry:
-        return DiskEntry(size, payload, kind, depth, parent, time.time())
-
-    def _meta(self, key: ObjectKey) -> ObjectMeta:
-        provider = self.meta_provider
-        if provider is not None:
-            try:
-                return provider(key)
-            except Exception:
-                logger.exception("HiState disk tier: meta provider failed")
-        return df.KIND_OTHER, -1, b""
 
     # ------------------------------------------------------------ lookup / lock
     def submit_lookup_and_lock_task(
@@ -308,7 +299,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
             self._forget(corrupt, unlink=True)
             if self.shared is not None:
                 self.shared.lost(corrupt)
-            self._tell(self.loss_listener, "loss", corrupt)
+            tell(self.loss_listener, "loss", corrupt)
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)
@@ -324,12 +315,10 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
             return
         now: list[ObjectKey] = []
         with self._lock:
-            for key in keys:
-                if key in self._writing:
-                    self._writing[key] = True
-                elif key not in self._index:
+            for key in keys:  # a write in flight is cancelled (the writer deletes its file)
+                if self.writer.cancel(key) or key not in self._index:
                     continue
-                elif self._locks.get(key):
+                if self._locks.get(key):
                     self._delete_on_unlock.add(key)
                 else:
                     now.append(key)
@@ -376,7 +365,7 @@ class HiStateDiskAdapter(DiskWritesMixin, L2AdapterInterface):
         with self._lock:
             files = len(self._index)
             locked = len(self._locks)
-            writing = len(self._writing)
+            writing = len(self.writer.writing)
         return {
             "is_healthy": not self._closed,
             "type": "HiStateDiskAdapter",

@@ -1,6 +1,10 @@
 """The disk tier's write path: every write task completes, and the capacity follows the disk.
 
-Mixed into ``disk_tier.HiStateDiskAdapter`` (which holds the state and the lock).
+``DiskWriter`` is a part owned by ``tier.HiStateDiskAdapter`` and called explicitly by it
+(``write_batch``, ``cancel``, ``recheck_capacity``). It owns the writes in flight and the
+bytes they reserve; it shares with its tier, through ``TierAccess``, the tier's lock and
+index (a written object's entry is added under the lock) and its byte accounting and
+capacity (held by LMCache's adapter base class, which ``get_usage`` reads).
 
 Invariants:
 
@@ -26,20 +30,25 @@ from __future__ import annotations
 import contextlib
 import errno
 import struct
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache.logging import init_logger
 
 from . import file_format as df
+from .entries import DiskEntry
 from .folder import capacity_limit
 from .keys import to_oid
 from .shared_link import key_id
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
+
+    from .tier import HiStateDiskAdapter
 
 logger = init_logger(__name__)
 
@@ -48,6 +57,20 @@ RECHECK_S = 5.0
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 CapacityListener = Callable[[int], None]
+Accounting = Callable[[list["ObjectKey"], list[int]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TierAccess:
+    """What a ``DiskWriter`` shares with its tier (module docstring)."""
+
+    lock: threading.Lock
+    index: dict[ObjectKey, DiskEntry]
+    held: Callable[[], int]  # bytes of the objects on disk (the base class's count)
+    capacity: Callable[[], int]  # the effective capacity (``get_usage`` reports it)
+    set_capacity: Callable[[int], None]
+    stored: Accounting  # ``_notify_keys_stored`` of the base class
+    deleted: Accounting  # ``_notify_keys_deleted``
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -59,10 +82,41 @@ def failure_cause(exc: BaseException) -> str:
     return "error"
 
 
-class DiskWritesMixin:
-    """``_write_batch`` and capacity feedback of ``HiStateDiskAdapter``."""
+class DiskWriter:
+    """The write path and capacity feedback of one ``HiStateDiskAdapter``."""
 
-    def _write_batch(
+    def __init__(self, tier: HiStateDiskAdapter, access: TierAccess) -> None:
+        self.tier = tier
+        self.config = tier.config
+        self.root = tier.root
+        self.stats = tier.stats
+        self._access = access
+        self._lock = access.lock
+        self._index = access.index
+        self.writing: dict[ObjectKey, bool] = {}  # key -> cancelled
+        self.reserved = 0
+        self._logged_causes: set[str] = set()
+        self._capacity_checked = 0.0
+
+    def _meta(self, key: ObjectKey) -> tuple[int, int, bytes]:
+        """(kind, depth, parent) for the header, from the tier's ``meta_provider``."""
+        provider = self.tier.meta_provider
+        if provider is not None:
+            try:
+                return provider(key)
+            except Exception:
+                logger.exception("HiState disk tier: meta provider failed")
+        return df.KIND_OTHER, -1, b""
+
+    def cancel(self, key: ObjectKey) -> bool:
+        """Under the tier's lock: a write of ``key`` in flight is cancelled (its file is
+        removed once written); False when none is."""
+        if key not in self.writing:
+            return False
+        self.writing[key] = True
+        return True
+
+    def write_batch(
         self, keys: list[ObjectKey], buffers: list[Any]
     ) -> tuple[list[ObjectKey], list[ObjectKey], int]:
         """Write ``keys``; returns (ok, failed, payload bytes written). Never raises."""
@@ -80,7 +134,7 @@ class DiskWritesMixin:
             try:
                 outcome, nbytes, path = self._write_one(key, buffers[i])
             except BaseException as exc:  # _write_one released its reservation
-                self._not_persisted(key, exc)
+                self.not_persisted(key, exc)
                 failed.append(key)
                 continue
             if outcome == "failed":
@@ -96,16 +150,16 @@ class DiskWritesMixin:
                 with contextlib.suppress(OSError):
                     df.fsync_dir(d)
         self.stats["objects_written"] += len(stored)
-        if self.shared is not None and stored:
+        if self.tier.shared is not None and stored:
             self._shared_commit(stored, dict(zip(keys, buffers, strict=True)))
-        self._tell(self.write_listener, "write", stored, failed)
+        tell(self.tier.write_listener, "write", stored, failed)
         return ok, failed, written
 
     def _shared_reserve(self, keys: list[ObjectKey], buffers: list[Any]) -> dict[ObjectKey, str]:
         """Shared folder: reserve the batch under the deployment budget (evicting by the
         deployment's ranking); returns the keys not to write: ``"present"`` (another
         server stored it) or ``"full"`` (not persisted). Degraded: the local view."""
-        if self.shared is None:
+        if self.tier.shared is None:
             return {}
         sized = []
         for key, buf in zip(keys, buffers, strict=True):
@@ -113,7 +167,7 @@ class DiskWritesMixin:
                 oid = to_oid(key)
                 payload = memoryview(buf).nbytes
                 sized.append((key, df.header_size(oid, self._meta(key)[2]) + payload))
-        got = self.shared.reserve(sized)
+        got = self.tier.shared.reserve(sized)
         if got is None:
             return {}
         present, full = got
@@ -131,7 +185,7 @@ class DiskWritesMixin:
         """Shared folder: the renamed files are committed to the deployment's index."""
         with self._lock:
             entries = [(k, self._index.get(k)) for k in stored]
-        self.shared.commit_written([
+        self.tier.shared.commit_written([
             (k, e.size, buffers[k], e.kind, e.depth, e.parent) for k, e in entries if e is not None
         ])
 
@@ -145,16 +199,20 @@ class DiskWritesMixin:
         oid = to_oid(key)
         size = df.header_size(oid, parent) + len(view)
         path = df.object_path(self.root, oid)
+        share = None if self.tier.shared is None else self.tier.shared.degraded_share()
         with self._lock:
-            if key in self._index or key in self._writing:
+            if key in self._index or key in self.writing:
                 # Already persisted (objects are immutable), or a concurrent writer owns
                 # it and reports its outcome.
                 return "present", 0, path
-            if self._total_bytes_used + self._reserved + size > self._max_capacity_bytes:
+            if self._access.held() + self.reserved + size > self._access.capacity():
                 self.stats["not_persisted_capacity"] += 1
                 return "failed", 0, path
-            self._reserved += size
-            self._writing[key] = False
+            if share is not None and self._access.held() + self.reserved + size > share:
+                self.stats["not_persisted_degraded_share"] += 1  # shared_link NOTE 4
+                return "failed", 0, path
+            self.reserved += size
+            self.writing[key] = False
         try:
             df.write_object(
                 path, oid, view, kind=kind, depth=depth, parent=parent,
@@ -162,27 +220,32 @@ class DiskWritesMixin:
             )
         except BaseException:
             with self._lock:
-                self._reserved -= size
-                self._writing.pop(key, None)
+                self.reserved -= size
+                self.writing.pop(key, None)
             raise
         # NOTE 2: bytes are accounted before the key becomes visible in the index, so a
         # delete (which only finds indexed keys) can never subtract them first.
-        self._notify_keys_stored([key], [size])
+        self._access.stored([key], [size])
         with self._lock:
-            self._reserved -= size
-            cancelled = self._writing.pop(key, False)
+            self.reserved -= size
+            cancelled = self.writing.pop(key, False)
             if not cancelled:
-                self._index[key] = self._entry(size, len(view), kind, depth, parent)
+                self._index[key] = DiskEntry(size, len(view), kind, depth, parent, time.time())
         if cancelled:
             # Deleted while being written: it must not outlive its delete.
             with contextlib.suppress(OSError):
                 path.unlink()
-            self._notify_keys_deleted([key], [size])
+            self._access.deleted([key], [size])
             self.stats["writes_cancelled"] += 1
             return "present", 0, path
         return "stored", len(view), path
 
-    def _not_persisted(self, key: ObjectKey, exc: BaseException) -> None:
+    def not_persisted_all(self, keys: Sequence[ObjectKey], exc: BaseException) -> None:
+        """A whole batch failed before its objects were tried (e.g. a bad buffer)."""
+        for key in keys:
+            self.not_persisted(key, exc)
+
+    def not_persisted(self, key: ObjectKey, exc: BaseException) -> None:
         cause = failure_cause(exc)
         with self._lock:  # I/O threads fail together when a disk fills: log once
             self.stats[f"not_persisted_{cause}"] += 1
@@ -195,35 +258,31 @@ class DiskWritesMixin:
                 cause, type(exc).__name__, exc, cause,
             )
         if cause == "no_space":
-            self._recheck_capacity()
+            self.recheck_capacity()
 
     # --------------------------------------------------------------- capacity
-    def capacity_bytes(self) -> int:
-        """The effective capacity: configured, or less when the filesystem is smaller."""
-        return int(self._max_capacity_bytes)
-
     def _maybe_recheck_capacity(self) -> None:
-        if self._max_capacity_bytes < self.config.capacity_bytes and (
+        if self._access.capacity() < self.config.capacity_bytes and (
             time.monotonic() - self._capacity_checked >= RECHECK_S
         ):
-            self._recheck_capacity()
+            self.recheck_capacity()
 
-    def _recheck_capacity(self) -> None:
+    def recheck_capacity(self) -> None:
         """Set the capacity to min(configured, held + in flight + free); tell the listener.
 
         Writes in flight count as held: their temporary files already take the space.
         """
         try:
             with self._lock:
-                held = self._total_bytes_used + self._reserved
+                held = self._access.held() + self.reserved
             limit = min(self.config.capacity_bytes, capacity_limit(self.root, held))
         except OSError as exc:
             logger.warning("HiState disk tier: cannot measure free space: %s", exc)
             return
         self._capacity_checked = time.monotonic()
         with self._lock:
-            changed = limit != self._max_capacity_bytes
-            self._max_capacity_bytes = limit
+            changed = limit != self._access.capacity()
+            self._access.set_capacity(limit)
         if not changed:
             return
         self.stats["capacity_changes"] += 1
@@ -231,14 +290,14 @@ class DiskWritesMixin:
             "HiState disk tier: capacity now %d bytes (configured %d; %d held + free space)",
             limit, self.config.capacity_bytes, held,
         )
-        self._tell(self.capacity_listener, "capacity", limit)
+        tell(self.tier.capacity_listener, "capacity", limit)
 
-    @staticmethod
-    def _tell(listener: Callable[..., None] | None, what: str, *args: Any) -> None:
-        """Call a listener of the runtime; its failure is logged, never the tier's."""
-        if listener is None:
-            return
-        try:
-            listener(*args)
-        except Exception:
-            logger.exception("HiState disk tier: %s listener failed", what)
+
+def tell(listener: Callable[..., None] | None, what: str, *args: Any) -> None:
+    """Call a listener of the runtime; its failure is logged, never the tier's."""
+    if listener is None:
+        return
+    try:
+        listener(*args)
+    except Exception:
+        logger.exception("HiState disk tier: %s listener failed", what)

@@ -26,7 +26,10 @@ The runtime is composed of parts, each owning its state, built here with what it
 * ``TierActions`` (``tier_actions``): the core's placement events turned into L1 / disk
   actions, and L1 / disk losses reported back;
 * ``CpuEvictor`` (``cpu_eviction``): L1 victims by lowest ``H``, re-rank sweeps;
-* ``recover_from_disk`` (``recovery``) and ``StatusReport`` (``reporting``).
+* ``recover_from_disk`` (``recovery``) and ``StatusReport`` (``reporting``);
+* with a shared disk tier (``shared_index``), ``DeploymentSync``
+  (``shared_index/deployment``): the core's score inputs, residence samples and session
+  starts published, and the deployment's EMAs read back, once per janitor tick.
 
 Locking: ``self.lock`` guards the core and every part. It is never held while calling
 into LMCache's L1 manager or waiting on disk I/O: each entry point below takes the lock,
@@ -49,6 +52,8 @@ from lmcache_histate.core.cache import HiStateCache
 from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.placement import PlacementListener
 
+from ..disk.shared_link import SharedIndexLink, key_id
+from ..shared_index.deployment import DeploymentSync
 from .catalogue import ObjectCatalogue
 from .chains import ChunkChains, chain_hashes
 from .commits import CommitPlacer
@@ -88,6 +93,7 @@ class HiStateRuntime:
         self.report = StatusReport(
             cfg, self.model, self.sessions, self.catalogue, self.actions, self.stats
         )
+        self.deployment = DeploymentSync(self.catalogue.keys, key_id, clock)
         self.ctx: Any = None
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
@@ -105,6 +111,13 @@ class HiStateRuntime:
         disk.write_listener = self.actions.on_disk_written
         disk.loss_listener = self.actions.on_disk_lost
         disk.capacity_listener = self.on_disk_capacity
+        if disk.shared is not None:  # one disk folder for the deployment
+            disk.shared.score_of = self.score_of
+            self.add_placement_observer(self.deployment)
+
+    def _shared(self) -> SharedIndexLink | None:
+        disk = self.actions.disk
+        return None if disk is None else disk.shared
 
     def add_placement_observer(self, observer: PlacementListener) -> None:
         """Also tell ``observer`` every placement event of the core (``CoreListener``)."""
@@ -186,6 +199,8 @@ class HiStateRuntime:
             if core is None or not chain:
                 return
             self.sessions.lookup(core, key, chain, now)
+            if self._shared() is not None:  # told to the deployment at the next tick
+                self.deployment.began(self.sessions.requests[key.request_id].sid or "", chain)
             actions = self.actions.take()
         self.actions.run(actions)
 
@@ -203,7 +218,10 @@ class HiStateRuntime:
 
     def status(self) -> dict[str, Any]:
         with self.lock:
-            return self.report.status()
+            out = self.report.status()
+            if self._shared() is not None:  # the janitor's exchange with the deployment
+                out["deployment_sync"] = self.deployment.status()
+            return out
 
     # ============================================================ store policy
     def on_committed(self, keys: Sequence[ObjectKey]) -> set[ObjectKey]:
@@ -258,6 +276,30 @@ class HiStateRuntime:
             actions = self.actions.take()
         self.actions.run(actions)
 
+    def score_of(self, key: ObjectKey) -> tuple[float, float] | None:
+        """``(C, M)`` of a disk object as the core ranks it (``DeploymentSync.score_of``),
+        for its commit to the shared index; None for an object the core does not hold."""
+        with self.lock:
+            core, where = self.model.core, self.catalogue.where(key)
+            return None if core is None or where is None else self.deployment.score_of(
+                core, *where)
+
+    def _sync_deployment(self, link: SharedIndexLink) -> None:
+        """The janitor's exchange with the deployment (``DeploymentSync``): collected under
+        the lock, sent outside it, the EMAs applied under it."""
+        recoveries = link.index.conn.counters().get("recoveries", 0)
+        with self.lock:
+            core = self.model.core
+            if core is None:
+                return
+            batch = self.deployment.collect(core, lambda: list(self.catalogue.objects),
+                                            self.model.chunk, recoveries)
+        emas = self.deployment.sync(link.index, batch)
+        if emas is not None:
+            with self.lock:
+                if self.model.core is not None:
+                    self.deployment.apply(self.model.core, emas)
+
     # ================================================================ tests
     def force_pressure_factor(self, factor: float | None) -> float:
         """TEST HOOK (``tests/support/pressure_override``): see
@@ -296,4 +338,7 @@ class HiStateRuntime:
             actions = self.actions.take()
         self.actions.run(actions)
         self.actions.retry_refused()
+        link = self._shared()
+        if link is not None:
+            self._sync_deployment(link)
         self.stats["janitor_ticks"] += 1  # /status janitor_ticks: tests wait for a tick to pass

@@ -9,7 +9,9 @@ One concept per module (``docs/shared-index.md`` has the design and the key layo
 * ``index``: ``SharedIndex``, the API a server calls, one round trip per call;
 * ``budget``: the write path under one deployment budget, evicting by ``H``;
 * ``registration``: the server's own objects, re-registered when Redis returns;
-* ``reconcile``: orphan files, stale entries, dead writers' and claimants' leftovers.
+* ``reconcile``: orphan files, stale entries, dead writers' and claimants' leftovers;
+* ``deployment``: the runtime's side: its core's score inputs, residence samples and
+  session starts published, the deployment's EMAs read back (janitor tick).
 
 ``open_index`` builds the pieces from a validated ``SharedIndexConfig``.
 """

@@ -1,6 +1,7 @@
 """The shared index's API: what a server asks Redis, each question one round trip.
 
-A server calls (phase 2 wires these to the runtime's hook points, ``docs/shared-index.md``):
+A server calls (``docs/shared-index.md`` §9 says where: the disk tier's link, the runtime's
+``deployment`` part):
 
 * ``join`` at start: the deployment's disk budget (the first server sets it; a server
   configured with another one is refused, naming ``disk_gib``) and a heartbeat;
@@ -11,7 +12,9 @@ A server calls (phase 2 wires these to the runtime's hook points, ``docs/shared-
   are renamed into place (``budget.reserve_with_eviction`` adds the eviction step);
 * ``claim`` / ``drop`` to evict by the deployment's ``H`` ranking; ``forget_stored`` when a
   stored entry's file is gone or corrupt (a miss; the entry is cleaned up);
-* ``rescore`` when the owner's ``C`` / ``M`` of an object change;
+* ``rescore`` when a server's ``C`` / ``M`` of an object change (``sync`` batches it with
+  the residence samples, session starts and the EMAs: the janitor's one exchange);
+* ``heartbeat``: the servers alive, for a degraded server's budget share;
 * ``session_begin`` / ``session_end`` and ``emas`` for the deployment's session facts and
   residence-time EMAs.
 
@@ -256,12 +259,59 @@ class SharedIndex:
         out = self._run("forget", ["expired", self.instance, self._claim_ms, *ids], [])
         return [(i, s, p) for i, s, p in out]
 
-    def rescore(self, updates: Iterable[tuple[str, float, float]]) -> int | None:
-        """New ``C`` and ``M`` for stored objects; their ``H`` is re-queued."""
-        args: list[object] = [self._tau]
-        for i, cost, freed in updates:
-            args += (i, repr(float(cost)), repr(float(freed)))
-        return self._run("rescore", args) if len(args) > 1 else 0
+    def rescore(self, updates: Iterable[Sequence[Any]]) -> int | None:
+        """This server's ``C`` share and ``M`` for stored objects, ``H`` re-queued.
+
+        Each update is ``(id, C, M)`` or ``(id, C, M, age)``: ``age`` = seconds since this
+        server's last access of the object (moves ``t`` forward, never back; ``scripts``
+        NOTE 3 for how the servers' shares add up)."""
+        args = self._rescore_args(updates)
+        return self._run("rescore", args) if len(args) > 2 else 0
+
+    def _rescore_args(self, updates: Iterable[Sequence[Any]]) -> list[object]:
+        args: list[object] = [self._tau, self.instance]
+        for u in updates:
+            age = u[3] if len(u) > 3 and u[3] is not None else -1.0
+            args += (u[0], repr(float(u[1])), repr(float(u[2])), repr(float(age)))
+        return args
+
+    def heartbeat(self, window_s: float) -> tuple[int, int] | None:
+        """This server is alive: ``(servers seen alive within window_s, used bytes)``."""
+        out = self._run("heartbeat", [self.instance, repr(float(window_s))])
+        return None if out is None else (int(out[0]), int(out[1]))
+
+    def sync(
+        self,
+        samples: Sequence[tuple[str, float]],
+        updates: Sequence[Sequence[Any]],
+        sessions: Sequence[tuple[str, str, int]],
+    ) -> dict[str, float] | None:
+        """The janitor's exchange with the deployment, one pipeline: residence / gap
+        ``samples`` (``observe``), score ``updates`` (``rescore``), the ``(session, final
+        snapshot id or "", its tokens)`` of sessions that began a request here since the
+        last sync (``session`` with begin), then the deployment EMAs (``emas``).
+        Off the request path (redis-py checks the pipeline's scripts first: two round
+        trips). None = degraded."""
+        k, used, alpha = self.keys, [self.keys.used], self._alpha
+        sc = self._scripts
+
+        def go(c: redis.Redis) -> dict[str, float]:
+            with c.pipeline(transaction=False) as p:
+                if samples:
+                    args: list[object] = [alpha]
+                    for name, value in samples:
+                        args += (name, repr(float(value)))
+                    sc["observe"](keys=used, args=args, client=p)
+                if updates:
+                    sc["rescore"](keys=used, args=self._rescore_args(updates), client=p)
+                for sid, end_id, end_tokens in sessions:
+                    sc["session"](keys=used, args=[sid, self.instance, end_id, end_tokens,
+                                                   alpha, 1], client=p)
+                p.hgetall(k.ema)
+                raw = p.execute()[-1]
+            return {name: float(v) for name, v in raw.items()}
+
+        return self.conn.call(go, None)
 
     # ------------------------------------------------------------ deployment facts
     def session_begin(self, sid: str) -> SessionFacts | None:

@@ -21,13 +21,22 @@ deleted with its entry (``drop``, ``forget``). So a lease set lives at most as l
 object and holds at most one member per server; setting a key expiry on every lease
 would cost two more commands per object on the lookup path.
 
+NOTE 3 (``C`` over the deployment): ``C`` is a sum over the sessions whose hits need a
+unit (``core/units.expected_recompute``), so the deployment's ``C`` of an object is the
+sum of what each server's core counts for the sessions it serves. Each server publishes
+its share (field ``c:<instance>``, set by ``commit`` for the owner and by ``rescore``
+for any server whose core holds the object) and ``cost`` is kept equal to the sum of
+the shares; ``M`` is the last publisher's (the same unit's bytes in every core that
+holds it). A session that moved is counted by both servers until the old one's
+session expires (``session_ttl_s``): an over-count bounded by one server's share.
+
 Numbers leave Lua as strings (Redis truncates Lua numbers to integers in replies).
 """
 
 from __future__ import annotations
 
-__all__ = ["CLAIM", "COMMIT", "DROP", "FORGET", "LOOKUP", "LOOKUP_FIELDS", "OBSERVE",
-           "RESCORE", "RESERVE", "SCRIPTS", "SESSION"]
+__all__ = ["CLAIM", "COMMIT", "DROP", "FORGET", "HEARTBEAT", "LOOKUP", "LOOKUP_FIELDS",
+           "OBSERVE", "RESCORE", "RESERVE", "SCRIPTS", "SESSION"]
 
 _PRELUDE = """
 local P = string.sub(KEYS[1], 1, -5)
@@ -123,7 +132,8 @@ for i = 3, #ARGV, 11 do
     redis.call('HSET', key, 'state', 'stored', 'owner', owner, 'path', ARGV[i + 1],
                'size', size, 'crc', ARGV[i + 3], 'kind', ARGV[i + 4], 'depth', ARGV[i + 5],
                'parent', ARGV[i + 6], 'cost', ARGV[i + 7], 'freed', ARGV[i + 8],
-               'tier', ARGV[i + 9], 'oid', ARGV[i + 10], 't', t, 'born', t)
+               'tier', ARGV[i + 9], 'oid', ARGV[i + 10], 't', t, 'born', t,
+               'c:' .. owner, ARGV[i + 7])
     redis.call('HDEL', key, 'until', 'claimant')
     redis.call('ZADD', P .. 'rank',
                score(t, tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]), tau), id)
@@ -264,21 +274,41 @@ return out
 """
 
 RESCORE = _PRELUDE + """
--- ARGV: tau, then (id, cost, freed) per object: the owner's new C and M; H re-queued.
+-- ARGV: tau, publisher, then (id, cost, freed, age) per object: the publisher's C (its
+-- share of the deployment's C, NOTE 3), the unit's M, and the seconds since the
+-- publisher's last access of it (age < 0: none; freed < 0: M unchanged).
+-- cost = sum of the servers' shares; t = max(t, now - age); H re-queued.
+-- Returns the number of stored entries updated.
 local tau = tau_of(ARGV[1])
+local share = 'c:' .. ARGV[2]
+local now = now_ms() / 1000
 local n = 0
-for i = 2, #ARGV, 3 do
+for i = 3, #ARGV, 4 do
   local id = ARGV[i]
   local key = P .. 'o:' .. id
-  local t = redis.call('HGET', key, 't')
-  if t and redis.call('HGET', key, 'state') == 'stored' then
-    redis.call('HSET', key, 'cost', ARGV[i + 1], 'freed', ARGV[i + 2])
-    redis.call('ZADD', P .. 'rank',
-               score(tonumber(t), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tau), id)
+  local f = redis.call('HMGET', key, 'state', 't', 'cost', share, 'freed')
+  if f[1] == 'stored' then
+    local mine, freed, age = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    if freed < 0 then freed = tonumber(f[5] or '0') end
+    local cost = tonumber(f[3] or '0') - tonumber(f[4] or '0') + mine
+    if cost < 0 then cost = 0 end
+    local t = tonumber(f[2])
+    if age >= 0 and now - age > t then t = now - age end
+    redis.call('HSET', key, 'cost', cost, share, ARGV[i + 1], 'freed', freed, 't', t)
+    redis.call('ZADD', P .. 'rank', score(t, cost, freed, tau), id)
     n = n + 1
   end
 end
 return n
+"""
+
+HEARTBEAT = _PRELUDE + """
+-- ARGV: instance, window (s). This server is alive now; returns {the servers seen alive
+-- within the window (itself included), the deployment's used bytes}.
+local now = now_ms() / 1000
+redis.call('ZADD', P .. 'servers', now, ARGV[1])
+return {redis.call('ZCOUNT', P .. 'servers', now - tonumber(ARGV[2]), '+inf'),
+        tonumber(redis.call('GET', KEYS[1]) or '0')}
 """
 
 OBSERVE = _PRELUDE + """
@@ -320,4 +350,5 @@ return {f[1] or '', f[2] or '', f[3] or '', gap}
 SCRIPTS = {
     "reserve": RESERVE, "commit": COMMIT, "lookup": LOOKUP, "claim": CLAIM, "drop": DROP,
     "forget": FORGET, "rescore": RESCORE, "observe": OBSERVE, "session": SESSION,
+    "heartbeat": HEARTBEAT,
 }
