@@ -223,6 +223,10 @@ def test_store_arguments_and_refusals() -> None:
         TieredStore(index, queue, ())
     with pytest.raises(ValueError, match=r"^the eviction queue must have one heap per tier$"):
         TieredStore(index, EvictionQueue(index, 1, tau=0.0, token_bytes=1), tiers)
+    two = EvictionQueue(index, 2, tau=0.0, token_bytes=1)
+    TieredStore(index, two, tiers, PlacementRules(kv_tier=1, snapshot_tier=1, final_tier=1))
+    with pytest.raises(ValueError, match=r"^placement kv_tier=2 is not a tier index$"):
+        TieredStore(index, two, tiers, PlacementRules(kv_tier=2))
 
 
 def test_only_a_final_snapshot_gets_the_write_through_copy() -> None:
@@ -304,4 +308,18 @@ def test_demotion_from_a_middle_tier_moves_only_what_is_there() -> None:
         ("stored", 5, KV, DISK),
     ]
     assert store.used == [0, 10, 40]
+    check(index, queue, store)
+
+
+def test_promote_takes_the_nearest_lower_copy() -> None:
+    """Three tiers; chunk 1's KV on tiers 1 and 2 (adopted). Promoting it to tier 0 moves
+    the tier-1 copy (the lowest set bit): ``moved`` 1 → 0, mask 0b101; bytes [10, 0, 10]."""
+    index, queue, store, log = make(100, 100, 100)
+    (n1,) = index.insert_chain([1])
+    assert store.adopt(n1, KV, DISK, KVB, 0.0)
+    assert store.adopt(n1, KV, FAR, KVB, 0.0)
+    assert store.promote(n1, KV, CPU, 1.0)
+    assert log.take() == [("moved", 1, KV, DISK, CPU)]
+    assert n1.kv_tiers == 0b101
+    assert store.used == [10, 0, 10]
     check(index, queue, store)

@@ -115,3 +115,88 @@ def test_a_snapshot_at_the_first_chunk_is_re_ranked_by_a_new_snapshot_two_below(
     q.update_around(nodes[2])
     assert q.heaps[0].priority(nodes[0]) == pytest.approx(83.392690, abs=1e-5)
     q.check(exact=True)
+
+
+def test_refresh_all_is_the_default() -> None:
+    index, n = tree()
+    q = EvictionQueue(index, 1, tau=0.0, token_bytes=TOKEN_BYTES)
+    q.touch([n[1], n[2], n[3], n[4]], 4, 200.0)
+    assert [n[k].access for k in (1, 2, 3, 4)] == [200.0] * 4
+
+
+def test_bytes_freed_count_every_copy_and_the_first_chunk() -> None:
+    """Chain 1 ─ 2 with the bundle at 2 (session a ends there, 20 tokens); one tier per
+    case, τ = 10, t = 100. Bundle: δ = 20, a ends at it, one session passes: C = 20·0.9
+    = 18, C·4 = 72.
+
+    One tier: M = snapshot 200 + KV of 2 and of 1 (the first chunk, depth 0) 80 = 280:
+    H = 100 + 10·ln(72/280) = 100 + 10·(−1.358123) = 86.418771.
+    Two tiers, KV and the snapshot on both (copies): each tier frees everything of the
+    unit: tier 0 by t (100), tier 1: M = 280 again → 86.418771.
+    Two tiers, everything on the last (mask 0b10): nothing to free on tier 0 (None); the
+    bundle drops whole from tier 1: 86.418771.
+    """
+    for tiers, mask in ((1, 0b1), (2, 0b11), (2, 0b10)):
+        index = PrefixIndex(CHUNK)
+        n1, n2 = index.insert_chain([1, 2])
+        for node in (n1, n2):
+            index.set_kv(node, mask, KV, 0.0)
+            node.access = 100.0
+        index.set_snapshot(n2, mask, SNAP, 0.0)
+        index.set_session("a", n2, 20)
+        q = EvictionQueue(index, tiers, tau=10.0, token_bytes=TOKEN_BYTES,
+                          hit_model=HitModel(prior=0.9))
+        assert q.rank(n2, tiers - 1) == pytest.approx(86.418771, abs=1e-5)
+        if mask == 0b11:
+            assert q.rank(n2, 0) == 100.0
+        if mask == 0b10:
+            assert q.rank(n2, 0) is None
+
+
+def test_a_snapshot_leaving_the_last_tier_frees_only_itself() -> None:
+    """KV and snapshots all on tier 1 of two (τ = 10): S4's unit drops alone from the last
+    tier, M = 200, as on one tier: H = 97.078636 (``test_cost_and_rank``)."""
+    index, n = tree(kv_tier=1, snap_tier=1)
+    q = queue(index, 2, tau=10.0)
+    assert q.rank(n[4], 1) == pytest.approx(97.078636, abs=1e-5)
+    assert q.rank(n[4], 0) is None
+
+
+def test_defaults_and_argument_checks() -> None:
+    """Without a hit model the prior p_end = 0.9 prices S2 as in ``test_cost_and_rank``
+    (97.078636 at τ = 10); without a fixed τ the calibrated one starts at 0 (no gap seen)."""
+    index, n = tree()
+    q = EvictionQueue(index, 1, tau=10.0, token_bytes=TOKEN_BYTES)
+    assert q.rank(n[2], 0) == pytest.approx(97.078636, abs=1e-5)
+    assert EvictionQueue(index, 1, tau=None, token_bytes=TOKEN_BYTES).tau == 0.0
+    with pytest.raises(ValueError, match=r"^num_tiers must be positive$"):
+        EvictionQueue(index, 0, tau=0.0, token_bytes=TOKEN_BYTES)
+
+
+def test_a_cleared_snapshot_re_ranks_the_snapshot_two_levels_below() -> None:
+    """S2 goes (one tier, τ = 10, t = 100): ``update_around(2)`` walks 3 (plain KV) down to
+    S4, whose previous snapshot is now none: δ = 40 (was 20). Its zone is unchanged
+    (``test_cost_and_rank``: internal 2/3, two sessions pass):
+    C = 40·(0.1·2/3 + 0.9·2) = 74.666667, C·4/M = 298.666667/200 = 1.493333
+    → H = 100 + 10·0.401011 = 104.010108."""
+    index, n = tree()
+    q = queue(index, 1, tau=10.0)
+    index.clear_snapshot(n[2])
+    q.update_around(n[2])
+    assert q.heaps[0].priority(n[4]) == pytest.approx(104.010108, abs=1e-5)
+    assert n[2] not in q.heaps[0]
+    q.check(exact=True)
+
+
+def test_the_walk_below_goes_on_past_a_branch_without_kv() -> None:
+    """A request's chain 1–4, 9 is in the index before chunk 9's KV is stored (no KV, no
+    unit). S4 goes: the bundle 6 below must be re-ranked although the walk meets 9 first
+    (last inserted, popped first): δ = 60 − 20 = 40, C = 40·0.9·1 = 36, M = 200 + KV of 6
+    and 5 (80) = 280: C·4/M = 144/280 = 0.514286 → H = 100 + 10·(−0.664976) = 93.350240."""
+    index, n = tree()
+    index.insert_chain([1, 2, 3, 4, 9])
+    q = queue(index, 1, tau=10.0)
+    index.clear_snapshot(n[4])
+    q.update_around(n[4])
+    assert q.heaps[0].priority(n[6]) == pytest.approx(93.350240, abs=1e-5)
+    q.check(exact=True)
