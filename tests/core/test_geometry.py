@@ -351,3 +351,43 @@ def test_mamba2_key_aliases_bounds_and_messages() -> None:
         from_hf_config(_granite(layer_types=["mamba", "conv", "attention"], num_hidden_layers=3))
     with pytest.raises(ValueError, match="tokens must be >= 0, got -1"):
         base.kv_bytes(-1)
+
+
+def test_preset_builders_write_the_published_qwen35_config() -> None:
+    """The builders behind the Qwen3.5 presets, called directly (the preset table is built
+    at import time, before a mutation tester can switch a mutant on). Expected: the
+    published config.json fields, written out; every 4th of 32 layers is full attention."""
+    from lmcache_histate.core.model_presets import _every_kth, _qwen35
+
+    lin, full = "linear_attention", "full_attention"
+    assert _every_kth(8, 4) == [lin, lin, lin, full, lin, lin, lin, full]
+    assert _every_kth(3, 2) == [lin, full, lin]
+    text = {
+        "model_type": "qwen3_5_text", "hidden_size": 2560, "num_hidden_layers": 32,
+        "layer_types": [lin, lin, lin, full] * 8, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "dtype": "bfloat16", "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    }
+    assert _qwen35(hidden=2560) == {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text,
+    }
+
+
+def test_mamba2_head_dim_key_and_whole_messages() -> None:
+    """Nemotron's ``mamba_head_dim`` = 32 is read, not derived (2·512/16 would be 64): SSM
+    (16, 32, 128), conv (3, 16·32 + 2·1·128 = 768). Messages match whole."""
+    cfg = _granite()
+    del cfg["mamba_d_head"]
+    cfg["mamba_head_dim"] = 32
+    assert [t.shape for t in from_hf_config(cfg).state_tensors] == [(3, 768), (16, 32, 128)]
+    with pytest.raises(GeometryError, match=(
+        r"^granitemoehybrid config: 'conv_kernel' must be >= 2 "
+        r"\(the state keeps kernel-1 columns\)$"
+    )):
+        from_hf_config(_granite(mamba_d_conv=1))
+    with pytest.raises(GeometryError, match=(
+        r"^granitemoehybrid config: mamba_expand \* hidden_size not divisible by mamba heads$"
+    )):
+        from_hf_config(_granite(mamba_d_head="auto", mamba_n_heads=48))

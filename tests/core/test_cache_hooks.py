@@ -1,0 +1,90 @@
+"""The facade's hooks for the live server: ``evict``, ``rerank``, ``note_internal_access``,
+``session_end``, each against values worked out by hand.
+
+Set-up of ``test_placement_rules``: chunks of 10 tokens, 1 B per token (KV chunk 10 B,
+snapshot 20 B), tier 0 = CPU, tier 1 = disk, ``τ = 0`` (H = t) unless a test says
+otherwise. Requests without boundaries store KV only: each is a dead tail.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_placement_rules import CPU, DISK, cache, request
+
+from lmcache_histate.core.cache import CacheConfig, HiStateCache
+from lmcache_histate.core.placement import KV, PlacementRules, TierSpec
+
+
+def test_evict_frees_what_was_asked_and_reports_it() -> None:
+    """Dead tails A [1] (t = 0), B [2] (t = 1), C [3] (t = 2) on CPU, 10 B each.
+
+    evict(CPU, 20): A then B are demoted (10 + 10 = 20 freed), C stays: 20.
+    evict(CPU, 100): C goes (10), then nothing is left: 10.
+    evict(DISK, 10) at t = 7: the last tier drops A (the oldest there): 10.
+    """
+    c, _ = cache(cpu=1000, disk=1000)
+    for key, t in ((1, 0.0), (2, 1.0), (3, 2.0)):
+        request(c, f"s{key}", [key], t, [])
+    assert c.evict(CPU, 20, 5.0) == 20
+    assert [c.tiers_of(k, KV) for k in (1, 2, 3)] == [1 << DISK, 1 << DISK, 1 << CPU]
+    assert c.evict(CPU, 100, 6.0) == 10
+    assert c.used_bytes(CPU) == 0
+    assert c.evict(DISK, 10, 7.0) == 10
+    assert [c.tiers_of(k, KV) for k in (1, 2, 3)] == [0, 1 << DISK, 1 << DISK]
+    c.check()
+
+
+def test_evict_counts_units_of_a_single_byte() -> None:
+    """KV chunks of 1 B, one tier: two dead tails; evict(0, 2) takes both: 1 + 1 = 2."""
+    cfg = CacheConfig(chunk_tokens=10, kv_chunk_bytes=1, snapshot_bytes=2,
+                      tiers=(TierSpec("all", 10),), rules=PlacementRules(0, 0, 0), tau=0.0)
+    c = HiStateCache(cfg)
+    request(c, "a", [1], 0.0, [])
+    request(c, "b", [2], 1.0, [])
+    assert c.evict(0, 2, 2.0) == 2
+    assert c.used_bytes(0) == 0
+
+
+def test_evict_keeps_a_better_unit_on_the_lower_tier() -> None:
+    """``test_placement_rules.test_demotion_never_evicts_a_better_unit_from_the_lower_tier``
+    through ``evict``: CPU and disk 40 B; A (t = 0) demoted by B (t = 10), A read at 20.
+    evict(CPU, 40) at 30: B (H = 10) cannot push A (H = 20) off disk: B is dropped (40)."""
+    c, _ = cache(cpu=40, disk=40)
+    request(c, "A", [1, 2], 0.0, [20])
+    request(c, "B", [11, 12], 10.0, [20])
+    request(c, "A", [1, 2], 20.0, [])
+    assert c.evict(CPU, 40, 30.0) == 40
+    assert [c.lookup(k).hit_chunks for k in ([1, 2], [11, 12])] == [2, 0]
+    c.check()
+
+
+def test_rerank_prices_a_unit_with_the_hit_model_as_it_is_now() -> None:
+    """One tier, τ = 10. A [1, 2] with its final snapshot at 20 tokens, t = 0: the bundle
+    at 2 frees KV 20 B + snapshot 20 B = 40 B; δ = 20, A ends at it (no internal mass),
+    one session passes: C = 20·p_end.
+
+    p_end = 0.9: C = 18 → H = 10·ln(18/40) = 10·(−0.798508) = −7.985077.
+    One internal access: p_end = 0.9 − 0.05·0.9 = 0.855 → C = 17.1 → H = 10·ln 0.4275
+    = 10·(−0.798508 − 0.051293) = −8.498010. The queued rank is not refreshed by the
+    access (a lower fresh rank is not re-checked by ``victim``) until ``rerank``."""
+    cfg = CacheConfig(chunk_tokens=10, kv_chunk_bytes=10, snapshot_bytes=20,
+                      tiers=(TierSpec("all", 1000),), rules=PlacementRules(0, 0, 0), tau=10.0)
+    c = HiStateCache(cfg)
+    request(c, "A", [1, 2], 0.0, [20])
+    found = c.victim(0)
+    assert found is not None and found[0] == 2
+    assert found[1] == pytest.approx(-7.985077, abs=1e-5)
+    c.note_internal_access()
+    assert c.score_status()["end_probability"] == pytest.approx(0.855)
+    assert c.victim(0)[1] == pytest.approx(-7.985077, abs=1e-5)  # type: ignore[index]
+    c.rerank([999, 2])  # an unknown key is skipped
+    found = c.victim(0)
+    assert found is not None and found[0] == 2
+    assert found[1] == pytest.approx(-8.498010, abs=1e-5)
+
+
+def test_session_end_names_the_last_chunk() -> None:
+    c, _ = cache(cpu=1000, disk=1000)
+    request(c, "A", [1, 2], 0.0, [20])
+    request(c, "X", [5], 1.0, [10])  # a one-chunk session ends at depth 0
+    assert (c.session_end("A"), c.session_end("X"), c.session_end("nobody")) == (2, 5, None)
