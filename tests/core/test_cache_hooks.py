@@ -88,3 +88,18 @@ def test_session_end_names_the_last_chunk() -> None:
     request(c, "A", [1, 2], 0.0, [20])
     request(c, "X", [5], 1.0, [10])  # a one-chunk session ends at depth 0
     assert (c.session_end("A"), c.session_end("X"), c.session_end("nobody")) == (2, 5, None)
+
+
+def test_promote_reports_the_bytes_it_moved() -> None:
+    """A [1, 2] with its final snapshot at 20 tokens: KV 20 B and the snapshot 20 B on CPU.
+    Promoting A's prompt to CPU moves nothing (0); to disk, the KV (20) and then the
+    resumed snapshot (its KV is there now: 20): 40; to disk again: 0."""
+    c, _ = cache(cpu=1000, disk=1000)
+    request(c, "A", [1, 2], 0.0, [20])
+    handle = c.begin("A", [1, 2], 1.0)
+    assert c.promote(handle, CPU, 1.0) == 0
+    assert c.promote(handle, DISK, 1.0) == 40
+    assert c.promote(handle, DISK, 1.0) == 0
+    assert c.used_bytes(DISK) == 40
+    c.release(handle)
+    c.check()

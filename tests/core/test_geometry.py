@@ -391,3 +391,21 @@ def test_mamba2_head_dim_key_and_whole_messages() -> None:
         r"^granitemoehybrid config: mamba_expand \* hidden_size not divisible by mamba heads$"
     )):
         from_hf_config(_granite(mamba_d_head="auto", mamba_n_heads=48))
+
+
+def test_mamba_layer_messages_match_whole() -> None:
+    no_layout = _granite()
+    del no_layout["layer_types"]
+    with pytest.raises(GeometryError, match=(
+        r"^granitemoehybrid config: missing 'hybrid_override_pattern', 'layer_types' "
+        r"or 'layers_block_type'$"
+    )):
+        from_hf_config(no_layout)
+    # "M-*M-EM*" lists 8 layers; 9 declared.
+    cfg = _granite()
+    del cfg["layer_types"]
+    cfg.update(model_type="nemotron_h", hybrid_override_pattern="M-*M-EM*", num_hidden_layers=9)
+    with pytest.raises(GeometryError, match=(
+        r"^nemotron_h config: layer pattern has 8 entries but 'num_hidden_layers' is 9$"
+    )):
+        from_hf_config(cfg)

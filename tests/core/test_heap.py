@@ -76,3 +76,8 @@ def test_pop_returns_the_minimum_and_refuses_an_empty_heap() -> None:
     with pytest.raises(IndexError, match="empty IndexedHeap"):
         heap.pop()
     assert heap.peek() is None
+
+
+def test_pop_from_an_empty_heap_says_so() -> None:
+    with pytest.raises(IndexError, match=r"^pop from an empty IndexedHeap$"):
+        IndexedHeap().pop()

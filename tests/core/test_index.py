@@ -111,3 +111,44 @@ def test_bad_index_and_queue_arguments_are_named() -> None:
         HitModel(prior=1.5)
     assert HitModel(alpha=1.0, prior=0.0).end_probability == 0.0
     assert HitModel(prior=1.0).end_probability == 1.0
+
+
+def test_dropping_a_session_takes_its_own_density_only() -> None:
+    """Sessions of 60 and 40 tokens end at chunk 2: weight 1/60 + 1/40 on 1 and 2, two
+    passes. Dropping the 40-token one leaves 1/60 and one pass."""
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    index.set_session("long", n2, 60)
+    index.set_session("short", n2, 40)
+    assert n1.weight == pytest.approx(1 / 60 + 1 / 40)
+    index.drop_session("short")
+    assert (n1.weight, n2.weight) == (pytest.approx(1 / 60), pytest.approx(1 / 60))
+    assert (n1.passes, n2.passes) == (1, 1)
+    index.check()
+
+
+def test_check_accepts_chunks_held_by_children_or_a_session_end_only() -> None:
+    """Chain 1 ─ 2 without KV: chunk 2 holds a session end only, chunk 1 a child only;
+    neither is unpruned."""
+    index = PrefixIndex(10)
+    _, n2 = index.insert_chain([1, 2])
+    index.set_session("a", n2, 20)
+    index.check()
+
+
+def test_check_catches_a_broken_child_map_and_a_lost_session_end() -> None:
+    """Both chunks hold KV, so only the broken part can fail the check."""
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    index.set_kv(n1, 1, 10, 0.0)
+    index.set_kv(n2, 1, 10, 0.0)
+    session = index.set_session("a", n2, 20)
+    assert n2.ends is not None
+    n2.ends.discard(session)
+    with pytest.raises(AssertionError, match=r"^$"):  # the session assertion has no message
+        index.check()
+    n2.ends.add(session)
+    index.check()
+    n1.children = None  # chunk 2's parent no longer lists it
+    with pytest.raises(AssertionError):
+        index.check()
