@@ -91,15 +91,32 @@ def test_session_end_names_the_last_chunk() -> None:
 
 
 def test_promote_reports_the_bytes_it_moved() -> None:
-    """A [1, 2] with its final snapshot at 20 tokens: KV 20 B and the snapshot 20 B on CPU.
-    Promoting A's prompt to CPU moves nothing (0); to disk, the KV (20) and then the
-    resumed snapshot (its KV is there now: 20): 40; to disk again: 0."""
+    """A [1..5] with snapshots at 10 and 30 tokens (intermediate: disk) and 50 (final: CPU).
+    CPU: KV 5·10 = 50 B + the final snapshot 20 B. Promoting the prompt to CPU moves
+    nothing (0). To disk: the KV (50), then the resumed final snapshot, its KV now there
+    (20): 70; the units along the path are re-ranked (S1 no longer frees anything on CPU,
+    ``check``); to disk again: 0."""
     c, _ = cache(cpu=1000, disk=1000)
+    request(c, "A", [1, 2, 3, 4, 5], 0.0, [10, 30, 50])
+    handle = c.begin("A", [1, 2, 3, 4, 5], 1.0)
+    assert handle.match.hit_chunks == 5
+    assert c.promote(handle, CPU, 1.0) == 0
+    assert c.promote(handle, DISK, 1.0) == 70
+    c.check()
+    assert c.promote(handle, DISK, 1.0) == 0
+    assert c.used_bytes(DISK) == 50 + 3 * 20
+    c.release(handle)
+    c.check()
+
+
+def test_promote_stops_at_what_does_not_fit_or_is_gone() -> None:
+    """Disk holds 5 B: A's first KV chunk (10 B) does not fit, nothing moves (0). After
+    chunk 1's KV is lost (and everything below it), there is nothing to promote (0)."""
+    c, _ = cache(cpu=1000, disk=5)
     request(c, "A", [1, 2], 0.0, [20])
     handle = c.begin("A", [1, 2], 1.0)
-    assert c.promote(handle, CPU, 1.0) == 0
-    assert c.promote(handle, DISK, 1.0) == 40
     assert c.promote(handle, DISK, 1.0) == 0
-    assert c.used_bytes(DISK) == 40
+    c.lose(1, KV, CPU)
+    assert c.promote(handle, DISK, 1.0) == 0
     c.release(handle)
     c.check()
