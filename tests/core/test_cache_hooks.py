@@ -120,3 +120,18 @@ def test_promote_stops_at_what_does_not_fit_or_is_gone() -> None:
     assert c.promote(handle, DISK, 1.0) == 0
     c.release(handle)
     c.check()
+
+
+def test_stats_report_the_score_knobs() -> None:
+    """Fixed τ = 0: not calibrated. A's continuation from its end is one hit sample.
+    With ``tau=None`` the calibrated τ starts at 0 (no re-access gap seen yet)."""
+    c, _ = cache(cpu=1000, disk=1000)
+    assert c.victim(CPU) is None  # nothing stored yet
+    request(c, "A", [1, 2], 0.0, [20])
+    request(c, "A", [1, 2, 3], 1.0, [30])
+    stats = c.stats()
+    assert (stats.tau_s, stats.tau_calibrated, stats.hit_samples) == (0.0, False, 1)
+    cfg = CacheConfig(chunk_tokens=10, kv_chunk_bytes=10, snapshot_bytes=20,
+                      tiers=(TierSpec("all", 1000),), rules=PlacementRules(0, 0, 0))
+    calibrated = HiStateCache(cfg).stats()
+    assert (calibrated.tau_s, calibrated.tau_calibrated) == (0.0, True)

@@ -409,3 +409,24 @@ def test_mamba_layer_messages_match_whole() -> None:
         r"^nemotron_h config: layer pattern has 8 entries but 'num_hidden_layers' is 9$"
     )):
         from_hf_config(cfg)
+
+
+def test_load_geometry_passes_the_dtypes_on_and_lists_presets_whole(tmp_path: Path) -> None:
+    """Overrides reach the parser from a preset name and from a config path. The tiny
+    model: 1 full-attention layer · (K, V) · 2 KV heads · 64 dims · 1 B (fp8) = 256 B per
+    token; Qwen3.5-9B with fp8 KV 16,384 B/token and a bf16 state 26,345,472 B
+    (``test_qwen35_9b_bf16_ssm_override``)."""
+    g = load_geometry("qwen3.5-9b", kv_dtype="fp8", ssm_dtype="bfloat16")
+    assert (g.kv_bytes_per_token, g.snapshot_bytes) == (16_384, 26_345_472)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_tiny_next()))
+    tiny = load_geometry(str(path), kv_dtype="fp8", ssm_dtype="bfloat16")
+    assert tiny.kv_bytes_per_token == 256
+    assert {t.dtype for t in tiny.state_tensors} == {"bfloat16"}
+    names = "qwen3.5-9b, qwen3.5-4b, qwen3-next-80b-a3b, nemotron-h-8b, tiny-qwen3-next"
+    with pytest.raises(GeometryError, match=f"^unknown model preset 'llama'; available: {names}$"):
+        preset("llama")
+    with pytest.raises(GeometryError, match=(
+        f"^'no/such' is neither a model preset nor an existing config path; presets: {names}$"
+    )):
+        load_geometry("no/such")
