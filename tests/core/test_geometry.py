@@ -430,3 +430,28 @@ def test_load_geometry_passes_the_dtypes_on_and_lists_presets_whole(tmp_path: Pa
         f"^'no/such' is neither a model preset nor an existing config path; presets: {names}$"
     )):
         load_geometry("no/such")
+
+
+def test_gdn_layer_counts_kernel_bound_and_whole_messages() -> None:
+    """The tiny model (4 layers listed) by its other spellings. Every 4th of 7 layers by
+    ``full_attention_interval``: layer 4 only → (7, 1, 6). Kernel 2 keeps one conv column:
+    (1, 2·4·64 + 8·64 = 1,024)."""
+    cfg = _tiny_next()
+    del cfg["layer_types"]
+    cfg.update(full_attention_interval=4, num_hidden_layers=7)
+    g = from_hf_config(cfg)
+    assert (g.num_layers, g.attention_layers, g.recurrent_layers) == (7, 1, 6)
+    two = from_hf_config(_tiny_next(linear_conv_kernel_dim=2))
+    assert two.state_tensors[0].shape == (1, 1024)
+    for overrides, message in (
+        ({"num_hidden_layers": 5}, "'layer_types' has 4 entries but 'num_hidden_layers' is 5"),
+        ({"linear_conv_kernel_dim": 1},
+         r"'linear_conv_kernel_dim' must be >= 2 \(the state keeps kernel-1 columns\)"),
+    ):
+        with pytest.raises(GeometryError, match=f"^qwen3_next config: {message}$"):
+            from_hf_config(_tiny_next(**overrides))
+    del cfg["full_attention_interval"]
+    with pytest.raises(GeometryError, match=(
+        r"^qwen3_next config: missing 'layer_types' or 'full_attention_interval'$"
+    )):
+        from_hf_config(cfg)
