@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_geometry import _granite, _tiny_next
 
-from lmcache_histate.core.geometry import GeometryError, from_hf_config, load_geometry, preset
+from lmcache_histate.core.geometry import (
+    GeometryError,
+    ModelGeometry,
+    StateTensor,
+    from_hf_config,
+    load_geometry,
+    preset,
+)
+from lmcache_histate.core.model_presets import _every_kth, _qwen35
 
 
 def test_preset_builders_write_the_published_qwen35_config() -> None:
     """The builders behind the Qwen3.5 presets, called directly (the preset table is built
     at import time, before a mutation tester can switch a mutant on). Expected: the
     published config.json fields, written out; every 4th of 32 layers is full attention."""
-    from lmcache_histate.core.model_presets import _every_kth, _qwen35
-
     lin, full = "linear_attention", "full_attention"
     assert _every_kth(8, 4) == [lin, lin, lin, full, lin, lin, lin, full]
     assert _every_kth(3, 2) == [lin, full, lin]
@@ -117,3 +124,114 @@ def test_gdn_layer_counts_kernel_bound_and_whole_messages() -> None:
         r"^qwen3_next config: missing 'layer_types' or 'full_attention_interval'$"
     )):
         from_hf_config(cfg)
+
+
+_SUPPORTED = ("qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, nemotron_h, "
+              "granitemoehybrid")
+_KNOWN = r"\['bfloat16', 'float16', 'float32', 'float8_e4m3fn', 'float8_e5m2'\]"
+
+
+def _without(cfg: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in cfg.items() if k not in keys}
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+     rf"unsupported architecture \(model_type='llama', architectures=\['LlamaForCausalLM'\]\); "
+     rf"supported model_types: {_SUPPORTED}"),
+    (lambda: {"hidden_size": 8},
+     rf"unsupported architecture \(model_type=None, architectures=\[\]\); "
+     rf"supported model_types: {_SUPPORTED}"),
+    # Known model_type, no architectures: still GDN, so the missing key is named.
+    (lambda: _without(_tiny_next(), "architectures", "linear_num_value_heads"),
+     r"qwen3_next config is missing 'linear_num_value_heads'"),
+    (lambda: {"model_type": "nemotron_h"},
+     r"nemotron_h config: missing 'hybrid_override_pattern', 'layer_types' or "
+     r"'layers_block_type'"),
+    # An unknown fork with a layer pattern is read as Mamba2: its heads are then missing.
+    (lambda: {"model_type": "fork", "hybrid_override_pattern": "M*", "hidden_size": 64,
+              "num_attention_heads": 2, "num_key_value_heads": 1},
+     r"fork config is missing 'mamba_num_heads' / 'mamba_n_heads'"),
+    (lambda: _granite(hidden_size=500),
+     r"granitemoehybrid config: 'hidden_size' not divisible by 'num_attention_heads' "
+     r"\(give 'head_dim'\)"),
+    (lambda: _granite(layer_types=["attention"] * 6),
+     r"granitemoehybrid config: no recurrent layers; lmcache-histate targets hybrid "
+     r"attention\+recurrent models"),
+])
+def test_config_errors_match_whole(build: Any, message: str) -> None:
+    with pytest.raises(GeometryError, match=f"^{message}$"):
+        from_hf_config(build())
+
+
+def test_dtype_errors_name_what_they_size() -> None:
+    def bad(what: str) -> str:
+        return f"^unsupported dtype 'int4' for {what}; known: {_KNOWN}$"
+
+    for kwargs, what in (({"kv_dtype": "int4"}, "KV cache"), ({"ssm_dtype": "int4"}, "SSM state")):
+        with pytest.raises(GeometryError, match=bad(what)):
+            from_hf_config(_granite(), **kwargs)
+    # The model dtype sizes the conv state (the KV dtype given separately).
+    with pytest.raises(GeometryError, match=bad("conv state")):
+        from_hf_config(_granite(torch_dtype="int4"), kv_dtype="bfloat16")
+
+
+def test_renamed_forks_are_recognised_by_their_keys() -> None:
+    """Unknown model_type and architectures: GDN keys → the tiny model's geometry (4 layers,
+    1 attention; conv (3, 2·4·64 + 8·64 = 1,024), SSM (8, 64, 64)); Mamba2 keys → Granite's
+    (6 layers, 2 attention; conv (3, 16·64 + 2·1·128 = 1,280), SSM (16, 64, 128))."""
+    gdn = from_hf_config(_tiny_next(model_type="my_fork", architectures=["MyFork"]))
+    assert (gdn.num_layers, gdn.attention_layers, gdn.recurrent_kind) == (4, 1, "gated_deltanet")
+    assert [t.shape for t in gdn.state_tensors] == [(3, 1024), (8, 64, 64)]
+    mamba = from_hf_config(_granite(model_type="fork", architectures=["Fork"]))
+    assert (mamba.num_layers, mamba.attention_layers, mamba.recurrent_kind) == (6, 2, "mamba2")
+    assert [t.shape for t in mamba.state_tensors] == [(3, 1280), (16, 64, 128)]
+    assert [t.name for t in mamba.state_tensors] == ["conv_state", "ssm_state"]
+
+
+def test_a_wrapper_lends_its_model_type_to_a_text_config_without_one() -> None:
+    """Qwen3.5's wrapper without architectures, the inner model_type removed: the outer
+    "qwen3_5" names the architecture in the message about a missing key."""
+    cfg = _qwen35(hidden=2560)
+    del cfg["architectures"]
+    del cfg["text_config"]["model_type"]
+    del cfg["text_config"]["linear_key_head_dim"]
+    with pytest.raises(GeometryError, match=r"^qwen3_5 config is missing 'linear_key_head_dim'$"):
+        from_hf_config(cfg)
+
+
+def test_model_dtype_and_head_dim_spellings() -> None:
+    """KV bytes per token of the tiny model: 1 attention layer · (K, V) · 2 KV heads ·
+    head_dim · dtype bytes. bf16, head_dim 64: 512. ``dtype`` = float32 (no torch_dtype):
+    1,024. No dtype at all, or "auto": bf16, 512. ``attention_head_dim`` 32: 256. No head
+    dim: hidden 256 / 4 heads = 64 (an int): 512."""
+    base = _without(_tiny_next(), "torch_dtype")
+    assert from_hf_config({**base, "dtype": "float32"}).kv_bytes_per_token == 1024
+    assert from_hf_config(base).kv_bytes_per_token == 512
+    assert from_hf_config({**base, "torch_dtype": "auto"}).kv_bytes_per_token == 512
+    alias = {**_without(base, "head_dim"), "attention_head_dim": 32}
+    assert from_hf_config(alias).kv_bytes_per_token == 256
+    derived = from_hf_config(_without(base, "head_dim"))
+    assert derived.head_dim == 64 and type(derived.head_dim) is int
+    # A checkpoint's "auto" SSM cache dtype is the model dtype (Granite: bf16).
+    auto = from_hf_config(_granite(mamba_ssm_cache_dtype="auto"))
+    assert auto.state_tensors[1].dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(("layers", "heads", "message"), [
+    ((4, 0, 3), (2, 64), "has no attention layers, so no KV to price snapshots against"),
+    ((4, 1, 0), (2, 64), "has no recurrent layers; lmcache-histate targets hybrid "
+                         r"attention\+recurrent models \(use plain LMCache for pure attention\)"),
+    ((3, 2, 2), (2, 64), r"has more attention \+ recurrent layers than num_layers"),
+    ((4, 1, 3), (0, 64), "needs positive kv heads/head_dim"),
+    ((4, 1, 3), (2, 0), "needs positive kv heads/head_dim"),
+])
+def test_model_geometry_bounds(layers: tuple[int, int, int], heads: tuple[int, int],
+                               message: str) -> None:
+    st = (StateTensor("s", (2, 2), "float32"),)
+    with pytest.raises(GeometryError, match=f"^m {message}$"):
+        ModelGeometry("m", *layers, "mamba2", *heads, "bfloat16", st)
+    # The smallest valid one: 1 attention + 1 recurrent layer, 1 KV head of 1 dim.
+    assert ModelGeometry("m", 2, 1, 1, "mamba2", 1, 1, "bfloat16", st).head_dim == 1
+    with pytest.raises(GeometryError, match=r"^m has recurrent layers but no state_tensors$"):
+        ModelGeometry("m", 2, 1, 1, "mamba2", 1, 1, "bfloat16", ())
