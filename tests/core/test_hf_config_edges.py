@@ -235,3 +235,14 @@ def test_model_geometry_bounds(layers: tuple[int, int, int], heads: tuple[int, i
     assert ModelGeometry("m", 2, 1, 1, "mamba2", 1, 1, "bfloat16", st).head_dim == 1
     with pytest.raises(GeometryError, match=r"^m has recurrent layers but no state_tensors$"):
         ModelGeometry("m", 2, 1, 1, "mamba2", 1, 1, "bfloat16", ())
+
+
+def test_zero_counts_and_non_object_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(GeometryError, match=(
+        r"^granitemoehybrid config key 'mamba_d_state' must be a positive integer, got 0$"
+    )):
+        from_hf_config(_granite(mamba_d_state=0))
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(GeometryError, match=f"^{path} does not hold a JSON object$"):
+        from_hf_config(path)
