@@ -238,8 +238,9 @@ def test_model_geometry_bounds(layers: tuple[int, int, int], heads: tuple[int, i
 
 
 def test_zero_counts_and_non_object_files_are_refused(tmp_path: Path) -> None:
+    # The message names the key's first spelling (Nemotron's), whichever one was given.
     with pytest.raises(GeometryError, match=(
-        r"^granitemoehybrid config key 'mamba_d_state' must be a positive integer, got 0$"
+        r"^granitemoehybrid config key 'ssm_state_size' must be a positive integer, got 0$"
     )):
         from_hf_config(_granite(mamba_d_state=0))
     path = tmp_path / "config.json"
