@@ -152,3 +152,16 @@ def test_check_catches_a_broken_child_map_and_a_lost_session_end() -> None:
     n1.children = None  # chunk 2's parent no longer lists it
     with pytest.raises(AssertionError):
         index.check()
+
+
+def test_cleared_kv_and_pruned_nodes_hold_nothing() -> None:
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    index.set_kv(n1, 1, 10, 0.0)
+    index.set_kv(n2, 1, 10, 0.0)
+    index.clear_kv(n2)
+    assert (n2.kv_tiers, n2.kv_bytes, n1.kv_children) == (0, 0, 0)
+    assert type(n2.kv_tiers) is int and type(n2.kv_bytes) is int
+    index.prune(n2)
+    assert n2.parent is None and 2 not in index
+    index.check()
