@@ -135,3 +135,32 @@ def test_stats_report_the_score_knobs() -> None:
                       tiers=(TierSpec("all", 1000),), rules=PlacementRules(0, 0, 0))
     calibrated = HiStateCache(cfg).stats()
     assert (calibrated.tau_s, calibrated.tau_calibrated) == (0.0, True)
+
+
+def test_begin_reports_whether_a_session_came_back_at_its_end() -> None:
+    """X ends at chunk 5 (depth 0). A new session has no end to come back to (None); X
+    reading [5, 6] continues from its end (True: 0.9 + 0.05·0.1 = 0.905); X then reading
+    [7] does not pass chunk 5 (False: 0.905 − 0.05·0.905 = 0.85975)."""
+    c, _ = cache(cpu=1000, disk=1000)
+    first = c.begin("X", [5], 0.0)
+    assert first.at_end is None
+    c.complete(first, 10, 0.0, boundaries=[10])
+    back = c.begin("X", [5, 6], 1.0)
+    assert back.at_end is True
+    c.complete(back, 10, 1.0, boundaries=[10])  # X still ends at chunk 5
+    assert c.score_status()["end_probability"] == pytest.approx(0.905)
+    away = c.begin("X", [7], 2.0)
+    assert away.at_end is False
+    assert c.score_status()["end_probability"] == pytest.approx(0.85975)
+    c.release(away)
+
+
+def test_a_request_that_stores_nothing_still_counts_as_an_access() -> None:
+    """A at t = 0 (stored), read at 10 without storing (released), read at 25: re-access
+    gaps 10 and 15 → EMA 10 + 0.05·(15 − 10) = 10.25 over 2 samples."""
+    c, _ = cache(cpu=1000, disk=1000)
+    request(c, "A", [1, 2], 0.0, [20])
+    c.release(c.begin("A", [1, 2], 10.0))
+    c.release(c.begin("A", [1, 2], 25.0))
+    status = c.score_status()
+    assert (status["reaccess_samples"], status["reaccess_gap_s"]) == (2, pytest.approx(10.25))
