@@ -13,15 +13,9 @@ from typing import Any
 import pytest
 from test_geometry import _granite, _tiny_next
 
-from lmcache_histate.core.geometry import (
-    GeometryError,
-    ModelGeometry,
-    StateTensor,
-    from_hf_config,
-    load_geometry,
-    preset,
-)
-from lmcache_histate.core.model_presets import _every_kth, _qwen35
+from lmcache_histate.core.hf_config import from_hf_config
+from lmcache_histate.core.model_geometry import GeometryError, ModelGeometry, StateTensor
+from lmcache_histate.core.model_presets import _every_kth, _qwen35, load_geometry, preset
 
 
 def test_preset_builders_write_the_published_qwen35_config() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.eviction import EvictionQueue
-from lmcache_histate.core.index import ChainError, PrefixIndex
+from lmcache_histate.core.index import ChainError, Node, PrefixIndex
 from lmcache_histate.core.interval import ResidenceTracker
 from lmcache_histate.core.placement import KV, TierSpec
 from lmcache_histate.core.units import HitModel
@@ -136,12 +136,18 @@ def test_check_accepts_chunks_held_by_children_or_a_session_end_only() -> None:
     index.check()
 
 
-def test_check_catches_a_broken_child_map_and_a_lost_session_end() -> None:
-    """Both chunks hold KV, so only the broken part can fail the check."""
+def _chain_with_kv() -> tuple[PrefixIndex, Node, Node]:
+    """Chunks 1 ─ 2, 10 B of KV each on tier 0."""
     index = PrefixIndex(10)
     n1, n2 = index.insert_chain([1, 2])
-    index.set_kv(n1, 1, 10, 0.0)
-    index.set_kv(n2, 1, 10, 0.0)
+    for node in (n1, n2):
+        index.set_kv(node, 1, 10, 0.0)
+    return index, n1, n2
+
+
+def test_check_catches_a_broken_child_map_and_a_lost_session_end() -> None:
+    """Both chunks hold KV, so only the broken part can fail the check."""
+    index, n1, n2 = _chain_with_kv()
     session = index.set_session("a", n2, 20)
     assert n2.ends is not None
     n2.ends.discard(session)
@@ -155,10 +161,7 @@ def test_check_catches_a_broken_child_map_and_a_lost_session_end() -> None:
 
 
 def test_cleared_kv_and_pruned_nodes_hold_nothing() -> None:
-    index = PrefixIndex(10)
-    n1, n2 = index.insert_chain([1, 2])
-    index.set_kv(n1, 1, 10, 0.0)
-    index.set_kv(n2, 1, 10, 0.0)
+    index, n1, n2 = _chain_with_kv()
     index.clear_kv(n2)
     assert (n2.kv_tiers, n2.kv_bytes, n1.kv_children) == (0, 0, 0)
     assert type(n2.kv_tiers) is int and type(n2.kv_bytes) is int
