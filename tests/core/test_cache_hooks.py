@@ -164,3 +164,33 @@ def test_a_request_that_stores_nothing_still_counts_as_an_access() -> None:
     c.release(c.begin("A", [1, 2], 25.0))
     status = c.score_status()
     assert (status["reaccess_samples"], status["reaccess_gap_s"]) == (2, pytest.approx(10.25))
+
+
+def test_complete_counts_what_it_stored() -> None:
+    """A [1..4] with boundaries 5 (inside the first chunk: no state there), 20, 40 and 50
+    (past the chain): snapshots at chunks 2 and 4 only → (4 KV, 2 snapshots). B then reads
+    A's first two chunks and computes a third (11): 1 new KV chunk, its final snapshot."""
+    c, _ = cache(cpu=1000, disk=1000)
+    handle = c.begin("A", [1, 2, 3, 4], 0.0)
+    assert c.complete(handle, 40, 0.0, boundaries=[5, 20, 40, 50]) == (4, 2)
+    handle = c.begin("B", [1, 2, 11], 1.0)
+    assert c.complete(handle, 30, 1.0, boundaries=[30]) == (1, 1)
+    c.release(handle)  # already released by complete: nothing left to unpin
+    assert c.node(2).pins == 0  # type: ignore[union-attr]
+    c.check()
+
+
+def test_an_end_at_the_first_chunk_retires_unless_another_session_ends_there() -> None:
+    """X ends at chunk 5 (depth 0; final snapshot on CPU). Y reads it too and ends there.
+    X moves on to [5, 6]: chunk 5 is still Y's end, its snapshot stays on CPU. Y moves on
+    to [5, 7]: now nobody ends at 5 and its snapshot retires to disk."""
+    c, ev = cache(cpu=1000, disk=1000)
+    request(c, "X", [5], 0.0, [10])
+    request(c, "Y", [5], 1.0, [10])
+    ev.take()
+    request(c, "X", [5, 6], 2.0, [20])
+    assert not [e for e in ev.take() if e[1] == 5]
+    request(c, "Y", [5, 7], 3.0, [20])
+    assert ("moved", 5, "snapshot", DISK) in ev.take()
+    assert c.tiers_of(5, "snapshot") == 1 << DISK
+    c.check()

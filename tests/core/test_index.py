@@ -168,3 +168,10 @@ def test_cleared_kv_and_pruned_nodes_hold_nothing() -> None:
     index.prune(n2)
     assert n2.parent is None and 2 not in index
     index.check()
+
+
+def test_a_match_stops_at_the_first_chunk_without_kv() -> None:
+    index, n1, n2 = _chain_with_kv()
+    (n3,) = index.insert_chain([1, 2, 3])[2:]  # chunk 3 announced, its KV not stored
+    match = index.match_path([n1, n2, n3])
+    assert (match.kv_chunks, match.hit_chunks, match.hit_node) == (2, 0, None)
