@@ -175,3 +175,29 @@ def test_a_match_stops_at_the_first_chunk_without_kv() -> None:
     (n3,) = index.insert_chain([1, 2, 3])[2:]  # chunk 3 announced, its KV not stored
     match = index.match_path([n1, n2, n3])
     assert (match.kv_chunks, match.hit_chunks, match.hit_node) == (2, 0, None)
+
+
+def test_moving_a_session_moves_only_its_own_density() -> None:
+    """long (60 tokens) and short (40) end at 2; short moves to 3 (a sibling of 2):
+    node 2 keeps 1/60, node 3 gets 1/40, their parent 1 carries both."""
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    (n3,) = index.insert_chain([1, 3])[1:]
+    index.set_session("long", n2, 60)
+    index.set_session("short", n2, 40)
+    index.set_session("short", n3, 40)
+    assert n2.weight == pytest.approx(1 / 60)
+    assert n3.weight == pytest.approx(1 / 40)
+    assert n1.weight == pytest.approx(1 / 60 + 1 / 40)
+    assert (n1.passes, n2.passes, n3.passes) == (2, 1, 1)
+
+
+def test_empty_tier_masks_are_refused_by_name() -> None:
+    index = PrefixIndex(10)
+    (n1,) = index.insert_chain([1])
+    message = r"^set_kv needs a non-empty tier mask; use clear_kv to remove$"
+    with pytest.raises(ValueError, match=message):
+        index.set_kv(n1, 0, 10, 0.0)
+    index.set_kv(n1, 1, 10, 0.0)
+    with pytest.raises(ValueError, match=r"^set_snapshot needs a non-empty tier mask$"):
+        index.set_snapshot(n1, 0, 20, 0.0)
