@@ -194,3 +194,18 @@ def test_an_end_at_the_first_chunk_retires_unless_another_session_ends_there() -
     assert ("moved", 5, "snapshot", DISK) in ev.take()
     assert c.tiers_of(5, "snapshot") == 1 << DISK
     c.check()
+
+
+def test_the_config_reaches_the_hit_model_and_the_cost() -> None:
+    """``end_probability_prior`` 0.5 and ``attention_tokens`` K = 20 (one tier, τ = 10).
+    A's bundle at 2 (δ = 20, p = 20, p_prev = 0): C = 20·0.5·1 pass · (1 + (20 + 0)/(2·20))
+    = 10·1.5 = 15; M = 40 B → H = 10·ln(15/40) = 10·(−0.980829) = −9.808293."""
+    cfg = CacheConfig(chunk_tokens=10, kv_chunk_bytes=10, snapshot_bytes=20,
+                      tiers=(TierSpec("all", 1000),), rules=PlacementRules(0, 0, 0), tau=10.0,
+                      attention_tokens=20.0, end_probability_prior=0.5)
+    c = HiStateCache(cfg)
+    assert c.score_status()["end_probability"] == 0.5
+    request(c, "A", [1, 2], 0.0, [20])
+    found = c.victim(0)
+    assert found is not None and found[0] == 2
+    assert found[1] == pytest.approx(-9.808293, abs=1e-5)
