@@ -96,12 +96,15 @@ def test_promote_reports_the_bytes_it_moved() -> None:
     nothing (0). To disk: the KV (50), then the resumed final snapshot, its KV now there
     (20): 70; the units along the path are re-ranked (S1 no longer frees anything on CPU,
     ``check``); to disk again: 0."""
-    c, _ = cache(cpu=1000, disk=1000)
+    c, ev = cache(cpu=1000, disk=1000)
     request(c, "A", [1, 2, 3, 4, 5], 0.0, [10, 30, 50])
     handle = c.begin("A", [1, 2, 3, 4, 5], 1.0)
     assert handle.match.hit_chunks == 5
     assert c.promote(handle, CPU, 1.0) == 0
+    ev.take()
     assert c.promote(handle, DISK, 1.0) == 70
+    assert ev.take() == [*(("moved", k, "kv", DISK) for k in (1, 2, 3, 4, 5)),
+                         ("moved", 5, "snapshot", DISK)]
     c.check()
     assert c.promote(handle, DISK, 1.0) == 0
     assert c.used_bytes(DISK) == 50 + 3 * 20
@@ -209,3 +212,27 @@ def test_the_config_reaches_the_hit_model_and_the_cost() -> None:
     found = c.victim(0)
     assert found is not None and found[0] == 2
     assert found[1] == pytest.approx(-9.808293, abs=1e-5)
+
+
+def test_promote_skips_what_is_already_there_and_a_snapshot_whose_kv_is_not() -> None:
+    """A [1, 2] promoted to disk whole. B [1, 2, 3] (chunk 3 and B's final on CPU):
+    promoting B's prompt to disk skips 1 and 2, moves chunk 3 (10) and B's snapshot (20):
+    30. Then with 30 B KV chunks and a 25 B disk: KV does not fit, so the 20 B snapshot
+    (which would) stays too: nothing is promoted without its KV on the tier (0)."""
+    c, _ = cache(cpu=1000, disk=1000)
+    request(c, "A", [1, 2], 0.0, [20])
+    handle = c.begin("A", [1, 2], 1.0)
+    assert c.promote(handle, DISK, 1.0) == 40
+    c.release(handle)
+    request(c, "B", [1, 2, 3], 2.0, [30])
+    handle = c.begin("B", [1, 2, 3], 3.0)
+    assert c.promote(handle, DISK, 3.0) == 30
+    c.release(handle)
+    cfg = CacheConfig(chunk_tokens=10, kv_chunk_bytes=30, snapshot_bytes=20,
+                      tiers=(TierSpec("cpu", 1000), TierSpec("disk", 25)), tau=0.0)
+    small = HiStateCache(cfg)
+    request(small, "A", [1], 0.0, [10])
+    handle = small.begin("A", [1], 1.0)
+    assert small.promote(handle, DISK, 1.0) == 0
+    small.release(handle)
+    small.check()

@@ -243,6 +243,14 @@ def test_only_a_final_snapshot_gets_the_write_through_copy() -> None:
     assert (nodes[1].snap_tiers, nodes[2].snap_tiers) == (0b10, 0b11)
     assert store.used == [50, 40]
     check(index, queue, store)
+    # Intermediate snapshots on CPU too: chunk 2's stays on CPU alone (0b01), no copy.
+    rules = PlacementRules(kv_tier=CPU, snapshot_tier=CPU, final_tier=CPU, final_copy_tier=DISK)
+    index, queue, store, _log = make(100, 100, rules=rules)
+    nodes = index.insert_chain([1, 2])
+    for node in nodes:
+        assert store.store_kv(node, KVB, 0.0)
+    assert store.store_snapshot(nodes[1], SNAPB, 0.0, final=False)
+    assert nodes[1].snap_tiers == 0b01 and store.used == [40, 0]
 
 
 def test_a_unit_larger_than_the_lower_tier_is_dropped_not_demoted() -> None:
@@ -281,6 +289,10 @@ def test_demotion_makes_room_below_by_dropping_a_colder_unit() -> None:
         ("stored", 21, KV, CPU),
     ]
     assert store.used == [10, 10] and store.dropped_units == 1
+    # t = 3: the same again one step on: B (H = 1) dropped from disk, C moves down.
+    (node,) = index.insert_chain([31])
+    assert store.store_kv(node, KVB, 3.0)
+    assert store.dropped_units == 2
     check(index, queue, store)
 
 
