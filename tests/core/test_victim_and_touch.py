@@ -135,22 +135,23 @@ def test_bytes_freed_count_every_copy_and_the_first_chunk() -> None:
     unit: tier 0 by t (100), tier 1: M = 280 again → 86.418771.
     Two tiers, everything on the last (mask 0b10): nothing to free on tier 0 (None); the
     bundle drops whole from tier 1: 86.418771.
+    Two tiers, KV on the last, the snapshot on both: tier 0 frees the snapshot's copy
+    alone (ranked by t: 100); tier 1 as before.
     """
-    for tiers, mask in ((1, 0b1), (2, 0b11), (2, 0b10)):
+    for tiers, mask, snap_mask in ((1, 0b1, 0b1), (2, 0b11, 0b11), (2, 0b10, 0b10),
+                                   (2, 0b10, 0b11)):
         index = PrefixIndex(CHUNK)
         n1, n2 = index.insert_chain([1, 2])
         for node in (n1, n2):
             index.set_kv(node, mask, KV, 0.0)
             node.access = 100.0
-        index.set_snapshot(n2, mask, SNAP, 0.0)
+        index.set_snapshot(n2, snap_mask, SNAP, 0.0)
         index.set_session("a", n2, 20)
         q = EvictionQueue(index, tiers, tau=10.0, token_bytes=TOKEN_BYTES,
                           hit_model=HitModel(prior=0.9))
         assert q.rank(n2, tiers - 1) == pytest.approx(86.418771, abs=1e-5)
-        if mask == 0b11:
-            assert q.rank(n2, 0) == 100.0
-        if mask == 0b10:
-            assert q.rank(n2, 0) is None
+        if tiers == 2:
+            assert q.rank(n2, 0) == (None if snap_mask == mask == 0b10 else 100.0)
 
 
 def test_a_snapshot_leaving_the_last_tier_frees_only_itself() -> None:
