@@ -205,6 +205,84 @@ def test_check_catches_a_stale_rank() -> None:
         q.check(exact=True)
 
 
+def test_check_catches_a_rank_above_the_fresh_one_on_tiers_ranked_by_t() -> None:
+    """Without ``exact``, ``check`` still rejects a queued rank *above* the fresh one where
+    ranks are ``t`` alone: every tier but the last, and every tier when ``τ = 0``."""
+    # Two tiers, τ = 10: tier 0 (KV) is ranked by t; S4's fresh rank there is t = 100.
+    index, n = tree(kv_tier=0, snap_tier=1)
+    q = queue(index, 2, tau=10.0)
+    q.check()
+    q.heaps[0].set(n[4], 101.0, -n[4].depth)
+    with pytest.raises(AssertionError, match="above fresh"):
+        q.check()
+    # One tier, τ = 0: the last tier is ranked by t too (fresh 100).
+    index, n = tree()
+    q = queue(index, 1, tau=0.0)
+    q.heaps[0].set(n[4], 101.0, -n[4].depth)
+    with pytest.raises(AssertionError, match="above fresh"):
+        q.check()
+    # A queued rank *below* the fresh one is a lazy refresh, accepted (NOTE 1).
+    q.heaps[0].set(n[4], 99.0, -n[4].depth)
+    q.check()
+
+
+def test_check_reads_every_tier_after_one_a_unit_is_not_on() -> None:
+    """Everything on tier 1 of two: no unit is queued on tier 0, so ``check`` must go on
+    to tier 1 to find S4's stale rank there (fresh 97.078636, as on one tier)."""
+    index, n = tree(kv_tier=1, snap_tier=1)
+    q = queue(index, 2, tau=10.0)
+    assert len(q.heaps[0]) == 0
+    q.check(exact=True)
+    q.heaps[1].set(n[4], 95.0, -n[4].depth)
+    with pytest.raises(AssertionError, match="stale rank"):
+        q.check(exact=True)
+
+
+def test_check_accepts_a_unit_freeing_a_single_byte() -> None:
+    # One chunk of KV holding 1 B on the only tier: a dead tail freeing 1 B, queued.
+    index = PrefixIndex(CHUNK)
+    (node,) = index.insert_chain([1])
+    index.set_kv(node, 1, 1, 0.0)
+    q = queue(index, 1, tau=0.0)
+    assert node in q.heaps[0]
+    q.check(exact=True)
+
+
+def test_check_tolerance_is_one_part_in_a_billion_at_least_1e_9() -> None:
+    """tol = 1e-9 · max(1, |fresh|), the bound itself accepted.
+
+    τ = 0, one chunk of KV accessed at t: fresh rank = t.
+    t = 0: tol = 1e-9 · max(1, 0) = 1e-9; queued 1e-9 differs by exactly tol → accepted
+    (``exact`` and not); 1.5e-9 → rejected.
+    t = 1.5: tol = 1e-9 · max(1, 1.5) = 1.5e-9; queued 1.5 + 1.2e-9 → accepted, 1.5 + 2e-9
+    → rejected (the floor of 1 is no more than the floor: 2 would accept it).
+    t = 1000: tol = 1e-6; queued 1000 + 5e-7 → accepted (an absolute 1e-9 would reject it).
+    """
+    index = PrefixIndex(CHUNK)
+    (node,) = index.insert_chain([1])
+    index.set_kv(node, 1, KV, 0.0)
+    node.access = 0.0
+    q = queue(index, 1, tau=0.0)
+    heap = q.heaps[0]
+    heap.set(node, 1e-9, 0)
+    q.check(exact=True)
+    q.check()
+    heap.set(node, 1.5e-9, 0)
+    with pytest.raises(AssertionError, match="stale rank"):
+        q.check(exact=True)
+    with pytest.raises(AssertionError, match="above fresh"):
+        q.check()
+    node.access = 1.5
+    heap.set(node, 1.5 + 1.2e-9, 0)
+    q.check(exact=True)
+    heap.set(node, 1.5 + 2e-9, 0)
+    with pytest.raises(AssertionError, match="stale rank"):
+        q.check(exact=True)
+    node.access = 1000.0
+    heap.set(node, 1000.0 + 5e-7, 0)
+    q.check(exact=True)
+
+
 def test_cost_uses_the_bytes_per_token() -> None:
     """The same tree with 8 B per token (KV chunk 80 B): C·8/M for S2 is
     298.666667/200 = 1.493333, ln = 0.401011 → H = 100 + 4.010108 = 104.010108,

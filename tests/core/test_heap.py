@@ -76,3 +76,34 @@ def test_pop_returns_the_minimum_and_refuses_an_empty_heap() -> None:
     with pytest.raises(IndexError, match="empty IndexedHeap"):
         heap.pop()
     assert heap.peek() is None
+
+
+def test_pop_from_an_empty_heap_says_so() -> None:
+    with pytest.raises(IndexError, match=r"^pop from an empty IndexedHeap$"):
+        IndexedHeap().pop()
+
+
+def test_a_key_moved_away_and_back_keeps_its_insertion_place() -> None:
+    """a and b at (1, tie 0), a inserted first. a moves to 2 and back to 1: it keeps its
+    insertion number, so it still goes before b (NOTE 1)."""
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("a", 1.0)
+    heap.set("b", 1.0)
+    heap.set("a", 2.0)
+    heap.set("a", 1.0)
+    assert [heap.pop()[0] for _ in range(2)] == ["a", "b"]
+
+
+def test_set_moves_a_key_whenever_priority_or_tie_changes() -> None:
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("k", 5.0, 0)
+    heap.set("k", 0.0, 0)  # the new priority equals the old tie: still a move
+    assert heap.priority("k") == 0.0
+    # k (1.0, tie 0) inserted before j (1.0, tie 0); k's tie becomes 1: j goes first.
+    heap.set("k", 1.0, 0)
+    heap.set("j", 1.0, 0)
+    heap.set("k", 1.0, 1)
+    assert [heap.pop()[0] for _ in range(2)] == ["j", "k"]
+    assert heap.discard("j") is False
+    heap.set("j", 3.0)
+    assert heap.discard("j") is True

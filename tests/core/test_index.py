@@ -6,7 +6,7 @@ import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.eviction import EvictionQueue
-from lmcache_histate.core.index import ChainError, PrefixIndex
+from lmcache_histate.core.index import ChainError, Node, PrefixIndex
 from lmcache_histate.core.interval import ResidenceTracker
 from lmcache_histate.core.placement import KV, TierSpec
 from lmcache_histate.core.units import HitModel
@@ -111,3 +111,97 @@ def test_bad_index_and_queue_arguments_are_named() -> None:
         HitModel(prior=1.5)
     assert HitModel(alpha=1.0, prior=0.0).end_probability == 0.0
     assert HitModel(prior=1.0).end_probability == 1.0
+
+
+def test_dropping_a_session_takes_its_own_density_only() -> None:
+    """Sessions of 60 and 40 tokens end at chunk 2: weight 1/60 + 1/40 on 1 and 2, two
+    passes. Dropping the 40-token one leaves 1/60 and one pass."""
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    index.set_session("long", n2, 60)
+    index.set_session("short", n2, 40)
+    assert n1.weight == pytest.approx(1 / 60 + 1 / 40)
+    index.drop_session("short")
+    assert (n1.weight, n2.weight) == (pytest.approx(1 / 60), pytest.approx(1 / 60))
+    assert (n1.passes, n2.passes) == (1, 1)
+    index.check()
+
+
+def test_check_accepts_chunks_held_by_children_or_a_session_end_only() -> None:
+    """Chain 1 ─ 2 without KV: chunk 2 holds a session end only, chunk 1 a child only;
+    neither is unpruned."""
+    index = PrefixIndex(10)
+    _, n2 = index.insert_chain([1, 2])
+    index.set_session("a", n2, 20)
+    index.check()
+
+
+def _chain_with_kv() -> tuple[PrefixIndex, Node, Node]:
+    """Chunks 1 ─ 2, 10 B of KV each on tier 0."""
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    for node in (n1, n2):
+        index.set_kv(node, 1, 10, 0.0)
+    return index, n1, n2
+
+
+def test_check_catches_a_broken_child_map_and_a_lost_session_end() -> None:
+    """Both chunks hold KV, so only the broken part can fail the check."""
+    index, n1, n2 = _chain_with_kv()
+    session = index.set_session("a", n2, 20)
+    assert n2.ends is not None
+    n2.ends.discard(session)
+    with pytest.raises(AssertionError, match=r"^$"):  # the session assertion has no message
+        index.check()
+    n2.ends.add(session)
+    index.check()
+    # Chunk 2 without KV (held by the session end): chunk 1 passes its own checks with no
+    # children map, so the missing map is found at chunk 2.
+    index.clear_kv(n2)
+    index.check()
+    n1.children = None
+    with pytest.raises(AssertionError):
+        index.check()
+
+
+def test_cleared_kv_and_pruned_nodes_hold_nothing() -> None:
+    index, n1, n2 = _chain_with_kv()
+    index.clear_kv(n2)
+    assert (n2.kv_tiers, n2.kv_bytes, n1.kv_children) == (0, 0, 0)
+    assert type(n2.kv_tiers) is int and type(n2.kv_bytes) is int
+    index.prune(n2)
+    assert n2.parent is None and 2 not in index
+    index.check()
+
+
+def test_a_match_stops_at_the_first_chunk_without_kv() -> None:
+    index, n1, n2 = _chain_with_kv()
+    (n3,) = index.insert_chain([1, 2, 3])[2:]  # chunk 3 announced, its KV not stored
+    match = index.match_path([n1, n2, n3])
+    assert (match.kv_chunks, match.hit_chunks, match.hit_node) == (2, 0, None)
+
+
+def test_moving_a_session_moves_only_its_own_density() -> None:
+    """long (60 tokens) and short (40) end at 2; short moves to 3 (a sibling of 2):
+    node 2 keeps 1/60, node 3 gets 1/40, their parent 1 carries both."""
+    index = PrefixIndex(10)
+    n1, n2 = index.insert_chain([1, 2])
+    (n3,) = index.insert_chain([1, 3])[1:]
+    index.set_session("long", n2, 60)
+    index.set_session("short", n2, 40)
+    index.set_session("short", n3, 40)
+    assert n2.weight == pytest.approx(1 / 60)
+    assert n3.weight == pytest.approx(1 / 40)
+    assert n1.weight == pytest.approx(1 / 60 + 1 / 40)
+    assert (n1.passes, n2.passes, n3.passes) == (2, 1, 1)
+
+
+def test_empty_tier_masks_are_refused_by_name() -> None:
+    index = PrefixIndex(10)
+    (n1,) = index.insert_chain([1])
+    message = r"^set_kv needs a non-empty tier mask; use clear_kv to remove$"
+    with pytest.raises(ValueError, match=message):
+        index.set_kv(n1, 0, 10, 0.0)
+    index.set_kv(n1, 1, 10, 0.0)
+    with pytest.raises(ValueError, match=r"^set_snapshot needs a non-empty tier mask$"):
+        index.set_snapshot(n1, 0, 20, 0.0)

@@ -134,3 +134,20 @@ def test_an_explicit_factor_overrides_the_measured_pressure() -> None:
     assert ctl.boundaries(9000, 10000, factor=1.0) == [9300, 9600, 9900, 10000]
     assert ctl.boundaries(9000, 10000) == [9600, 10000]
     assert ctl.cost(600, 1000) == pytest.approx(300 + 4 * 50 * 1000 / 600)
+
+
+def test_counts_small_samples_and_the_factor_of_a_choice() -> None:
+    """Samples below 1 s are kept (0.5, then 0.5 + 0.05·(0.25 − 0.5) = 0.4875); every
+    snapshot sample is counted (2). A choice reports the factor it used: measured
+    F = 0.4875 / 0.25 = 1.95 when none is given, else the given one."""
+    res = ResidenceTracker(alpha=0.05)
+    res.observe_kv(0.5)
+    assert res.kv_ema == 0.5
+    res.observe_snapshot(0.25)
+    res.observe_snapshot(0.25)
+    res.observe_kv(0.25)
+    assert res.kv_ema == pytest.approx(0.4875)
+    assert (res.snapshot_ema, res.snapshot_samples) == (0.25, 2)
+    ctl = IntervalController(chunk_tokens=10, snapshot_tokens=50, residence=res)
+    assert ctl.choose(1000).pressure_factor == pytest.approx(1.95)
+    assert ctl.choose(1000, factor=3.0).pressure_factor == 3.0
