@@ -90,3 +90,69 @@ def test_force_pressure_factor_moves_the_interval_choice() -> None:
     assert cache.interval_for(64) == 8
     with pytest.raises(ValueError, match="factor must be positive"):
         cache.force_pressure_factor(0.0)
+
+
+def test_eviction_inputs_are_the_units_t_c_and_m_on_the_disk() -> None:
+    cache = stored()
+    # S102 (intermediate, on disk): p = 8, nothing above: delta = 8. Its zone: 103, then the
+    # snapshot at 104 (q = 16), internal mass (16 - 8) * weight(104) = 8 * 1/16 = 0.5; one
+    # session passes it. C = 8 * (0.1 * 0.5 + 0.9 * 1) = 7.6 tokens = 15.2 B-units; it
+    # leaves the last tier alone: M = 25 B.
+    assert cache.eviction_inputs(102, SNAPSHOT, DISK) == pytest.approx((1.0, 15.2, 25.0))
+    assert cache.eviction_inputs(101, KV, DISK) is None  # its KV is on the CPU tier
+    cache.evict(CPU, 1, 2.0)  # demotes the bundle: chunks 103-104 and the final snapshot
+    # Bundle 104: delta = 16 - 8 = 8, session a ends there (no internal hit past its end),
+    # passes 1: C = 8 * 0.9 = 7.2 tokens = 14.4; M = 25 + 2 * 10 = 45 B. Chunk 103's KV
+    # leaves with it (same unit).
+    assert cache.eviction_inputs(104, SNAPSHOT, DISK) == pytest.approx((1.0, 14.4, 45.0))
+    assert cache.eviction_inputs(104, KV, DISK) == pytest.approx((1.0, 14.4, 45.0))
+    assert cache.eviction_inputs(103, KV, DISK) == pytest.approx((1.0, 14.4, 45.0))
+    cache.evict(CPU, 1000, 3.0)  # everything demoted: chunks 101-102 too
+    # 101 and 102's KV lie above the snapshot at 102: interior KV, no unit on the last tier.
+    assert cache.eviction_inputs(101, KV, DISK) is None
+    assert cache.eviction_inputs(102, KV, DISK) is None
+
+
+def test_follow_residence_sets_the_pressure_factor_the_interval_uses() -> None:
+    """A 64-token segment, N_s = 12.5, intervals (4, 8); cost(I) = I/2 + F * N_s * 64 / I.
+    F = 1 (no samples yet): cost(4) = 2 + 200 = 202, cost(8) = 4 + 100 = 104 -> 8.
+    Pooled EMAs kv 1 s / state 100 s: F = 0.01: cost(4) = 2 + 2 = 4, cost(8) = 4 + 1 = 5 -> 4."""
+    cache = stored()
+    assert cache.interval_for(64) == 8
+    assert cache.follow_residence(1.0, 3, 100.0, 2) == pytest.approx(0.01)
+    assert cache.stats().pressure_factor == pytest.approx(0.01)
+    assert cache.interval_for(64) == 4
+    # No KV sample in the pooled EMAs: the factor is 1 again (8).
+    assert cache.follow_residence(1.0, 0, 100.0, 2) == 1.0
+    assert cache.interval_for(64) == 8
+    # The pooled EMAs replace the core's own only for planning: back to them on request.
+    cache.follow_residence(1.0, 3, 100.0, 2)
+    assert cache.force_pressure_factor(None) == 1.0  # the core itself saw nothing leave
+    assert cache.interval_for(64) == 8
+
+
+def test_eviction_inputs_edges() -> None:
+    """A part not on the asked tier has no inputs even where its unit has bytes there; a
+    KV tail past the last snapshot costs nothing to lose; a 1-byte unit still counts."""
+    cache = HiStateCache(CacheConfig(
+        chunk_tokens=CHUNK, kv_chunk_bytes=KV_BYTES, snapshot_bytes=SNAP_BYTES,
+        tiers=(TierSpec("cpu", 1000), TierSpec("disk", 1000)),
+        supported_intervals=(CHUNK, 2 * CHUNK),
+    ))
+    # Session "a" = 101..105 (20 tokens), snapshots at tokens 8 and 16: chunk 105 is a tail.
+    cache.complete(cache.attach("a", [*KEYS, 105]), 20, 1.0, boundaries=[8, 16])
+    # S102 lives on disk only; the unit it anchors on the CPU (KV 101-102, 20 B) is not it.
+    assert cache.eviction_inputs(102, SNAPSHOT, CPU) is None
+    assert cache.eviction_inputs(999, KV, CPU) is None  # unknown key
+    # Chunk 105: t = 1, C = 0 (no snapshot at or past it to resume from), M = 10 B.
+    assert cache.eviction_inputs(105, KV, CPU) == (1.0, 0.0, 10.0)
+    # One token per chunk, 1 B per chunk and per snapshot (token_bytes = 1, N_s = 1);
+    # session "b" = 1..4, snapshots at 2 (intermediate: disk) and 4. S2 as S102 above with
+    # every length / 4: delta = 2, internal mass (4 - 2) * 1/4 = 0.5, passes 1:
+    # C = 2 * (0.1 * 0.5 + 0.9 * 1) = 1.9 tokens = 1.9 B; alone on disk: M = 1 B.
+    small = HiStateCache(CacheConfig(
+        chunk_tokens=1, kv_chunk_bytes=1, snapshot_bytes=1,
+        tiers=(TierSpec("cpu", 1000), TierSpec("disk", 1000)), supported_intervals=(1, 2),
+    ))
+    small.complete(small.attach("b", [1, 2, 3, 4]), 4, 1.0, boundaries=[2, 4])
+    assert small.eviction_inputs(2, SNAPSHOT, DISK) == pytest.approx((1.0, 1.9, 1.0))

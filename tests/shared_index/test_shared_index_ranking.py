@@ -49,27 +49,6 @@ def synced(now: float) -> tuple[DeploymentSync, HiStateCache]:
     return sync, stored(listener=sync)
 
 
-def test_eviction_inputs_are_the_units_t_c_and_m_on_the_disk() -> None:
-    cache = stored()
-    # S102 (intermediate, on disk): p = 8, nothing above: delta = 8. Its zone: 103, then the
-    # snapshot at 104 (q = 16), internal mass (16 - 8) * weight(104) = 8 * 1/16 = 0.5; one
-    # session passes it. C = 8 * (0.1 * 0.5 + 0.9 * 1) = 7.6 tokens = 15.2 B-units; it
-    # leaves the last tier alone: M = 25 B.
-    assert cache.eviction_inputs(102, SNAPSHOT, DISK) == pytest.approx((1.0, 15.2, 25.0))
-    assert cache.eviction_inputs(101, KV, DISK) is None  # its KV is on the CPU tier
-    cache.evict(CPU, 1, 2.0)  # demotes the bundle: chunks 103-104 and the final snapshot
-    # Bundle 104: delta = 16 - 8 = 8, session a ends there (no internal hit past its end),
-    # passes 1: C = 8 * 0.9 = 7.2 tokens = 14.4; M = 25 + 2 * 10 = 45 B. Chunk 103's KV
-    # leaves with it (same unit).
-    assert cache.eviction_inputs(104, SNAPSHOT, DISK) == pytest.approx((1.0, 14.4, 45.0))
-    assert cache.eviction_inputs(104, KV, DISK) == pytest.approx((1.0, 14.4, 45.0))
-    assert cache.eviction_inputs(103, KV, DISK) == pytest.approx((1.0, 14.4, 45.0))
-    cache.evict(CPU, 1000, 3.0)  # everything demoted: chunks 101-102 too
-    # 101 and 102's KV lie above the snapshot at 102: interior KV, no unit on the last tier.
-    assert cache.eviction_inputs(101, KV, DISK) is None
-    assert cache.eviction_inputs(102, KV, DISK) is None
-
-
 def test_the_lua_ranking_is_core_score(redis_server: RedisServer, shared_dir: Path) -> None:
     """tau = 0.1 s. S: a snapshot with C/M = e^3 (expensive to lose); K: a KV chunk with
     C/M = e^-1. H_S = t_S + 0.3, H_K = t_K - 0.1: S outranks (stays) while K is less than
