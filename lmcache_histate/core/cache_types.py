@@ -8,13 +8,16 @@ re-exports all three.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, snapshot_tokens
 from .index import Match, Node
 from .placement import PlacementRules, TierSpec
 
-__all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
+__all__ = ["HIT_POSITION_MODES", "CacheConfig", "CacheStats", "RequestHandle"]
+
+HIT_POSITION_MODES = ("measured", "uniform")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,9 @@ class CacheConfig:
     ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
     ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
+    ``hit_positions``: ``"measured"`` learns where internal hits land inside segments
+    and places interval snapshots by it (``hit_positions``); ``"uniform"`` is the
+    paper's model (the ablation).
     """
 
     chunk_tokens: int
@@ -43,8 +49,14 @@ class CacheConfig:
     end_probability_prior: float = END_PROBABILITY_PRIOR
     fixed_interval: int | None = None
     attention_tokens: float = math.inf
+    hit_positions: str = "measured"
 
     def __post_init__(self) -> None:
+        if self.hit_positions not in HIT_POSITION_MODES:
+            raise ValueError(
+                f"hit_positions must be one of {', '.join(HIT_POSITION_MODES)}, "
+                f"got {self.hit_positions!r}"
+            )
         for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -101,3 +113,4 @@ class RequestHandle:
     pinned: list[Node]
     at_end: bool | None
     began: float | None = None
+    kind: Hashable = None  # content kind of the input the request appends

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .hit_positions import SegmentLog
+
 __all__ = ["ChainError", "Match", "Node", "PrefixIndex", "Session"]
 
 
@@ -101,13 +103,14 @@ class Session:
     """A conversation: its context length, the deepest live node of its prefix, and
     when a request of it last read the cache (``last_access``, None until one did)."""
 
-    __slots__ = ("end_tokens", "id", "last_access", "node")
+    __slots__ = ("end_tokens", "id", "last_access", "node", "segments")
 
     def __init__(self, sid: str, node: Node, end_tokens: int) -> None:
         self.id = sid
         self.node = node
         self.end_tokens = end_tokens
         self.last_access: float | None = None
+        self.segments = SegmentLog()  # where its context's segments start (hit_positions)
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, end_tokens={self.end_tokens}, node={self.node.key})"
