@@ -43,10 +43,10 @@ class HiStateCache:
     def __init__(self, config: CacheConfig, listener: PlacementListener | None = None) -> None:
         self.config = config
         self._index = PrefixIndex(config.chunk_tokens)
+        self._positions = HitPositions() if config.hit_positions == "measured" else None
         self._hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
         self._residence = ResidenceTracker(config.ema_alpha)
         self._reaccess = ReaccessScale(config.ema_alpha)
-        self._positions = HitPositions() if config.hit_positions == "measured" else None
         self._queue = EvictionQueue(
             self._index,
             len(config.tiers),
@@ -56,6 +56,7 @@ class HiStateCache:
             reaccess=self._reaccess,
             refresh_all=config.refresh_all,
             attention_tokens=config.attention_tokens,
+            positions=self._positions,
         )
         self._store = TieredStore(
             self._index, self._queue, config.tiers, config.rules, self._residence, listener

@@ -219,6 +219,15 @@ class SegmentLog:
         del self.kinds[i:]
         self.end = max(0, position) if self.starts else 0
 
+    def boundary(self, position: int) -> float:
+        """The offset in (0, 1] of a state at the end of token ``position − 1`` (a
+        snapshot at ``position``) in the segment it closes or lies in; -1 if outside."""
+        if not self.starts or not self.starts[0] < position <= self.end:
+            return -1.0
+        i = bisect_left(self.starts, position) - 1
+        stop = self.starts[i + 1] if i + 1 < len(self.starts) else self.end
+        return (position - self.starts[i]) / (stop - self.starts[i])
+
     def append(self, end: int, kind: Hashable = None) -> None:
         """A request extended the context to ``end`` tokens with input of ``kind``."""
         if end > self.end:

@@ -53,6 +53,7 @@ class Node:
         "parent",
         "passes",
         "pins",
+        "seg_offset",
         "snap_bytes",
         "snap_since",
         "snap_tiers",
@@ -76,6 +77,9 @@ class Node:
         self.ends: set[Session] | None = None
         self.access = 0.0
         self.pins = 0
+        # Where its snapshot sits in its segment, in (0, 1] (1 = the segment's end);
+        # -1 = not known (``hit_positions``, ``units.expected_recompute``).
+        self.seg_offset = -1.0
 
     def __repr__(self) -> str:
         return (

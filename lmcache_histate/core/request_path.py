@@ -166,9 +166,11 @@ class RequestPath:
             leaf = nodes[stored_kv - 1]
             leaf.pins += 1
             try:
+                segments = self.index.sessions[handle.session_id].segments
                 for pos in reversed(plan):
                     i = pos // chunk - 1
                     if 0 <= i < stored_kv and not nodes[i].snap_tiers:
+                        nodes[i].seg_offset = segments.boundary(pos)
                         snaps += self.store.store_snapshot(
                             nodes[i], self.config.snapshot_bytes, now, final=pos == plan[-1]
                         )

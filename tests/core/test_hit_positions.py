@@ -10,8 +10,10 @@ import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.hit_positions import HitPositions, SegmentLog
+from lmcache_histate.core.index import PrefixIndex
 from lmcache_histate.core.interval import IntervalController
 from lmcache_histate.core.placement import TierSpec
+from lmcache_histate.core.units import expected_recompute
 
 
 def worked_example() -> HitPositions:
@@ -188,3 +190,55 @@ def test_uniform_mode_learns_nothing_and_plans_the_plain_grid() -> None:
 def test_config_names_the_key_and_its_values() -> None:
     with pytest.raises(ValueError, match="hit_positions must be one of measured, uniform"):
         _cache("learned")
+
+
+def test_cost_scales_internal_mass_by_the_zone_density() -> None:
+    """Chunks of 10 tokens, chain 1-6, snapshots after 2 (token 20: offset 0.5 of the
+    segment [0, 40)), 4 (40: closes it, offset 1) and 6 (60); session a ends at 6 (60
+    tokens), b at 3 (35 tokens). Hits measured in the last half of a segment 3 times
+    out of 4: B = 2, two samples at 0.75: p = (0 + 1, 2 + 1) / 4, w = (0.5, 1.5).
+    S2 (p = 20, δ = 20, passes a and b = 2, p_end = 0.9). Its zone: node 3 (b ends:
+    uniform mass (35 − 20) / 35 = 0.428571) and boundary S4 (mass (40 − 20) · 1/60 =
+    0.333333, only a passes 4). Both lie in offsets [0.5, 1) of the segment: mean
+    density (W(1) − W(0.5)) / 0.5 = 0.75 / 0.5 = 1.5.
+    measured: internal = 1.5 · 0.761905 = 1.142857, C = 20 · (0.1 · 1.142857 + 0.9 · 2)
+    = 38.285714; uniform: C = 20 · (0.0761905 + 1.8) = 37.523810."""
+    index = PrefixIndex(10)
+    n = index.insert_chain([1, 2, 3, 4, 5, 6])
+    for node in n:
+        index.set_kv(node, 1, 40, 0.0)
+    for i, offset in ((1, 0.5), (3, 1.0), (5, 1.0)):
+        index.set_snapshot(n[i], 1, 200, 0.0)
+        n[i].seg_offset = offset
+    index.set_session("a", n[5], 60)
+    index.set_session("b", n[2], 35)
+    h = HitPositions(bins=2)
+    h.observe(0.75)
+    h.observe(0.75)
+    assert expected_recompute(n[1], 10, 0.9, positions=h) == pytest.approx(38.285714, abs=1e-5)
+    assert expected_recompute(n[1], 10, 0.9) == pytest.approx(37.523810, abs=1e-5)
+    # A boundary snapshot at a lower offset lies in a later segment (the zone spans a
+    # boundary): its mass stays uniform, b's is still scaled:
+    # internal = 0.333333 + 1.5 · 0.428571 = 0.976190, C = 20 · (0.097619 + 1.8) = 37.952381.
+    n[3].seg_offset = 0.25
+    assert expected_recompute(n[1], 10, 0.9, positions=h) == pytest.approx(37.952381, abs=1e-5)
+    # S4 closes its segment: its zone opens the next one, offsets [0, 1) up to S6 at the
+    # next segment's end: mean density 1, the uniform C: δ = 20, internal (60 − 40)/60,
+    # passes 1 (a): 20 · (0.1 · 0.333333 + 0.9) = 18.666667.
+    n[3].seg_offset = 1.0
+    assert expected_recompute(n[3], 10, 0.9, positions=h) == pytest.approx(18.666667, abs=1e-5)
+    # Offset unknown (a snapshot stored without a session's segments): uniform.
+    n[1].seg_offset = -1.0
+    assert expected_recompute(n[1], 10, 0.9, positions=h) == pytest.approx(37.523810, abs=1e-5)
+
+
+def test_segment_log_boundary_offsets() -> None:
+    log = SegmentLog()
+    assert log.boundary(10) == -1.0
+    log.append(100)
+    log.append(300)
+    assert log.boundary(50) == 0.5  # (50 − 0) / 100
+    assert log.boundary(100) == 1.0  # closes [0, 100)
+    assert log.boundary(150) == 0.25  # (150 − 100) / 200
+    assert log.boundary(300) == 1.0
+    assert log.boundary(0) == -1.0 and log.boundary(301) == -1.0
