@@ -11,13 +11,11 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, snapshot_tokens
+from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, HIT_POSITION_MODES, snapshot_tokens
 from .index import Match, Node
 from .placement import PlacementRules, TierSpec
 
-__all__ = ["HIT_POSITION_MODES", "CacheConfig", "CacheStats", "RequestHandle"]
-
-HIT_POSITION_MODES = ("measured", "uniform")
+__all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
 
 
 @dataclass(frozen=True, slots=True)

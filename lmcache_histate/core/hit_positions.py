@@ -118,7 +118,7 @@ class HitPositions:
         """Record an internal hit at ``offset`` ∈ [0, 1) of a segment of ``kind``."""
         if not 0.0 <= offset < 1.0:
             raise ValueError(f"offset must be in [0, 1), got {offset}")
-        b = min(self.bins - 1, int(offset * self.bins))
+        b = int(offset * self.bins)  # < bins: offset < 1
         for key in {kind, None}:
             self._counts.setdefault(key, [0] * self.bins)[b] += 1
         self.samples += 1
@@ -131,14 +131,13 @@ class HitPositions:
     def probabilities(self, kind: Hashable = None) -> list[float]:
         """``p_b`` of ``kind`` (module docstring): smoothed towards the global estimate."""
         b = self.bins
-        glob = self._counts.get(None, [0] * b)
-        total = sum(glob)
-        probs = [(n + 1) / (total + b) for n in glob]
-        if kind is None:
+        glob = self._counts.get(None)
+        probs = [1 / b] * b if glob is None else [(n + 1) / (sum(glob) + b) for n in glob]
+        own = self._counts.get(kind) if kind is not None else None
+        if own is None:
             return probs
-        own = self._counts.get(kind, [0] * b)
         n_kind = sum(own)
-        return [(n + b * p) / (n_kind + b) for n, p in zip(own, probs, strict=True)]
+        return [(own[i] + b * probs[i]) / (n_kind + b) for i in range(b)]
 
     def _table(self, kind: Hashable) -> _Table:
         table = self._tables.get(kind)
@@ -159,10 +158,17 @@ class HitPositions:
         s = self._table(kind).spread
         return s * s * tokens
 
+    def cumulative(self, u: float, kind: Hashable = None) -> float:
+        """``W(u)``: the share of a segment's internal hits at offsets below ``u``
+        (piecewise linear; ``u`` clamped to [0, 1])."""
+        cdf = self._table(kind).cdf
+        x = min(1.0, max(0.0, u)) * self.bins
+        b = min(self.bins - 1, int(x))
+        return cdf[b] + (cdf[b + 1] - cdf[b]) * (x - b)
+
     def mass(self, lo: float, hi: float, kind: Hashable = None) -> float:
         """``W(hi) − W(lo)``: the share of a segment's internal hits in offsets [lo, hi)."""
-        cdf = self._table(kind).cdf
-        return _interp(cdf, hi, self.bins) - _interp(cdf, lo, self.bins)
+        return self.cumulative(hi, kind) - self.cumulative(lo, kind)
 
     def zone_factor(self, lo: float, hi: float, kind: Hashable = None) -> float:
         """Mean relative density over offsets [lo, hi) (1 for uniform, or if empty)."""
@@ -172,18 +178,10 @@ class HitPositions:
 
     def warp(self, t: float, kind: Hashable = None) -> float:
         """``G⁻¹(t)``: the offset at which the √-density's CDF reaches ``t`` ∈ [0, 1]."""
-        edges = self._table(kind).warp_cdf
+        edges = self._table(kind).warp_cdf  # strictly increasing: every p_b > 0
         t = min(1.0, max(0.0, t))
         b = min(self.bins - 1, bisect_right(edges, t) - 1)
-        width = edges[b + 1] - edges[b]
-        return (b + ((t - edges[b]) / width if width > 0 else 0.0)) / self.bins
-
-
-def _interp(cdf: list[float], u: float, bins: int) -> float:
-    """Piecewise-linear CDF at ``u`` (clamped to [0, 1])."""
-    x = min(1.0, max(0.0, u)) * bins
-    b = min(bins - 1, int(x))
-    return cdf[b] + (cdf[b + 1] - cdf[b]) * (x - b)
+        return (b + (t - edges[b]) / (edges[b + 1] - edges[b])) / self.bins
 
 
 class SegmentLog:
@@ -212,12 +210,10 @@ class SegmentLog:
 
     def cut(self, position: int) -> None:
         """The context diverged at ``position``: forget what lies at or beyond it."""
-        if position >= self.end:
-            return
         i = bisect_left(self.starts, position)
         del self.starts[i:]
         del self.kinds[i:]
-        self.end = max(0, position) if self.starts else 0
+        self.end = min(self.end, position)  # 0 when nothing is left: position ≤ 0
 
     def boundary(self, position: int) -> float:
         """The offset in (0, 1] of a state at the end of token ``position − 1`` (a

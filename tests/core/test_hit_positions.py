@@ -93,16 +93,38 @@ def test_a_kind_backs_off_to_the_global_estimate() -> None:
     h.observe(0.95, "tool_result")
     h.observe(0.1, "text")
     h.observe(0.2, "text")
-    # Global n = (2, 2): p = (3/6, 3/6). tool_result: own (0, 2), N = 2:
-    # ((0 + 2 · 0.5) / 4, (2 + 2 · 0.5) / 4) = (0.25, 0.75).
-    assert h.probabilities() == [0.5, 0.5]
-    assert h.probabilities("tool_result") == [0.25, 0.75]
-    assert h.probabilities("text") == [0.75, 0.25]
-    assert h.probabilities("image") == [0.5, 0.5]  # never seen: the global estimate
-    assert (h.count("tool_result"), h.count(), h.samples) == (2, 4, 4)
-    # tool_result: W(0.75) = 0.25 + 0.75 · 0.5 = 0.625, W(0.25) = 0.25 · 0.5 = 0.125.
+    h.observe(0.7)  # kind unknown: global only
+    # Global n = (2, 3): p = (3/7, 4/7). tool_result: own (0, 2), N = 2:
+    # ((0 + 2 · 3/7) / 4, (2 + 2 · 4/7) / 4) = (6/28, 22/28); text: own (2, 0):
+    # ((2 + 6/7) / 4, (8/7) / 4) = (20/28, 8/28).
+    assert h.spread() == pytest.approx((math.sqrt(6 / 7) + math.sqrt(8 / 7)) / 2)  # cached
+    assert h.probabilities() == pytest.approx([3 / 7, 4 / 7])
+    assert h.probabilities("tool_result") == pytest.approx([6 / 28, 22 / 28])
+    assert h.probabilities("text") == pytest.approx([20 / 28, 8 / 28])
+    assert h.probabilities("image") == pytest.approx([3 / 7, 4 / 7])  # never seen: global
+    assert (h.count("tool_result"), h.count(), h.samples) == (2, 5, 5)
+    # w = 2 · p = (12/28, 44/28); s = (√(12/28) + √(44/28)) / 2 = (0.654654 + 1.253566)
+    # / 2 = 0.954110; L_eff of 100 tokens = 100 · s² = 91.0326.
+    assert h.density("tool_result") == pytest.approx([12 / 28, 44 / 28])
+    s = (math.sqrt(12 / 28) + math.sqrt(44 / 28)) / 2
+    assert h.spread("tool_result") == pytest.approx(s)
+    assert h.effective_length(100, "tool_result") == pytest.approx(100 * s * s)
+    # √w edges (0, 0.654654 / 1.908220 = 0.343070, 1): G⁻¹(0.5) = (1 + (0.5 − 0.343070)
+    # / 0.656930) / 2 = 0.619442.
+    assert h.warp(0.5, "tool_result") == pytest.approx(0.619442, abs=1e-6)
+    # tool_result: W(0.75) = 6/28 + 22/28 · 0.5 = 17/28, W(0.25) = 6/28 · 0.5 = 3/28.
     assert h.mass(0.25, 0.75, "tool_result") == pytest.approx(0.5, abs=1e-12)
-    assert h.zone_factor(0.5, 1.0, "tool_result") == pytest.approx(1.5, abs=1e-12)
+    assert h.zone_factor(0.5, 1.0, "tool_result") == pytest.approx(22 / 14, abs=1e-12)
+
+
+def test_queries_clamp_to_the_segment() -> None:
+    h = worked_example()
+    assert h.cumulative(0.0) == 0.0 and h.cumulative(1.0) == pytest.approx(1.0)
+    assert h.cumulative(1.5) == pytest.approx(1.0) and h.cumulative(-0.5) == 0.0
+    assert h.warp(1.5) == 1.0 and h.warp(-0.5) == 0.0
+    one = HitPositions(bins=1)  # one bin: always uniform
+    one.observe(0.3)
+    assert one.density() == [1.0] and one.warp(0.4) == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("offset", [-0.1, 1.0, 1.5])
@@ -237,8 +259,10 @@ def test_segment_log_boundary_offsets() -> None:
     assert log.boundary(10) == -1.0
     log.append(100)
     log.append(300)
+    log.append(400)
     assert log.boundary(50) == 0.5  # (50 − 0) / 100
     assert log.boundary(100) == 1.0  # closes [0, 100)
     assert log.boundary(150) == 0.25  # (150 − 100) / 200
     assert log.boundary(300) == 1.0
-    assert log.boundary(0) == -1.0 and log.boundary(301) == -1.0
+    assert log.boundary(350) == 0.5  # (350 − 300) / 100
+    assert log.boundary(0) == -1.0 and log.boundary(401) == -1.0
