@@ -84,11 +84,16 @@ class HiStateCache:
         return self._index.match(keys)
 
     def snapshot_plan(
-        self, start_tokens: int, input_tokens: int, kind: Hashable = None
+        self,
+        start_tokens: int,
+        input_tokens: int,
+        kind: Hashable = None,
+        segment_start: int | None = None,
     ) -> list[int]:
-        """Token positions at which to save states for a segment ``[start, input)`` of
-        content ``kind`` (None: unknown)."""
-        return self._requests.snapshot_plan(start_tokens, input_tokens, kind)
+        """Token positions at which to save states for a span ``[start, input)`` whose new
+        input (content ``kind``, None: unknown) starts at ``segment_start`` (a handle's;
+        None: the whole span is new)."""
+        return self._requests.snapshot_plan(start_tokens, input_tokens, kind, segment_start)
 
     def session_for(self, keys: Sequence[int]) -> str | None:
         """The session a chain continues: one whose end lies on it (deepest first).

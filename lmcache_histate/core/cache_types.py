@@ -112,3 +112,4 @@ class RequestHandle:
     at_end: bool | None
     began: float | None = None
     kind: Hashable = None  # content kind of the input the request appends
+    segment_start: int | None = None  # where that input starts (tokens; None: unknown)

@@ -58,14 +58,22 @@ class RequestPath:
     positions: HitPositions | None  # None: hit positions uniform (the paper's model)
 
     def snapshot_plan(
-        self, start_tokens: int, input_tokens: int, kind: Hashable = None
+        self,
+        start_tokens: int,
+        input_tokens: int,
+        kind: Hashable = None,
+        segment_start: int | None = None,
     ) -> list[int]:
-        """Token positions at which to save states for a segment ``[start, input)`` of
-        content ``kind``."""
+        """Token positions at which to save states for a span ``[start, input)`` whose
+        new input (content ``kind``) starts at ``segment_start``."""
         fixed = self.config.fixed_interval
         if fixed is None:
             return self.interval.boundaries(
-                start_tokens, input_tokens, positions=self.positions, kind=kind
+                start_tokens,
+                input_tokens,
+                positions=self.positions,
+                kind=kind,
+                segment_start=segment_start,
             )
         chunk = self.config.chunk_tokens
         end = input_tokens - input_tokens % chunk
@@ -83,12 +91,14 @@ class RequestPath:
         match = self.index.match_path(path)
         session = self.index.sessions.get(session_id)
         at_end: bool | None = None
+        segment_start = 0
         if session is not None:
             end = session.node
             at_end = end.depth < 0 or (end.depth < len(path) and path[end.depth] is end)
             self.hit_model.observe(at_end)
             if not at_end:
                 self._observe_divergence(session, end, path)
+            segment_start = session.segments.end
             if session.last_access is not None:
                 self.reaccess.observe(now - session.last_access)
             session.last_access = now
@@ -96,7 +106,7 @@ class RequestPath:
         pinned = path[: match.kv_chunks]
         for node in pinned:
             node.pins += 1
-        return RequestHandle(session_id, keys, match, pinned, at_end, now, kind)
+        return RequestHandle(session_id, keys, match, pinned, at_end, now, kind, segment_start)
 
     def _observe_divergence(self, session: Session, end: Node, path: Sequence[Node]) -> None:
         """An internal access: record where it left the session's context, relative to
@@ -155,7 +165,10 @@ class RequestPath:
             list(boundaries)
             if boundaries is not None
             else self.snapshot_plan(
-                handle.match.kv_chunks * chunk, min(input_tokens, len(nodes) * chunk), handle.kind
+                handle.match.kv_chunks * chunk,
+                min(input_tokens, len(nodes) * chunk),
+                handle.kind,
+                handle.segment_start,
             )
         )
         snaps = 0

@@ -154,6 +154,7 @@ class HiStatePolicy:
             handle.match.kv_chunks * chunk,
             min(request.input_tokens, len(handle.keys) * chunk),
             handle.kind,
+            handle.segment_start,
         )
         self.cache.complete(handle, request.input_tokens, now, boundaries=plan)
         after = self.counter.written_bytes

@@ -72,6 +72,24 @@ def test_worked_example_placement() -> None:
     assert ctl.boundaries(0, 8448, positions=HitPositions()) == [2112, 4224, 6336, 8448]
 
 
+def test_the_warp_applies_to_the_new_segment_only() -> None:
+    """A span [0, 12,672) whose new input starts at 4,224 (the states of the earlier
+    context were evicted): the plain grid up to 4,224 (I = 2,112: 2,112), a state at
+    4,224, then the worked example's warped grid over [4,224, 12,672) (L = 8,448):
+    4,224 + (2,446, 6,189, 7,786) = 6,670, 10,413, 12,010, and the end."""
+    h = worked_example()
+    ctl = IntervalController(chunk_tokens=1, snapshot_tokens=100, supported=[2112])
+    assert ctl.boundaries(0, 12672, positions=h, segment_start=4224) == [
+        2112, 4224, 6670, 10413, 12010, 12672
+    ]
+    # The new input starts at or before the span: the whole span is warped.
+    assert ctl.boundaries(4224, 12672, positions=h, segment_start=0) == [
+        6670, 10413, 12010, 12672
+    ]
+    # It starts at the end (nothing new): the plain grid.
+    assert ctl.boundaries(0, 8448, positions=h, segment_start=8448) == [2112, 4224, 6336, 8448]
+
+
 def test_placement_snaps_to_chunks_and_drops_duplicates() -> None:
     """Chunks of 1,000 tokens, segment [2,000, 8,000), I = 1,000. Every observed hit in
     the last of 2 bins: p = (0 + 1, 998 + 1) / 1,000 = (0.001, 0.999), w = (0.002,
