@@ -453,13 +453,16 @@ request_st = st.tuples(
 )
 
 
+# Pool capacities of the property tests: the GPU always fits a whole prompt.
+capacities_st = {
+    "gpu": st.integers(1300, 2500),
+    "cpu": st.integers(0, 1500),
+    "disk": st.integers(0, 2000),
+}
+
+
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
-@given(
-    gpu=st.integers(1300, 2500),
-    cpu=st.integers(0, 1500),
-    disk=st.integers(0, 2000),
-    requests=st.lists(request_st, min_size=1, max_size=40),
-)
+@given(**capacities_st, requests=st.lists(request_st, min_size=1, max_size=40))
 def test_tiered_lru_capacity_and_cascade_order(
     gpu: int, cpu: int, disk: int, requests: list[tuple[int, int, int, int]]
 ) -> None:
@@ -516,9 +519,7 @@ def test_a_chunk_stored_by_another_request_meanwhile_is_held_not_evicted() -> No
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=40)
 @given(
-    gpu=st.integers(1300, 2500),
-    cpu=st.integers(0, 1500),
-    disk=st.integers(0, 2000),
+    **capacities_st,
     requests=st.lists(request_st, min_size=2, max_size=30),
     order=st.randoms(use_true_random=False),
 )
