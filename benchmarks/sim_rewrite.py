@@ -8,7 +8,7 @@ requests and cut positions; the table reports each seed and their mean.
 
 Usage: ``python benchmarks/sim_rewrite.py [--shares 0,0.05,0.1] [--seeds 0,1,2]
 [--config configs/sim-paper.yaml] [--row histate] [--baseline vllm-cpu-disk-offload]``
-(``--row histate-uniform``: the same with the paper's uniform hit positions).
+(``--row histate-measured``: the same with measured hit positions, ``core/hit_positions.py``).
 """
 
 from __future__ import annotations

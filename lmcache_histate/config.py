@@ -66,7 +66,7 @@ class HiStateConfig:
     max_interval_chunks: int = MAX_INTERVAL_CHUNKS
     cpu_fill: float = 0.75
     refresh_all: bool = True
-    hit_positions: str = "measured"  # or "uniform" (the paper's model; core/hit_positions.py)
+    hit_positions: str = "uniform"  # or "measured" (learned online; core/hit_positions.py)
     end_probability_prior: float = END_PROBABILITY_PRIOR
     ema_alpha: float = EMA_ALPHA
     host: str = "127.0.0.1"

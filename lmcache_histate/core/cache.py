@@ -305,8 +305,8 @@ class HiStateCache:
         re-access-gap EMA behind the estimate and how many gaps it has seen;
         ``end_probability``: the hit model's ``p_end``; ``hit_position_samples`` /
         ``hit_position_spread``: internal hits placed in their segments so far and the
-        spread ``s`` of their distribution (1 = uniform, ``hit_positions``; absent when
-        positions are configured uniform).
+        spread ``s`` of their distribution (1 = uniform, ``hit_positions``; present when
+        positions are configured ``measured``).
         """
         status: dict[str, float | int | bool] = {
             "tau_s": self._queue.tau,

@@ -30,9 +30,10 @@ class CacheConfig:
     ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
     ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
-    ``hit_positions``: ``"measured"`` learns where internal hits land inside segments
-    and places interval snapshots by it (``hit_positions``); ``"uniform"`` is the
-    paper's model (the ablation).
+    ``hit_positions``: ``"uniform"`` (default) is the paper's model; ``"measured"`` learns
+    where internal hits land inside segments and uses it for ``C`` and for placing
+    interval snapshots (``hit_positions``; off by default: it lost on the whole Weka
+    folder under pressure, ``benchmarks/sim_eviction.md`` round 3).
     """
 
     chunk_tokens: int
@@ -47,7 +48,7 @@ class CacheConfig:
     end_probability_prior: float = END_PROBABILITY_PRIOR
     fixed_interval: int | None = None
     attention_tokens: float = math.inf
-    hit_positions: str = "measured"
+    hit_positions: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.hit_positions not in HIT_POSITION_MODES:

@@ -19,10 +19,11 @@ cost curve). The segment's start is covered by the previous segment's final snap
 
 NOTE 1 (a warp per segment). Measured hit positions (``hit_positions``) are offsets inside
 one segment, so their warp applies to the segment a request appends, not to the whole
-span it recomputes: when eviction took the states of earlier segments, the recomputed
-span covers several of them, and warping it as one segment crowded its snapshots at the
-span's two ends (measured on the whole Weka folder at 1/8 and 1/4 of the paper's CPU+disk:
-mean TTFT +4.5 % against the uniform grid).
+span it recomputes: when eviction took the states of earlier segments the recomputed span
+covers several of them, and one warp over it would put the segments' hit clusters at
+the span's two ends only. The earlier part keeps the plain grid, plus a state where the
+new segment starts (the previous request's final state, recomputed). Measured effect:
+``benchmarks/sim_eviction.md`` round 3 (it did not rescue the whole-folder loss at 1/8).
 """
 
 from __future__ import annotations
