@@ -151,6 +151,12 @@ def test_offsets_outside_a_segment_are_refused(offset: float) -> None:
         HitPositions().observe(offset)
 
 
+def test_a_hit_at_a_segment_start_counts_in_the_first_bin() -> None:
+    h = HitPositions(bins=2)
+    h.observe(0.0)
+    assert h.probabilities() == [2 / 3, 1 / 3]  # (1 + 1, 0 + 1) / (1 + 2)
+
+
 def test_bins_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bins"):
         HitPositions(bins=0)
@@ -283,4 +289,5 @@ def test_segment_log_boundary_offsets() -> None:
     assert log.boundary(150) == 0.25  # (150 − 100) / 200
     assert log.boundary(300) == 1.0
     assert log.boundary(350) == 0.5  # (350 − 300) / 100
+    assert log.boundary(400) == 1.0  # closes the last segment, at the context's end
     assert log.boundary(0) == -1.0 and log.boundary(401) == -1.0
