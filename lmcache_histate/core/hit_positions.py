@@ -7,7 +7,7 @@ recurring places. Measured on the shared Weka folder (398 sessions, 24,108 reque
 64-token blocks): 1,578 requests diverge inside their session's earlier context, and the
 offset of the divergence inside the segment it falls in (``u = (d − start)/(end −
 start)``, ten bins) is ``233 53 16 18 17 47 157 120 349 568``: 58 % in the last fifth of
-a segment, 15 % in its first tenth, 7 % in the middle fifth. By content type (the
+a segment, 15 % in its first tenth, 4 % in the middle fifth. By content type (the
 ``input_types`` of the request that appended the segment) a ``tool_result`` segment is
 cut in its last fifth 83 % of the time, a ``text`` one 45 %.
 
@@ -59,13 +59,21 @@ NOTE 1 (bins, not a parametric family). The measured shape is bimodal (start and
 a segment) and kind-dependent; a histogram makes no assumption and costs O(B) per
 estimate. ``B = 8`` bins: a segment is a few to a few dozen chunks, finer bins would
 resolve nothing the chunk grid can express.
-NOTE 2 (cached estimate). ``observe`` invalidates only its kind's (and the global)
-cached tables; every query is O(B) at most (O(log B) for ``G⁻¹``), independent of the
-number of sessions, nodes or samples.
+NOTE 2 (cached estimate). ``observe`` drops the cached tables (every kind backs off to
+the global counts); a query rebuilds its kind's table once in O(B). Every query is O(B)
+at most (O(log B) for ``G⁻¹``), independent of the number of sessions, nodes or samples.
 NOTE 3 (segment offsets, not absolute depths). The offset is relative to the segment the
 hit falls in (one request's appended input), which is what recurs across turns of an
 agent (the end of a tool output, the start of a user message); absolute depths do not
 recur across sessions.
+NOTE 4 (off by default). ``CacheConfig.hit_positions`` is ``"uniform"`` unless set: in the
+simulator this model won on the bundled sample at 2 GiB (mean TTFT −18 %) and on the
+shared subset at 1/8 of the paper's CPU+disk (p99 −3 %) but lost on the whole Weka folder
+at 1/8 (mean +12 %, p99 +7 %), with placement alone and with ``C`` alone
+(``benchmarks/sim_eviction.md`` round 3); why was not traced. One candidate, not
+tested: with the divergence floored to the simulator's 528-token chunks (re-binned
+offline), 31 % of the offsets above fall in a segment's first twentieth or before its
+start, a flooring artefact this histogram cannot tell from a genuine early cut.
 """
 
 from __future__ import annotations

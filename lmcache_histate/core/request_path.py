@@ -96,8 +96,8 @@ class RequestPath:
             end = session.node
             at_end = end.depth < 0 or (end.depth < len(path) and path[end.depth] is end)
             self.hit_model.observe(at_end)
-            if not at_end:
-                self._observe_divergence(session, end, path)
+            if not at_end and self.positions is not None:
+                self._observe_divergence(session, end, path, self.positions)
             segment_start = session.segments.end
             if session.last_access is not None:
                 self.reaccess.observe(now - session.last_access)
@@ -108,7 +108,9 @@ class RequestPath:
             node.pins += 1
         return RequestHandle(session_id, keys, match, pinned, at_end, now, kind, segment_start)
 
-    def _observe_divergence(self, session: Session, end: Node, path: Sequence[Node]) -> None:
+    def _observe_divergence(
+        self, session: Session, end: Node, path: Sequence[Node], positions: HitPositions
+    ) -> None:
         """An internal access: record where it left the session's context, relative to
         the segment it falls in (``hit_positions``), and forget the context after it.
 
@@ -121,10 +123,9 @@ class RequestPath:
         ):
             node = node.parent
         common = (node.depth + 1 if node is not None else 0) * self.config.chunk_tokens
-        if self.positions is not None:
-            where = session.segments.locate(common)
-            if where is not None:
-                self.positions.observe(*where)
+        where = session.segments.locate(common)
+        if where is not None:
+            positions.observe(*where)
         session.segments.cut(common)
 
     def complete(
