@@ -32,8 +32,8 @@ class CacheConfig:
     baselines and ablations; 0 saves only each segment's final snapshot.
     ``hit_positions``: ``"uniform"`` (default) is the paper's model; ``"measured"`` learns
     where internal hits land inside segments and uses it for ``C`` and for placing
-    interval snapshots (``hit_positions``; off by default: it lost on the whole Weka
-    folder under pressure, ``benchmarks/sim_eviction.md`` round 3).
+    interval snapshots (``hit_positions``; off by default: it lost mean and p99 on the
+    whole Weka folder under pressure, ``benchmarks/sim_eviction.md`` round 3).
     """
 
     chunk_tokens: int

@@ -68,8 +68,10 @@ agent (the end of a tool output, the start of a user message); absolute depths d
 recur across sessions.
 NOTE 4 (off by default). ``CacheConfig.hit_positions`` is ``"uniform"`` unless set: in the
 simulator this model won on the bundled sample at 2 GiB (mean TTFT −18 %) and on the
-shared subset at 1/8 of the paper's CPU+disk (p99 −3 %) but lost on the whole Weka folder
-at 1/8 (mean +12 %, p99 +7 %), with placement alone and with ``C`` alone
+shared subset at 1/8 of the paper's CPU+disk (p99 −3 %) and on the whole Weka folder at
+the paper's capacity (p99 −3.6 %), and lowered the whole folder's reuse-sensitive mean at
+1/8, 1/4 and 1× (−3 to −4 %), but lost on its mean and p99 at 1/8 (+12 %, +7 %) and 1/4
+(+8.5 %, +3.8 %), with placement alone and with ``C`` alone
 (``benchmarks/sim_eviction.md`` round 3); why was not traced. One candidate, not
 tested: with the divergence floored to the simulator's 528-token chunks (re-binned
 offline), 31 % of the offsets above fall in a segment's first twentieth or before its
