@@ -7,7 +7,8 @@ paper sweeps 0–10 % and reports the mean TTFT of the rewriting requests (HiSta
 requests and cut positions; the table reports each seed and their mean.
 
 Usage: ``python benchmarks/sim_rewrite.py [--shares 0,0.05,0.1] [--seeds 0,1,2]
-[--config configs/sim-paper.yaml]``
+[--config configs/sim-paper.yaml] [--row histate] [--baseline vllm-cpu-disk-offload]``
+(``--row histate-measured``: the same with measured hit positions, ``core/hit_positions.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ def main() -> None:
     ap.add_argument("--shares", default="0,0.05,0.1")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--config", default=None)
+    ap.add_argument("--row", default=HISTATE)
     ap.add_argument("--baseline", default=OFFLOAD)
     args = ap.parse_args()
     base = load_setup(args.config) if args.config else SimSetup.paper()
     shares = [float(x) for x in args.shares.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
-    names = (HISTATE, args.baseline)
+    names = (args.row, args.baseline)
     factories = policy_factories(base)
     memory = ", ".join(f"{n} {capacity_of(factories[n]()) / GIB:.0f} GiB" for n in names)
     print(f"Memory per row: {memory}. Duration and rate: {names[0]}'s run / {names[1]}'s.\n")

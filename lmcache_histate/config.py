@@ -27,7 +27,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .core.defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, MAX_INTERVAL_CHUNKS
+from .core.defaults import (
+    EMA_ALPHA,
+    END_PROBABILITY_PRIOR,
+    HIT_POSITION_MODES,
+    MAX_INTERVAL_CHUNKS,
+)
 from .core.geometry import GeometryError, ModelGeometry, load_geometry
 from .exposure import check_exposure
 from .shared_index_config import SharedIndexConfig, parse_shared_index
@@ -61,6 +66,7 @@ class HiStateConfig:
     max_interval_chunks: int = MAX_INTERVAL_CHUNKS
     cpu_fill: float = 0.75
     refresh_all: bool = True
+    hit_positions: str = "uniform"  # or "measured" (learned online; core/hit_positions.py)
     end_probability_prior: float = END_PROBABILITY_PRIOR
     ema_alpha: float = EMA_ALPHA
     host: str = "127.0.0.1"
@@ -270,6 +276,10 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         values["platform"] = _choice("platform", get("platform"), PLATFORMS, errors)
     if "disk_io" in data:
         values["disk_io"] = _choice("disk_io", get("disk_io"), DISK_IO, errors)
+    if "hit_positions" in data:
+        values["hit_positions"] = _choice(
+            "hit_positions", get("hit_positions"), HIT_POSITION_MODES, errors
+        )
     for key in ("session_ttl_s", "request_ttl_s"):
         if key in data:
             values[key] = _positive_number(key, get(key), errors)

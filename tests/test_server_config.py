@@ -53,6 +53,8 @@ def test_minimal_config_gets_defaults() -> None:
         ("supported_intervals", [], "supported_intervals: must be a non-empty list"),
         ("extra_server_args", "--foo", "extra_server_args: must be a list of strings"),
         ("disk_io", "aiofiles", "disk_io: must be one of thread; got 'aiofiles'"),
+        ("hit_positions", "learned",
+         "hit_positions: must be one of measured, uniform; got 'learned'"),
         ("cpu_gib", 1e-12, "cpu_gib: 1e-12 GiB rounds to 0 bytes; must be at least 1 byte"),
         ("disk_gib", 5e-10, "disk_gib: 5e-10 GiB rounds to 0 bytes; must be at least 1 byte"),
         ("disk_adopt", "yes", "disk_adopt: must be true or false, got 'yes'"),

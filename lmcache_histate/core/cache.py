@@ -21,11 +21,12 @@ a deployment that shares its last tier (``eviction_inputs``, ``follow_residence`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
 from .cache_types import CacheConfig, CacheStats, RequestHandle
 from .eviction import EvictionQueue
+from .hit_positions import HitPositions
 from .index import Match, Node, PrefixIndex
 from .interval import IntervalController, ResidenceTracker
 from .placement import TieredStore
@@ -43,6 +44,7 @@ class HiStateCache:
     def __init__(self, config: CacheConfig, listener: PlacementListener | None = None) -> None:
         self.config = config
         self._index = PrefixIndex(config.chunk_tokens)
+        self._positions = HitPositions() if config.hit_positions == "measured" else None
         self._hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
         self._residence = ResidenceTracker(config.ema_alpha)
         self._reaccess = ReaccessScale(config.ema_alpha)
@@ -55,6 +57,7 @@ class HiStateCache:
             reaccess=self._reaccess,
             refresh_all=config.refresh_all,
             attention_tokens=config.attention_tokens,
+            positions=self._positions,
         )
         self._store = TieredStore(
             self._index, self._queue, config.tiers, config.rules, self._residence, listener
@@ -73,6 +76,7 @@ class HiStateCache:
             self._interval,
             self._hit_model,
             self._reaccess,
+            self._positions,
         )
 
     # ---------------------------------------------------------------- queries
@@ -80,9 +84,17 @@ class HiStateCache:
         """Pure: how much of ``keys`` would hit right now."""
         return self._index.match(keys)
 
-    def snapshot_plan(self, start_tokens: int, input_tokens: int) -> list[int]:
-        """Token positions at which to save states for a segment ``[start, input)``."""
-        return self._requests.snapshot_plan(start_tokens, input_tokens)
+    def snapshot_plan(
+        self,
+        start_tokens: int,
+        input_tokens: int,
+        kind: Hashable = None,
+        segment_start: int | None = None,
+    ) -> list[int]:
+        """Token positions at which to save states for a span ``[start, input)`` whose new
+        input (content ``kind``, None: unknown) starts at ``segment_start`` (a handle's;
+        None: the whole span is new)."""
+        return self._requests.snapshot_plan(start_tokens, input_tokens, kind, segment_start)
 
     def session_for(self, keys: Sequence[int]) -> str | None:
         """The session a chain continues: one whose end lies on it (deepest first).
@@ -157,9 +169,12 @@ class HiStateCache:
 
     # --------------------------------------------------------------- requests
     # The algorithm is ``request_path.RequestPath``'s; see there.
-    def begin(self, session_id: str, keys: Sequence[int], now: float) -> RequestHandle:
-        """Match, sample, refresh and pin a request's prompt (``RequestPath.begin``)."""
-        return self._requests.begin(session_id, keys, now)
+    def begin(
+        self, session_id: str, keys: Sequence[int], now: float, kind: Hashable = None
+    ) -> RequestHandle:
+        """Match, sample, refresh and pin a request's prompt whose new input is of
+        content ``kind`` (None: unknown) (``RequestPath.begin``)."""
+        return self._requests.begin(session_id, keys, now, kind)
 
     def complete(
         self,
@@ -327,15 +342,22 @@ class HiStateCache:
         byte, ``score``); ``tau_calibrated``: whether it is the online estimate (else the
         configured constant); ``reaccess_gap_s`` / ``reaccess_samples``: the session
         re-access-gap EMA behind the estimate and how many gaps it has seen;
-        ``end_probability``: the hit model's ``p_end``.
+        ``end_probability``: the hit model's ``p_end``; ``hit_position_samples`` /
+        ``hit_position_spread``: internal hits placed in their segments so far and the
+        spread ``s`` of their distribution (1 = uniform, ``hit_positions``; present when
+        positions are configured ``measured``).
         """
-        return {
+        status: dict[str, float | int | bool] = {
             "tau_s": self._queue.tau,
             "tau_calibrated": self._queue.fixed_tau is None,
             "reaccess_gap_s": self._reaccess.gap_ema,
             "reaccess_samples": self._reaccess.samples,
             "end_probability": self._hit_model.end_probability,
         }
+        if self._positions is not None:
+            status["hit_position_samples"] = self._positions.samples
+            status["hit_position_spread"] = self._positions.spread()
+        return status
 
     def end_session(self, sid: str) -> None:
         self._index.drop_session(sid)

@@ -8,9 +8,10 @@ re-exports all three.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, snapshot_tokens
+from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, HIT_POSITION_MODES, snapshot_tokens
 from .index import Match, Node
 from .placement import PlacementRules, TierSpec
 
@@ -29,6 +30,10 @@ class CacheConfig:
     ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
     ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
+    ``hit_positions``: ``"uniform"`` (default) is the paper's model; ``"measured"`` learns
+    where internal hits land inside segments and uses it for ``C`` and for placing
+    interval snapshots (``hit_positions``; off by default: it lost mean and p99 on the
+    whole Weka folder under pressure, ``benchmarks/sim_eviction.md`` round 3).
     """
 
     chunk_tokens: int
@@ -43,8 +48,14 @@ class CacheConfig:
     end_probability_prior: float = END_PROBABILITY_PRIOR
     fixed_interval: int | None = None
     attention_tokens: float = math.inf
+    hit_positions: str = "uniform"
 
     def __post_init__(self) -> None:
+        if self.hit_positions not in HIT_POSITION_MODES:
+            raise ValueError(
+                f"hit_positions must be one of {', '.join(HIT_POSITION_MODES)}, "
+                f"got {self.hit_positions!r}"
+            )
         for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -101,3 +112,5 @@ class RequestHandle:
     pinned: list[Node]
     at_end: bool | None
     began: float | None = None
+    kind: Hashable = None  # content kind of the input the request appends
+    segment_start: int | None = None  # where that input starts (tokens; None: unknown)

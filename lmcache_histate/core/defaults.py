@@ -18,6 +18,7 @@ from enum import IntEnum
 __all__ = [
     "EMA_ALPHA",
     "END_PROBABILITY_PRIOR",
+    "HIT_POSITION_MODES",
     "MAX_INTERVAL_CHUNKS",
     "PAPER_TAU_S",
     "ServerTier",
@@ -34,6 +35,9 @@ MAX_INTERVAL_CHUNKS = 64
 # The paper's fixed recency scale of the eviction score, seconds (the simulator's default;
 # the live server calibrates tau online by default, ``core/score.py``).
 PAPER_TAU_S = 600.0
+# Where internal hits land inside a segment: learned online (``hit_positions``), or the
+# paper's uniform model (the ablation).
+HIT_POSITION_MODES = ("measured", "uniform")
 
 
 class ServerTier(IntEnum):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 
 from .heap import IndexedHeap
+from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
 from .units import HitModel, UnitKind, expected_recompute, unit_kind, unit_nodes
@@ -69,6 +70,7 @@ class EvictionQueue:
         reaccess: ReaccessScale | None = None,
         refresh_all: bool = True,
         attention_tokens: float = math.inf,
+        positions: HitPositions | None = None,
     ) -> None:
         if num_tiers <= 0:
             raise ValueError("num_tiers must be positive")
@@ -83,6 +85,7 @@ class EvictionQueue:
         self.reaccess = reaccess if reaccess is not None else ReaccessScale()
         self.refresh_all = refresh_all
         self.attention_tokens = attention_tokens
+        self.positions = positions
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
 
     # ----------------------------------------------------------------- ranking
@@ -93,7 +96,11 @@ class EvictionQueue:
 
     def cost(self, node: Node) -> float:
         return expected_recompute(
-            node, self.index.chunk_tokens, self.hit_model.end_probability, self.attention_tokens
+            node,
+            self.index.chunk_tokens,
+            self.hit_model.end_probability,
+            self.attention_tokens,
+            self.positions,
         )
 
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:

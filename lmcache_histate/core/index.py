@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .hit_positions import SegmentLog
+
 __all__ = ["ChainError", "Match", "Node", "PrefixIndex", "Session"]
 
 
@@ -51,6 +53,7 @@ class Node:
         "parent",
         "passes",
         "pins",
+        "seg_offset",
         "snap_bytes",
         "snap_since",
         "snap_tiers",
@@ -74,6 +77,9 @@ class Node:
         self.ends: set[Session] | None = None
         self.access = 0.0
         self.pins = 0
+        # Where its snapshot sits in its segment, in (0, 1] (1 = the segment's end);
+        # -1 = not known (``hit_positions``, ``units.expected_recompute``).
+        self.seg_offset = -1.0
 
     def __repr__(self) -> str:
         return (
@@ -101,13 +107,14 @@ class Session:
     """A conversation: its context length, the deepest live node of its prefix, and
     when a request of it last read the cache (``last_access``, None until one did)."""
 
-    __slots__ = ("end_tokens", "id", "last_access", "node")
+    __slots__ = ("end_tokens", "id", "last_access", "node", "segments")
 
     def __init__(self, sid: str, node: Node, end_tokens: int) -> None:
         self.id = sid
         self.node = node
         self.end_tokens = end_tokens
         self.last_access: float | None = None
+        self.segments = SegmentLog()  # where its context's segments start (hit_positions)
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, end_tokens={self.end_tokens}, node={self.node.key})"

@@ -16,16 +16,25 @@ way and ``F`` is 1.
 The engine can only capture states at multiples of its block (chunk) size, so the choice
 is the supported interval with the lowest cost (the one next to ``I*`` on the convex
 cost curve). The segment's start is covered by the previous segment's final snapshot.
+
+NOTE 1 (a warp per segment). Measured hit positions (``hit_positions``) are offsets inside
+one segment, so their warp applies to the segment a request appends, not to the whole
+span it recomputes: when eviction took the states of earlier segments the recomputed span
+covers several of them, and one warp over it would put the segments' hit clusters at
+the span's two ends only. The earlier part keeps the plain grid, plus a state where the
+new segment starts (the previous request's final state, recomputed). Measured effect:
+``benchmarks/sim_eviction.md`` round 3 (it did not rescue the whole-folder loss at 1/8).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from .defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
 from .ema import check_alpha, seeded_step
+from .hit_positions import HitPositions
 
 __all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
 
@@ -115,11 +124,11 @@ class IntervalController:
     def pressure_factor(self) -> float:
         return self.residence.pressure_factor
 
-    def continuous_optimum(self, segment_tokens: int, factor: float | None = None) -> float:
+    def continuous_optimum(self, segment_tokens: float, factor: float | None = None) -> float:
         f = self.pressure_factor if factor is None else factor
         return math.sqrt(2.0 * segment_tokens * self.snapshot_tokens * f)
 
-    def cost(self, interval: int, segment_tokens: int, factor: float | None = None) -> float:
+    def cost(self, interval: int, segment_tokens: float, factor: float | None = None) -> float:
         """The paper's model: ``I/2`` expected recompute + ``F · N_s · L/I`` storage.
 
         The smooth form is used on purpose: its minimiser over the supported set is the
@@ -132,7 +141,7 @@ class IntervalController:
             return 0.0
         return interval / 2.0 + f * self.snapshot_tokens * segment_tokens / interval
 
-    def choose(self, segment_tokens: int, factor: float | None = None) -> IntervalChoice:
+    def choose(self, segment_tokens: float, factor: float | None = None) -> IntervalChoice:
         f = self.pressure_factor if factor is None else factor
         best = min(self.supported, key=lambda i: (self.cost(i, segment_tokens, f), i))
         return IntervalChoice(
@@ -143,19 +152,60 @@ class IntervalController:
         )
 
     def boundaries(
-        self, start_tokens: int, end_tokens: int, factor: float | None = None
+        self,
+        start_tokens: int,
+        end_tokens: int,
+        factor: float | None = None,
+        positions: HitPositions | None = None,
+        kind: Hashable = None,
+        segment_start: int | None = None,
     ) -> list[int]:
         """Token positions (chunk-aligned, in ``(start, end]``) whose states to save.
 
         ``end_tokens`` is rounded down to the chunk grid: states exist only at chunk ends.
         The last one is the segment's final snapshot and is always included.
+        With measured hit ``positions`` (of content ``kind``) the interval is chosen for
+        the segment's effective length ``s²·L`` and the grid is laid in the warped
+        coordinate and mapped back (``hit_positions``: snapshots ∝ √(hit density));
+        uniform positions give exactly the plain grid. The measured offsets are relative
+        to the segment the request appends, which starts at ``segment_start``; context
+        recomputed before it (its cached states were evicted: earlier segments) gets the
+        plain grid up to there and a state where the new segment starts (NOTE 1).
         """
-        end = end_tokens - end_tokens % self.chunk_tokens
+        chunk = self.chunk_tokens
+        end = end_tokens - end_tokens % chunk
         # The previous segment's final state sits on the chunk grid at or below its end.
-        start = start_tokens - start_tokens % self.chunk_tokens
+        start = start_tokens - start_tokens % chunk
         if end <= start:
             return []
-        interval = self.choose(end - start, factor).interval
-        points = list(range(start + interval, end, interval))
+        split = start
+        if segment_start is not None:
+            split = max(start, segment_start - segment_start % chunk)
+        if positions is None or split >= end:
+            interval = self.choose(end - start, factor).interval
+            return [*range(start + interval, end, interval), end]
+        head: list[int] = []
+        if split > start:
+            interval = self.choose(end - start, factor).interval
+            head = [*range(start + interval, split, interval), split]
+            start = split
+        return head + self._warped(start, end, factor, positions, kind)
+
+    def _warped(
+        self, start: int, end: int, factor: float | None, positions: HitPositions, kind: Hashable
+    ) -> list[int]:
+        """The measured-positions grid of one segment ``[start, end)`` (chunk-aligned)."""
+        chunk = self.chunk_tokens
+        length = end - start
+        warped = positions.effective_length(length, kind)
+        interval = self.choose(warped, factor).interval
+        points: list[int] = []
+        j = 1
+        while j * interval < warped:
+            offset = positions.warp(j * interval / warped, kind)
+            pos = start + round(offset * length / chunk) * chunk
+            if start < pos < end and (not points or pos > points[-1]):
+                points.append(pos)
+            j += 1
         points.append(end)
         return points

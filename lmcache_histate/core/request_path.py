@@ -5,7 +5,8 @@ The algorithm behind ``HiStateCache``'s request verbs (the facade delegates to a
 controller):
 
 1. ``begin(session, keys, now)`` matches the prompt against the index, samples the
-   hit-position model (did the access continue the session from its end?) and the
+   hit-position model (did the access continue the session from its end? if not, where
+   in its segment did it leave the context: ``hit_positions``) and the
    session's re-access gap (for the score's ``τ``), refreshes the hit prefix
    (refresh-all), and pins the KV prefix the engine is about to load.
 2. ``promote(handle, tier, now)`` (simulator only) moves what the request loaded up to a
@@ -13,7 +14,8 @@ controller):
 3. ``complete(handle, input_tokens, now)`` unpins, stores the KV of every chunk not cached
    (again), moves the session's end to the new tail, stores the snapshots of the
    segment's plan (``snapshot_plan``: the interval controller's boundaries, or a fixed
-   interval), final one first, re-ranks the new chain once, and retires the session's
+   interval; placed by the measured hit positions of the request's content kind),
+   final one first, re-ranks the new chain once, and retires the session's
    previous final snapshot to the snapshot tier.
 4. ``release(handle)`` unpins without storing, pruning nodes that lost their content
    while pinned.
@@ -26,12 +28,13 @@ sessions through them). Deterministic given the call sequence and the ``now`` va
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from .cache_types import CacheConfig, RequestHandle
 from .eviction import EvictionQueue
-from .index import Node, PrefixIndex
+from .hit_positions import HitPositions
+from .index import Node, PrefixIndex, Session
 from .interval import IntervalController
 from .placement import TieredStore
 from .score import ReaccessScale
@@ -52,12 +55,26 @@ class RequestPath:
     interval: IntervalController
     hit_model: HitModel
     reaccess: ReaccessScale
+    positions: HitPositions | None  # None: hit positions uniform (the paper's model)
 
-    def snapshot_plan(self, start_tokens: int, input_tokens: int) -> list[int]:
-        """Token positions at which to save states for a segment ``[start, input)``."""
+    def snapshot_plan(
+        self,
+        start_tokens: int,
+        input_tokens: int,
+        kind: Hashable = None,
+        segment_start: int | None = None,
+    ) -> list[int]:
+        """Token positions at which to save states for a span ``[start, input)`` whose
+        new input (content ``kind``) starts at ``segment_start``."""
         fixed = self.config.fixed_interval
         if fixed is None:
-            return self.interval.boundaries(start_tokens, input_tokens)
+            return self.interval.boundaries(
+                start_tokens,
+                input_tokens,
+                positions=self.positions,
+                kind=kind,
+                segment_start=segment_start,
+            )
         chunk = self.config.chunk_tokens
         end = input_tokens - input_tokens % chunk
         start = start_tokens - start_tokens % chunk
@@ -66,16 +83,22 @@ class RequestPath:
         points = list(range(start + fixed, end, fixed)) if fixed else []
         return [*points, end]
 
-    def begin(self, session_id: str, keys: Sequence[int], now: float) -> RequestHandle:
+    def begin(
+        self, session_id: str, keys: Sequence[int], now: float, kind: Hashable = None
+    ) -> RequestHandle:
         keys = tuple(keys)
         path = self.index.walk(keys)
         match = self.index.match_path(path)
         session = self.index.sessions.get(session_id)
         at_end: bool | None = None
+        segment_start = 0
         if session is not None:
             end = session.node
             at_end = end.depth < 0 or (end.depth < len(path) and path[end.depth] is end)
             self.hit_model.observe(at_end)
+            if not at_end and self.positions is not None:
+                self._observe_divergence(session, end, path, self.positions)
+            segment_start = session.segments.end
             if session.last_access is not None:
                 self.reaccess.observe(now - session.last_access)
             session.last_access = now
@@ -83,7 +106,27 @@ class RequestPath:
         pinned = path[: match.kv_chunks]
         for node in pinned:
             node.pins += 1
-        return RequestHandle(session_id, keys, match, pinned, at_end, now)
+        return RequestHandle(session_id, keys, match, pinned, at_end, now, kind, segment_start)
+
+    def _observe_divergence(
+        self, session: Session, end: Node, path: Sequence[Node], positions: HitPositions
+    ) -> None:
+        """An internal access: record where it left the session's context, relative to
+        the segment it falls in (``hit_positions``), and forget the context after it.
+
+        The divergence is the deepest common node of the prompt's path and the session's
+        chain (found walking up from the session's end: O(depth), like ``walk``).
+        """
+        node: Node | None = end
+        while node is not None and node.depth >= 0 and (
+            node.depth >= len(path) or path[node.depth] is not node
+        ):
+            node = node.parent
+        common = (node.depth + 1 if node is not None else 0) * self.config.chunk_tokens
+        where = session.segments.locate(common)
+        if where is not None:
+            positions.observe(*where)
+        session.segments.cut(common)
 
     def complete(
         self,
@@ -116,13 +159,17 @@ class RequestPath:
         # the hit density of the sessions through them (``index`` ``weight``), which
         # moving the session changes along its whole path.
         old_end = self._move_session(handle, nodes, stored_kv, input_tokens)
+        self.index.sessions[handle.session_id].segments.append(input_tokens, handle.kind)
         # A chain may stop short of ``input_tokens`` (a trace that hashes fewer chunks):
         # the plan must end on the chain, or its final snapshot would have no node.
         plan = (
             list(boundaries)
             if boundaries is not None
             else self.snapshot_plan(
-                handle.match.kv_chunks * chunk, min(input_tokens, len(nodes) * chunk)
+                handle.match.kv_chunks * chunk,
+                min(input_tokens, len(nodes) * chunk),
+                handle.kind,
+                handle.segment_start,
             )
         )
         snaps = 0
@@ -133,9 +180,11 @@ class RequestPath:
             leaf = nodes[stored_kv - 1]
             leaf.pins += 1
             try:
+                segments = self.index.sessions[handle.session_id].segments
                 for pos in reversed(plan):
                     i = pos // chunk - 1
                     if 0 <= i < stored_kv and not nodes[i].snap_tiers:
+                        nodes[i].seg_offset = segments.boundary(pos)
                         snaps += self.store.store_snapshot(
                             nodes[i], self.config.snapshot_bytes, now, final=pos == plan[-1]
                         )

@@ -60,6 +60,13 @@ any segment ``L > N_s / 2F``), so at equal recency the tail goes first. While th
 is cached this overstates the snapshot's value (the end hit resumes from the final
 snapshot, not from it): an upper bound that only matters once the tail is the next
 victim, which is exactly when the snapshot becomes the session's resume point.
+
+NOTE 2 (measured positions in ``C``). Internal hits are not uniform inside a segment
+(``hit_positions``: most land near a segment's end). A snapshot's internal mass is the
+uniform one times the mean relative density over its zone's offsets, with the global
+estimate (a node keeps its offset, not its segment's content kind: 8 bytes per node, not
+a reference). A zone that spans a segment boundary (its snapshots between were dropped)
+keeps the uniform mass: its offsets are not one interval of one segment.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from collections.abc import Iterator
 from enum import Enum
 
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR
+from .hit_positions import HitPositions
 from .index import Node
 
 __all__ = [
@@ -159,7 +167,11 @@ def snapshot_ancestor(node: Node) -> Node | None:
 
 
 def expected_recompute(
-    node: Node, chunk_tokens: int, end_probability: float, attention_tokens: float = math.inf
+    node: Node,
+    chunk_tokens: int,
+    end_probability: float,
+    attention_tokens: float = math.inf,
+    positions: HitPositions | None = None,
 ) -> float:
     """``C`` of the snapshot at ``node``: expected extra recompute if it goes.
 
@@ -175,12 +187,23 @@ def expected_recompute(
     in ``[p, q)``, whose mass is ``(q - p) · weight(q)``. Every session passing the
     snapshot (``node.passes``) loses it on an end access once its tail is gone (module
     NOTE 1).
+
+    With measured hit ``positions`` each internal mass is scaled by the mean relative
+    hit density over the zone's offsets in its segment (``HitPositions.zone_factor``,
+    NOTE 2): from the snapshot's offset (0 if it closes its segment: the zone opens the
+    next one) to the boundary snapshot's, or to the segment's end for a session ending
+    in the zone.
     """
     if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
     prev = snapshot_ancestor(node)
     delta = p - (0 if prev is None else (prev.depth + 1) * chunk_tokens)
+    lo = node.seg_offset
+    measured = positions is not None and lo >= 0.0
+    if lo >= 1.0:
+        lo = 0.0
+    to_end = positions.zone_factor(lo, 1.0) if measured else 1.0  # type: ignore[union-attr]
     internal = 0.0
     stack = [node]
     while stack:
@@ -188,11 +211,15 @@ def expected_recompute(
         if q.ends:
             for session in q.ends:
                 if session.end_tokens > p:
-                    internal += (session.end_tokens - p) / session.end_tokens
+                    internal += to_end * (session.end_tokens - p) / session.end_tokens
         if q.children:
             for child in q.children.values():
                 if child.snap_tiers:
-                    internal += ((child.depth + 1) * chunk_tokens - p) * child.weight
+                    mass = ((child.depth + 1) * chunk_tokens - p) * child.weight
+                    hi = child.seg_offset
+                    if measured and lo < hi <= 1.0:
+                        mass *= positions.zone_factor(lo, hi)  # type: ignore[union-attr]
+                    internal += mass
                 else:
                     stack.append(child)
     mass = (1.0 - end_probability) * internal + end_probability * node.passes

@@ -104,6 +104,8 @@ def histate_capture(policy: HiStatePolicy, request: Request, lookup: Lookup) -> 
     plan = cache.snapshot_plan(
         handle.match.kv_chunks * chunk,
         min(request.input_tokens, len(handle.keys) * chunk),
+        handle.kind,
+        handle.segment_start,
     )
     small = cache.config.fixed_interval != 0
     return Capture(step_tokens=chunk if small else None, host_states=max(0, len(plan) - 1))

@@ -126,7 +126,7 @@ class HiStatePolicy:
         )
 
     def begin(self, request: Request, now: float) -> Lookup:
-        handle = self.cache.begin(request.session_id, request.chunk_hashes, now)
+        handle = self.cache.begin(request.session_id, request.chunk_hashes, now, request.kind)
         loads: Counter[str] = Counter()
         hit = handle.match.hit_chunks
         if hit:
@@ -153,6 +153,8 @@ class HiStatePolicy:
         plan = self.cache.snapshot_plan(
             handle.match.kv_chunks * chunk,
             min(request.input_tokens, len(handle.keys) * chunk),
+            handle.kind,
+            handle.segment_start,
         )
         self.cache.complete(handle, request.input_tokens, now, boundaries=plan)
         after = self.counter.written_bytes

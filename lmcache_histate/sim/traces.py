@@ -51,6 +51,7 @@ class Request:
     output_tokens: int
     chunk_hashes: tuple[int, ...]
     rewrite: bool = False  # synthetic traces: this request rewrote earlier context
+    kind: str | None = None  # content kind of its new input (Weka: sorted input_types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,10 +264,19 @@ def _weka_requests(
             raise TraceFormatError(f"{w}.hash_ids: {e}") from e
         prev = (picked, hashes)
         out.append(Request(session_id, len(out), t0 + t, think, tokens, _int(raw, "out", w),
-                           hashes))
+                           hashes, kind=_input_kind(raw)))
         api = raw.get("api_time")
         prev_t, prev_api = t, api if isinstance(api, int | float) else None
     return out
+
+
+def _input_kind(raw: dict[str, Any]) -> str | None:
+    """The content kind of a request's new input: its ``input_types``, sorted and joined
+    (e.g. ``"tool_result"``, ``"text,tool_result,tool_use"``); None where absent."""
+    types = raw.get("input_types")
+    if not isinstance(types, list) or not types:
+        return None
+    return ",".join(sorted({str(t) for t in types}))
 
 
 def _weka_max_input(entries: list[Any]) -> int:

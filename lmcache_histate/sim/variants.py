@@ -13,6 +13,8 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
                        (``prefix_cache_retention_interval = 0``): each segment's final
                        one, i.e. ``fixed_interval = 0``.
 ``histate-every32``    a snapshot every 32 chunks (the paper's "every 32 blocks").
+``histate-measured``   ``histate`` with measured hit positions (``core.hit_positions``)
+                       instead of the paper's uniform ones: what measuring them buys.
 =====================  =====================================================================
 
 The eviction ablations are baseline rows: ``lru`` is this same core with ``tau = 0`` and
@@ -76,6 +78,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate-fixed-tau": {},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
+    "histate-measured": {"tau": None, "hit_positions": "measured"},
 }
 
 

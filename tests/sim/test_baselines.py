@@ -453,13 +453,16 @@ request_st = st.tuples(
 )
 
 
+# Pool capacities of the property tests: the GPU always fits a whole prompt.
+capacities_st = {
+    "gpu": st.integers(1300, 2500),
+    "cpu": st.integers(0, 1500),
+    "disk": st.integers(0, 2000),
+}
+
+
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
-@given(
-    gpu=st.integers(1300, 2500),
-    cpu=st.integers(0, 1500),
-    disk=st.integers(0, 2000),
-    requests=st.lists(request_st, min_size=1, max_size=40),
-)
+@given(**capacities_st, requests=st.lists(request_st, min_size=1, max_size=40))
 def test_tiered_lru_capacity_and_cascade_order(
     gpu: int, cpu: int, disk: int, requests: list[tuple[int, int, int, int]]
 ) -> None:
@@ -485,6 +488,60 @@ def test_tiered_lru_capacity_and_cascade_order(
                     lower = _queued_priorities(engine, t + 1, engine._pool[t + 1][kind])
                     if upper and lower:
                         assert min(upper) >= max(lower), (policy.name, t, kind)
+
+
+def test_a_chunk_stored_by_another_request_meanwhile_is_held_not_evicted() -> None:
+    """vLLM GPU only, 400 B. A (a0..a4, 500 tokens) starts with nothing cached; B (a0..a2,
+    300 tokens) starts and finishes while A runs: a0 a1 a2 (300 B) + B's replay state
+    after chunk (300 − 1) // 100 = 2, on a1 (50 B) = 350 B. A finishes: a0..a2 are A's own
+    chunks (it computed them: held, out of the LRU). Storing a3 needs 100 B, 50 are free:
+    the only queued object is B's state on a1 (t=3) — dropped, 100 B free, a3 stored
+    (400 B used). a4 needs 100 B and nothing is queued: A's prompt stops after 4 chunks,
+    and its state after chunk (500 − 1) // 100 = 4 (50 B) finds no room either.
+    Before the fix the LRU still queued B's a0..a2 while A held them, picked a2 (the KV
+    leaf first on B's tied time) and stopped on "dropping held KV"."""
+    p = vllm_align_policy("v", **GEO, tiers=[("gpu", 400)])
+    a = chunks(1, 5)
+    ra, rb = req(a, 500, "A"), req(a[:3], 300, "B")
+    la = p.begin(ra, 1.0)
+    lb = p.begin(rb, 2.0)
+    p.complete(rb, lb, 3.0)
+    p.engine.check()
+    assert p.engine.used == [300 + 50]
+    p.complete(ra, la, 4.0)
+    p.engine.check()
+    idx = p.engine.index
+    assert [k in idx for k in a] == [True, True, True, True, False]
+    assert p.engine.used == [4 * 100]
+    assert not any(idx.get(k).snap_tiers for k in a[:4])  # type: ignore[union-attr]
+    assert p.engine.evictions == {"drop_state": 1}
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=40)
+@given(
+    **capacities_st,
+    requests=st.lists(request_st, min_size=2, max_size=30),
+    order=st.randoms(use_true_random=False),
+)
+def test_tiered_lru_with_requests_in_flight_together(
+    gpu: int, cpu: int, disk: int, requests: list[tuple[int, int, int, int]],
+    order: random.Random,
+) -> None:
+    """Requests overlap (up to three in flight, finishing in any order), as they do in
+    the server model: after every begin and every complete the accounting, the queues
+    (a held chunk is never queued) and tier monotonicity hold (``check``), and no held
+    object is ever dropped (the engine asserts it)."""
+    for policy in _engines(gpu, cpu, disk):
+        engine = policy.engine
+        flying: list[tuple[Request, object]] = []
+        for i, (fam, var, n, tail) in enumerate(requests):
+            r = req(variant(fam, var, n), n * C + tail, f"s{i}")
+            flying.append((r, policy.begin(r, float(i))))
+            engine.check()
+            while len(flying) >= 3 or (flying and i == len(requests) - 1):
+                r_done, lookup = flying.pop(order.randrange(len(flying)))
+                policy.complete(r_done, lookup, i + 0.5)  # type: ignore[arg-type]
+                engine.check()
 
 
 # ------------------------------------------------------------------ all rows

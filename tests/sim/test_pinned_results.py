@@ -11,9 +11,8 @@ the table rounds away):
 * ``weka-sample-tight``: the same sample with 2 GiB GPU, 2 GiB CPU and 4 GiB disk, where
   the sample does not fit and the eviction and placement rules decide the hits (at the
   paper's capacities it never fills the cache: every tiered row there is within 0.4
-  points of the unlimited one). Rows: the HiState variants and the tiered rows built on
-  the same core (the single-tier vLLM GPU-only and SGLang rows are left out: they stop
-  on a pinned-node assertion in ``tiered_lru`` at this size, reported as a bug);
+  points of the unlimited one). Rows: the HiState variants and every tiered row
+  (Marconi's GPU-only row aside);
 * ``synthetic-rewrite``: the paper's rewrite test (10 % rewriting requests), every policy.
 
 A change of results must be deliberate: re-record in the same commit with
@@ -53,8 +52,10 @@ seed: 0
 histate: {tau: 600.0, max_interval_chunks: 64, ema_alpha: 0.05}
 cost_model: cost_model_qwen35_9b_h100.yaml
 """
-TIGHT_ROWS = ("histate,histate-fixed-tau,histate-align,histate-every32,unlimited,marconi,"
-              "vllm-cpu-offload,vllm-cpu-disk-offload,sglang-hicache-l3,lru,lru-refresh-all,"
+TIGHT_ROWS = ("histate,histate-fixed-tau,histate-align,histate-every32,histate-measured,"
+              "unlimited,marconi,"
+              "vllm-align-gpu,vllm-cpu-offload,vllm-cpu-disk-offload,sglang-hicache,"
+              "sglang-hicache-l3,lru,lru-refresh-all,"
               "file-lru")
 
 

@@ -134,6 +134,7 @@ class ModelCore:
                                  final_tier=ServerTier.CPU, final_copy_tier=ServerTier.DISK),
             tau=cfg.tau,
             refresh_all=cfg.refresh_all,
+            hit_positions=cfg.hit_positions,
             supported_intervals=tuple(i for i in cfg.intervals if i % self.chunk == 0) or None,
             ema_alpha=cfg.ema_alpha,
             end_probability_prior=cfg.end_probability_prior,

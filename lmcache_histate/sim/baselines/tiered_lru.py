@@ -167,11 +167,17 @@ class TieredLRU:
         on_gpu = 0
         while on_gpu < len(held) and self.tier(held[on_gpu], KV) == 0:
             on_gpu += 1
-        for node in held:
-            if not node.pins:
+        self._hold(held)
+        return UseHandle(keys, match, held, hit, on_gpu), dict(loads)
+
+    def _hold(self, nodes: Sequence[Node]) -> None:
+        """A request holds ``nodes``: a held chunk is out of the LRU (vLLM: a block with
+        ``ref_cnt > 0`` is out of the free queue; SGLang: ``lock_ref > 0``), whatever else
+        holds it."""
+        for node in nodes:
+            if not node.pins and node.kv_tiers:
                 self.heaps[self.tier(node, KV)][KV].discard(node)
             node.pins += 1
-        return UseHandle(keys, match, held, hit, on_gpu), dict(loads)
 
     def admit(self, handle: UseHandle, state_chunks: Sequence[int], now: float) -> dict[str, int]:
         """Release a finished request: every chunk of its prompt (``handle.keys``) ends
@@ -181,8 +187,12 @@ class TieredLRU:
         """
         before = Counter(self.written)
         path = self.index.insert_chain(handle.keys)
-        for node in path[len(handle.kv_nodes) :]:
-            node.pins += 1  # fresh or unmatched nodes: held while the prompt is placed
+        # The chunks past the match are the request's own, held while the prompt is
+        # placed. Another request may have stored one of them since ``acquire``: this
+        # request computed its own copy and holds it (vLLM does not de-duplicate blocks,
+        # ``block_pool.BlockHashToBlockMap`` NOTE #1; SGLang's request keeps its
+        # ``req_to_token`` slots until it inserts), so it leaves the LRU like a hit.
+        self._hold(path[len(handle.kv_nodes) :])
         stored = 0
         for node in path:
             ok = self._promote(node, KV) if node.kv_tiers else self._store(node, KV, now)
