@@ -312,7 +312,8 @@ def markdown(data: dict[str, Any], command: str) -> str:
                       f"({prof[proc]['samples']} samples)", "", "| where | share |", "|---|---:|"]
             lines += [f"| {k} | {v:.1%} |" for k, v in prof[proc]["categories"].items()]
     for key, top in data["server_top"].items():
-        lines += ["", f"### {title(key)}: LMCache server, leaf frames of the samples py-spy counted as running (its timed waits included)", ""]
+        lines += ["", f"### {title(key)}: LMCache server, leaf frames of the samples py-spy "
+                  "counted as running (its timed waits included)", ""]
         lines += [f"* {v:.1%} `{f}`" for f, v in top]
     return "\n".join(lines) + "\n"
 
