@@ -153,3 +153,15 @@ def test_eviction_inputs_of_a_branching_chunk_are_none() -> None:
     cache.complete(cache.begin("t", [1, 2, 9, 10], 2.0), 400, 2.5)
     assert cache.tiers_of(2, "kv") == 0b01 and not cache.tiers_of(2, SNAP)
     assert cache.eviction_inputs(2, "kv", 0) is None
+
+
+def test_stats_report_the_reaccess_gap_and_the_residence_averages() -> None:
+    """Session s begins at 1.0 and again at 4.0: one re-access gap, 4.0 − 1.0 = 3.0, which
+    seeds its average. Nothing has left a tier yet: both residence averages are at their
+    start value 0.0 (seconds), not unknown."""
+    cache = _cache()
+    cache.complete(cache.begin("s", [1, 2], 1.0), 200, 1.5)
+    cache.complete(cache.begin("s", [1, 2, 3], 4.0), 300, 4.5)
+    stats = cache.stats()
+    assert (stats.reaccess_gap_s, stats.reaccess_samples) == (3.0, 1)
+    assert (stats.kv_residence_s, stats.snapshot_residence_s) == (0.0, 0.0)
