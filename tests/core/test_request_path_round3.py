@@ -25,6 +25,7 @@ Kind ``tool``: ``p_k = (n_k + 8·p) / (8 + 8)`` = (0.5, …, 0.5, 12.5) / 16.
 from __future__ import annotations
 
 import pytest
+from test_placement_rules import DISK, cache, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.placement import TierSpec
@@ -165,3 +166,57 @@ def test_stats_report_the_reaccess_gap_and_the_residence_averages() -> None:
     stats = cache.stats()
     assert (stats.reaccess_gap_s, stats.reaccess_samples) == (3.0, 1)
     assert (stats.kv_residence_s, stats.snapshot_residence_s) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(("disk", "moved"), [(25, 10), (40, 30)])
+def test_a_promotion_that_makes_room_samples_the_residence_at_its_time(
+    disk: int, moved: int
+) -> None:
+    """Chunks of 10 tokens, KV 10 B, snapshots 20 B (``test_placement_rules.cache``). B
+    [7, 8] at t = 0 puts its intermediate snapshot (chunk 7) on disk: 20 B used. A [1] at
+    t = 1 keeps its KV and final snapshot on CPU. A comes back at t = 5 and promotes its
+    prompt to disk. Disk of 25 B: A's KV (10 B) needs room (5 B free), so B's snapshot is
+    dropped (the last tier's only unpinned unit): residence 5 − 0 = 5 s; A's snapshot
+    (20 B) then does not fit beside its pinned KV (15 B free): 10 B moved. Disk of 40 B:
+    the KV fits (20 B free), the snapshot needs room (10 B free): B's snapshot is
+    dropped, the same 5 s; 10 + 20 = 30 B moved."""
+    c, _ = cache(cpu=1000, disk=disk)
+    request(c, "B", [7, 8], 0.0, [10, 20])
+    request(c, "A", [1], 1.0, [10])
+    assert c.used_bytes(DISK) == 20
+    handle = c.begin("A", [1], 5.0)
+    assert c.promote(handle, DISK, 5.0) == moved
+    stats = c.stats()
+    assert (stats.dropped_units, stats.snapshot_residence_s) == (1, 5.0)
+    c.release(handle)
+    c.check()
+
+
+def test_a_request_shorter_than_a_chunk_stores_nothing() -> None:
+    """5 tokens of 10-token chunks: no whole chunk, so no KV and no snapshot (0, 0); the
+    session ends at the root (no end token to come back to)."""
+    c, _ = cache(cpu=1000, disk=1000)
+    handle = c.begin("A", [1], 0.0)
+    assert c.complete(handle, 5, 0.5) == (0, 0)
+    assert (c.session_end("A"), len(c.nodes())) == (None, 0)
+    c.check()
+
+
+def test_a_request_that_stores_nothing_still_re_ranks_its_end() -> None:
+    """A [1, 2, 3] at t = 0: snapshot at 20 tokens (chunk 2, intermediate: disk) and the
+    final one at 30 (chunk 3). A new session C reads the whole chain at t = 4 and stores
+    nothing new (no chunk past the match: ``complete``'s own re-ranking pass is empty):
+    the session set at chunk 3 changes the weights along [1, 2, 3], and the re-ranking
+    around C's end is what brings chunk 2's queued rank up to date. ``check(exact=True)``
+    is the quiescent-point check (``EvictionQueue.check``): every queued rank equals a
+    fresh ``rank()``. Fixed ``τ`` and ``ema_alpha = 1e-12`` keep ``τ`` and ``p_end`` from
+    drifting (by < 1e-11, inside its 1e-9 tolerance). NOTE: a rank left too *low* here is
+    repaired by ``victim`` when popped; this pins the eager re-rank, not a victim order."""
+    c = HiStateCache(CacheConfig(
+        chunk_tokens=10, kv_chunk_bytes=10, snapshot_bytes=20,
+        tiers=(TierSpec("cpu", 1000), TierSpec("disk", 1000)), tau=1.0, ema_alpha=1e-12,
+    ))
+    request(c, "A", [1, 2, 3], 0.0, [20, 30])
+    c._queue.check(exact=True)
+    assert c.complete(c.begin("C", [1, 2, 3], 4.0), 30, 4.0) == (0, 0)
+    c._queue.check(exact=True)
