@@ -68,8 +68,8 @@ MUTANTS = (
     Mutant(
         "cost-drops-session-density",
         "lmcache_histate/core/units.py",
-        "internal += (session.end_tokens - p) / session.end_tokens",
-        "internal += session.end_tokens - p",
+        "internal += to_end * (session.end_tokens - p) / session.end_tokens",
+        "internal += to_end * (session.end_tokens - p)",
         "expected recompute: dropping the 1/num_sessions factor (today C has no 1/N by "
         "design, score NOTE; nearest: dropping the 1/P_s hit density of a session)",
     ),
@@ -97,8 +97,9 @@ MUTANTS = (
     Mutant(
         "boundaries-from-whole-context",
         "lmcache_histate/core/interval.py",
-        "interval = self.choose(end - start, factor).interval",
-        "interval = self.choose(end, factor).interval",
+        # The plain grid's choice (positions None), as the audit planted it.
+        "split >= end:\n            interval = self.choose(end - start, factor).interval",
+        "split >= end:\n            interval = self.choose(end, factor).interval",
         "interval control: boundaries choosing the interval from the whole context",
     ),
     Mutant(
