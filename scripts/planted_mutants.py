@@ -54,8 +54,8 @@ MUTANTS = (
     Mutant(
         "eviction-no-token-bytes",
         "lmcache_histate/core/eviction.py",
-        "return score(anchor.access, c * self.token_bytes, freed, tau)",
-        "return score(anchor.access, c, freed, tau)",
+        "return c * self.token_bytes",
+        "return c",
         "eviction: dropping token_bytes from the τ·C/M term",
     ),
     Mutant(

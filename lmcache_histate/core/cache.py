@@ -304,11 +304,11 @@ class HiStateCache:
                 anchor = next(c for c in anchor.children.values() if c.kv_tiers)
             if anchor.kv_children and tier == len(self.config.tiers) - 1:
                 return None  # an intermediate snapshot leaves the last tier alone
-        freed = self._queue._tier_bytes(anchor)[tier]  # what ``EvictionQueue.rank`` uses
-        if freed <= 0:
+        found = self._queue.inputs(anchor, tier)
+        if found is None:
             return None
-        cost = self._queue.cost(anchor) * self.config.token_bytes if anchor.snap_tiers else 0.0
-        return anchor.access, cost, float(freed)
+        access, cost, freed = found
+        return access, cost, float(freed)
 
     def follow_residence(
         self, kv_s: float, kv_samples: int, snapshot_s: float, snapshot_samples: int

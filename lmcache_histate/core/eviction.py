@@ -103,11 +103,24 @@ class EvictionQueue:
             self.positions,
         )
 
+    def cost_bytes(self, anchor: Node) -> float:
+        """``C`` of the unit at ``anchor`` in the bytes ``M`` is counted in (0 for a unit
+        without a snapshot: a KV tail resumes nothing)."""
+        c = self.cost(anchor) if anchor.snap_tiers else 0.0
+        return c * self.token_bytes
+
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
         if not tau or tier < len(self.heaps) - 1:
             return anchor.access  # τ = 0, or a demotion (``score`` NOTE 3): LRU
-        c = self.cost(anchor) if anchor.snap_tiers else 0.0
-        return score(anchor.access, c * self.token_bytes, freed, tau)
+        return score(anchor.access, self.cost_bytes(anchor), freed, tau)
+
+    def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
+        """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
+        ``H = score(t, C, M, τ)`` is computed from; None if it frees nothing there."""
+        freed = self._tier_bytes(anchor)[tier]
+        if freed <= 0:
+            return None
+        return anchor.access, self.cost_bytes(anchor), freed
 
     def _tier_bytes(self, anchor: Node, kind: UnitKind | None = None) -> list[int]:
         """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
