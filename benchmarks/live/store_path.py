@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     got = sampler.stop()
                     (profiles if which == "engine" else server_profiles)[key].update(got)
     return {
-        "layout": layout.describe(), "cpu_isa": layout.describe(), "budget": budget.__dict__,
+        "layout": layout.describe(), "budget": budget.__dict__,
         "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
         "ttft": results, "errors": errors, "repeats": args.repeats,
         "cpu_s_per_prompt": {k: {w: v / (2 * args.prompts * args.repeats) for w, v in c.items()}
