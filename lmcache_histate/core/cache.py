@@ -256,8 +256,7 @@ class HiStateCache:
             found = self._queue.victim(tier)
             if found is None:
                 break
-            anchor, rank = found
-            store.evict(anchor, tier, now, rank)
+            store.evict(found[0], tier, now)
             gain = before - store.used[tier]
             if gain <= 0:
                 break

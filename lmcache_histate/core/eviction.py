@@ -166,6 +166,20 @@ class EvictionQueue:
             return None
         return self._score(anchor, freed, self.tau, tier)
 
+    def arrival_rank(self, anchor: Node, tier: int) -> float:
+        """The rank the unit at ``anchor`` competes with in ``tier`` when it is demoted
+        there (``placement`` NOTE 1): ``t`` in a tier ranked by recency; in the last
+        tier its ``H`` with ``M`` = every byte it would free there once it has arrived
+        (its snapshot alone for an intermediate snapshot unit, which leaves the last
+        tier without its KV; the whole unit otherwise)."""
+        tau = self.tau
+        last = len(self.heaps) - 1
+        if not tau or tier < last:
+            return anchor.access
+        snap, chain = unit_nodes(anchor)
+        freed = (snap.snap_bytes if snap is not None else 0) + sum(n.kv_bytes for n in chain)
+        return score(anchor.access, self.cost_bytes(anchor), freed, tau)
+
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
         kind = unit_kind(anchor)

@@ -11,12 +11,12 @@ controller):
    (refresh-all), and pins the KV prefix the engine is about to load.
 2. ``promote(handle, tier, now)`` (simulator only) moves what the request loaded up to a
    faster tier, prefix first, while the pins keep it from being evicted.
-3. ``complete(handle, input_tokens, now)`` unpins, stores the KV of every chunk not cached
-   (again), moves the session's end to the new tail, stores the snapshots of the
-   segment's plan (``snapshot_plan``: the interval controller's boundaries, or a fixed
-   interval; placed by the measured hit positions of the request's content kind),
-   final one first, re-ranks the new chain once, and retires the session's
-   previous final snapshot to the snapshot tier.
+3. ``complete(handle, input_tokens, now)`` refreshes the hit prefix again (NOTE 1),
+   unpins, stores the KV of every chunk not cached (again), moves the session's end to
+   the new tail, stores the snapshots of the segment's plan (``snapshot_plan``: the
+   interval controller's boundaries, or a fixed interval; placed by the measured hit
+   positions of the request's content kind), final one first, re-ranks the new chain
+   once, and retires the session's previous final snapshot to the snapshot tier.
 4. ``release(handle)`` unpins without storing, pruning nodes that lost their content
    while pinned.
 
@@ -24,6 +24,17 @@ Invariants kept: pins taken by ``begin`` are released exactly once (``complete``
 ``release``); KV is stored prefix-first, so a chain that stops storing stops at a prefix;
 the session's end is moved before the new snapshots are ranked (their cost depends on the
 sessions through them). Deterministic given the call sequence and the ``now`` values.
+
+NOTE 1 (recency counts from release). A request holds what it hit from ``begin`` to
+``complete`` (pinned: nothing of it can be evicted meanwhile), so the time it last
+*used* its prefix is its completion, which is where the engines put it too: vLLM frees a
+finished request's blocks to the tail of its free queue (``v1/core/block_pool.py``
+``free_blocks``), and the LRU rows here re-queue a prompt when it is admitted
+(``sim/baselines/tiered_lru.py``). Refreshed only at ``begin``, a prefix that waited
+behind a long prefill (minutes, for a 500K-token prompt under load) came out of it as
+the oldest thing in the cache: on the whole Weka folder at 1/8 of the paper's CPU+disk a
+session's hit prefix, snapshots first, left within seconds of the request finishing,
+and with them the whole context (``benchmarks/sim_eviction.md`` round 4).
 """
 
 from __future__ import annotations
@@ -141,6 +152,8 @@ class RequestPath:
         what it read may be moved or evicted to make room for what it computed.
         """
         chunk = self.config.chunk_tokens
+        # The hit counts as read when the engine releases it (NOTE 1).
+        self.queue.touch(handle.pinned, handle.match.hit_chunks, now)
         self.release(handle)
         nodes = self.index.insert_chain(handle.keys[: input_tokens // chunk])
         # Other requests may have evicted part of the matched prefix since ``begin``: the

@@ -1,0 +1,113 @@
+"""Issue 9 round 4: where units leave the cache, and from when their recency counts.
+
+* ``placement`` NOTE 1: a demotion into a tier that is not the last always lands (that
+  tier demotes further); the last tier compares the arriving unit's ``H`` with its
+  residents' ``H`` (``EvictionQueue.arrival_rank``), never a fast tier's ``t``.
+* ``request_path`` NOTE 1: a hit counts as read when the request completes (the engine
+  held it until then), not only when it began.
+
+Chunks of 10 tokens, 1 B per token: a KV chunk is 10 B, a snapshot 20 B, unless a test
+says otherwise. Every expected value is derived in the test's docstring.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.listeners import EventLog
+
+from lmcache_histate.core.cache import CacheConfig, HiStateCache
+from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
+
+CHUNK, KV_B, SNAP_B = 10, 10, 20
+
+
+def three_tiers(fast: int, mid: int, last: int) -> tuple[HiStateCache, EventLog]:
+    events = EventLog()
+    cfg = CacheConfig(
+        chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+        tiers=(TierSpec("gpu", fast), TierSpec("cpu", mid), TierSpec("disk", last)),
+        rules=PlacementRules(kv_tier=0, snapshot_tier=2, final_tier=0), tau=0.0,
+    )
+    return HiStateCache(cfg, listener=events), events
+
+
+def request(c: HiStateCache, sid: str, keys: list[int], now: float, snaps: list[int]) -> None:
+    c.complete(c.begin(sid, keys, now), CHUNK * len(keys), now, boundaries=snaps)
+
+
+def test_a_demotion_into_a_middle_tier_lands_and_pushes_the_middle_tier_down() -> None:
+    """Tiers 40 / 40 / 1000 B, τ = 0 (H = t). Each session: 2 KV chunks + its final
+    snapshot = 40 B, one bundle.
+
+    t = 0: A on the GPU. t = 10: B stored: A (t = 0) demoted to the CPU tier. t = 20: A
+    read: t = 20 (it stays on the CPU: the core does not promote by itself). t = 30: C
+    needs GPU room: B (t = 10) is demoted into the CPU tier, which holds only A (t = 20,
+    newer than B). The CPU tier is not the last, so it makes room by its own ranking: A
+    moves on to disk and B lands. Nothing leaves the cache (the old rule, "evict below
+    only units ranked under the demoted one", dropped B here)."""
+    c, ev = three_tiers(40, 40, 1000)
+    request(c, "A", [1, 2], 0.0, [20])
+    request(c, "B", [11, 12], 10.0, [20])
+    request(c, "A", [1, 2], 20.0, [])
+    ev.take()
+    request(c, "C", [21, 22], 30.0, [20])
+    log = ev.take()
+    assert not [e for e in log if e[0] == "dropped"]
+    assert c.tiers_of(2, SNAPSHOT) == 1 << 2 and c.tiers_of(1, KV) == 1 << 2  # A on disk
+    assert c.tiers_of(12, SNAPSHOT) == 1 << 1 and c.tiers_of(11, KV) == 1 << 1  # B on CPU
+    assert c.tiers_of(22, SNAPSHOT) == 1 << 0  # C on the GPU
+    assert [c.lookup(k).hit_chunks for k in ([1, 2], [11, 12], [21, 22])] == [2, 2, 2]
+    c.check()
+
+
+def test_the_last_tier_compares_the_arriving_units_h_with_its_residents_h() -> None:
+    """Chunks of 4 tokens, 10 B of KV per chunk (2 B per token: C in bytes = tokens ×
+    2, as in ``test_cache_facade``), 25 B per snapshot; τ fixed at 10 s; CPU 1000 B,
+    disk 45 B. Session "a" = chunks 101..104 at t = 1, snapshots at token 8
+    (intermediate, on disk) and 16 (final, CPU). From ``test_cache_facade``: S102 on disk
+    has C = 15.2, M = 25: H = 1 + 10·ln(15.2/25) = 1 − 4.976 = −3.976. The CPU's victim
+    is the bundle 103-104 + final (45 B); arriving on disk it would free M = 2·10 + 25 =
+    45 B for C = 14.4: H = 1 + 10·ln(14.4/45) = 1 − 11.394 = −10.394 < −3.976. The disk
+    (20 B free) keeps S102 and the bundle is the one that leaves the cache. (Compared by
+    its CPU rank t = 1, as before, it pushed S102 out.)"""
+    c = HiStateCache(CacheConfig(
+        chunk_tokens=4, kv_chunk_bytes=10, snapshot_bytes=25,
+        tiers=(TierSpec("cpu", 1000), TierSpec("disk", 45)),
+        supported_intervals=(4, 8), tau=10.0,
+    ))
+    c.complete(c.attach("a", [101, 102, 103, 104]), 16, 1.0, boundaries=[8, 16])
+    assert c.eviction_inputs(102, SNAPSHOT, 1) == pytest.approx((1.0, 15.2, 25.0))
+    assert c.evict(0, 1, 2.0) == 45  # the bundle left the CPU tier ...
+    assert c.tiers_of(104, SNAPSHOT) == 0 and 103 not in c  # ... and the cache
+    assert c.tiers_of(102, SNAPSHOT) == 1 << 1  # S102 kept on disk
+    assert c.lookup([101, 102, 103, 104]).hit_chunks == 2  # resumes from S102
+    c.check()
+
+
+def test_a_hit_prefix_counts_as_read_when_its_request_completes() -> None:
+    """One 120 B tier, τ = 0 (H = t), refresh-all.
+
+    t = 0: A = chunks 1, 2 with snapshots after 1 (intermediate) and 2 (final): 60 B.
+    t = 10: A begins [1, 2, 3]: hits 2 chunks (nodes 1, 2 refreshed to t = 10, pinned).
+    t = 20: B = chunk 11 + its final: 30 B (90 B used). t = 100: A completes: chunk 3
+    and its final (30 B): 120 B, full; nodes 1, 2 are refreshed to t = 100 on release.
+    t = 110: C = chunk 21 + final needs 10 B, then 20 B. Units by t: B's bundle (20),
+    then A's (100). B goes (30 B) and C fits: A still resumes from S1 and S2.
+    Refreshed at begin only, S2 and S1 (t = 10, deepest first) would have gone instead,
+    20 B each, and B stayed."""
+    c = HiStateCache(CacheConfig(
+        chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+        tiers=(TierSpec("all", 120),), rules=PlacementRules(0, 0, 0), tau=0.0,
+    ))
+    request(c, "A", [1, 2], 0.0, [10, 20])
+    handle = c.begin("A", [1, 2, 3], 10.0)
+    assert handle.match.hit_chunks == 2
+    request(c, "B", [11], 20.0, [10])
+    c.complete(handle, 30, 100.0, boundaries=[30])
+    assert c.used_bytes(0) == 120
+    request(c, "C", [21], 110.0, [10])
+    assert c.lookup([1]).hit_chunks == 1  # S1 kept
+    assert c.lookup([1, 2]).hit_chunks == 2  # S2 kept
+    assert c.lookup([11]).hit_chunks == 0 and 11 not in c  # B's bundle left
+    assert c.lookup([21]).hit_chunks == 1
+    c.check()
