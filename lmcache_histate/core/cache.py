@@ -58,6 +58,7 @@ class HiStateCache:
             refresh_all=config.refresh_all,
             attention_tokens=config.attention_tokens,
             positions=self._positions,
+            recency_tiers=config.recency_tiers,
         )
         self._store = TieredStore(
             self._index, self._queue, config.tiers, config.rules, self._residence, listener

@@ -34,6 +34,9 @@ class CacheConfig:
     where internal hits land inside segments and uses it for ``C`` and for placing
     interval snapshots (``hit_positions``; off by default: it lost mean and p99 on the
     whole Weka folder under pressure, ``benchmarks/sim_eviction.md`` round 3).
+    ``recency_tiers``: how many leading tiers are the engine's own block pool, which
+    ranks by recency alone (vLLM's prefix cache is LRU); the simulator's GPU tier is
+    one, the live server has none. Every other tier ranks by ``H`` (``score`` NOTE 3).
     """
 
     chunk_tokens: int
@@ -49,8 +52,14 @@ class CacheConfig:
     fixed_interval: int | None = None
     attention_tokens: float = math.inf
     hit_positions: str = "uniform"
+    recency_tiers: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.recency_tiers < len(self.tiers):
+            raise ValueError(
+                f"recency_tiers must be in [0, {len(self.tiers) - 1}] (the last tier always "
+                f"ranks by H), got {self.recency_tiers}"
+            )
         if self.hit_positions not in HIT_POSITION_MODES:
             raise ValueError(
                 f"hit_positions must be one of {', '.join(HIT_POSITION_MODES)}, "

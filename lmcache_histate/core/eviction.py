@@ -6,7 +6,7 @@ frees *in the tier that must make room*, in KV-token units (``bytes /
 kv_bytes_per_token``), ``τ`` the recency scale; why the cost enters through a logarithm
 and how ``τ`` is calibrated online is ``score``'s docstring. A unit holding nothing in a
 tier frees nothing there, so it is not a candidate for that tier: the queue keeps one
-addressable heap per tier (the cost term ranks the last one only, NOTE 2).
+addressable heap per tier (the engine's own pool ranks by recency, NOTE 2).
 
 ``H`` depends on neighbours (inserting a snapshot shortens its predecessor's zone,
 evicting one lengthens it), so every structural change re-ranks the units around it
@@ -25,12 +25,11 @@ at most once per time it reaches the top, however often it was hit meanwhile (a 
 prefix is hit every turn and almost never reaches the top). The same check absorbs
 the slow drift of ``τ`` and ``p_end`` (``score`` NOTE 2).
 
-NOTE 2 (tiers). Only the last tier's heap uses the cost term: a unit leaving any other
-tier is demoted, not lost, and its loss is proportional to its bytes (``score`` NOTE 3),
-so every tier but the last ranks by ``t`` alone.
+NOTE 2 (tiers). The engine's own pool (the first ``recency_tiers`` tiers) ranks by
+``t`` alone; every other tier by ``H`` (``score`` NOTE 3).
 
 NOTE 3 (ties go deepest first). Refresh-all gives every unit of a prefix the same
-``t``, and in the tiers ranked by ``t`` alone (NOTE 2) they tie; the heap then takes the
+``t``, and where ranks are ``t`` alone (NOTE 2, or ``τ = 0``) they tie; the heap then takes the
 deepest unit first (``tie = −depth``), as vLLM's reverse-order block freeing does. The
 head of a prefix is read by every hit through it, the tail only by hits that reach it,
 so a cold prefix leaves a tier from its tail: what stays is still a prefix. (Insertion
@@ -71,11 +70,14 @@ class EvictionQueue:
         refresh_all: bool = True,
         attention_tokens: float = math.inf,
         positions: HitPositions | None = None,
+        recency_tiers: int = 0,
     ) -> None:
         if num_tiers <= 0:
             raise ValueError("num_tiers must be positive")
         if tau is not None and not tau >= 0:
             raise ValueError(f"tau must be ≥ 0 or None (calibrated), got {tau}")
+        if not 0 <= recency_tiers < num_tiers:
+            raise ValueError(f"recency_tiers must be in [0, {num_tiers - 1}], got {recency_tiers}")
         if token_bytes <= 0:
             raise ValueError(f"token_bytes must be positive, got {token_bytes}")
         self.index = index
@@ -86,6 +88,7 @@ class EvictionQueue:
         self.refresh_all = refresh_all
         self.attention_tokens = attention_tokens
         self.positions = positions
+        self.recency_tiers = recency_tiers
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
 
     # ----------------------------------------------------------------- ranking
@@ -110,8 +113,8 @@ class EvictionQueue:
         return c * self.token_bytes
 
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
-        if not tau or tier < len(self.heaps) - 1:
-            return anchor.access  # τ = 0, or a demotion (``score`` NOTE 3): LRU
+        if not tau or tier < self.recency_tiers:
+            return anchor.access  # τ = 0, or the engine's own pool (``score`` NOTE 3): LRU
         return score(anchor.access, self.cost_bytes(anchor), freed, tau)
 
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
@@ -166,15 +169,13 @@ class EvictionQueue:
             return None
         return self._score(anchor, freed, self.tau, tier)
 
-    def arrival_rank(self, anchor: Node, tier: int) -> float:
-        """The rank the unit at ``anchor`` competes with in ``tier`` when it is demoted
-        there (``placement`` NOTE 1): ``t`` in a tier ranked by recency; in the last
-        tier its ``H`` with ``M`` = every byte it would free there once it has arrived
-        (its snapshot alone for an intermediate snapshot unit, which leaves the last
-        tier without its KV; the whole unit otherwise)."""
+    def arrival_rank(self, anchor: Node) -> float:
+        """The rank the unit at ``anchor`` competes with in the last tier when it is
+        demoted there (``placement`` NOTE 1): its ``H`` with ``M`` = every byte it would
+        free there once it has arrived (its snapshot alone for an intermediate snapshot
+        unit, which leaves the last tier without its KV; the whole unit otherwise)."""
         tau = self.tau
-        last = len(self.heaps) - 1
-        if not tau or tier < last:
+        if not tau:
             return anchor.access
         snap, chain = unit_nodes(anchor)
         freed = (snap.snap_bytes if snap is not None else 0) + sum(n.kv_bytes for n in chain)
@@ -298,7 +299,6 @@ class EvictionQueue:
         for heap in self.heaps:
             for anchor in heap:
                 assert anchor in live, f"queued node {anchor} is not in the index"
-        last = len(self.heaps) - 1
         by_t = not self.tau
         for node in live:
             freed = self._tier_bytes(node) if unit_kind(node) is not None else [0] * len(self.heaps)
@@ -311,5 +311,5 @@ class EvictionQueue:
                 tol = 1e-9 * max(1.0, abs(fresh))
                 if exact:
                     assert abs(queued - fresh) <= tol, f"stale rank {queued} ≠ {fresh}: {node}"
-                elif by_t or tier < last:
+                elif by_t or tier < self.recency_tiers:
                     assert queued <= fresh + tol, f"rank {queued} above fresh {fresh}: {node}"

@@ -225,7 +225,7 @@ class TieredStore:
             anchor.pins += 1
             try:
                 # NOTE 1: only the last tier refuses, by its own scale.
-                below = self.queue.arrival_rank(anchor, lower) if lower == last else None
+                below = self.queue.arrival_rank(anchor) if lower == last else None
                 ok = self.make_room(lower, need, now, below)
             finally:
                 anchor.pins -= 1
@@ -277,7 +277,7 @@ class TieredStore:
 
     def _move_snapshot(self, node: Node, src: int, dst: int, now: float) -> None:
         # NOTE 1: as a demotion, refused only by the last tier on its own scale.
-        below = self.queue.arrival_rank(node, dst) if dst == len(self.tiers) - 1 else None
+        below = self.queue.arrival_rank(node) if dst == len(self.tiers) - 1 else None
         node.pins += 1
         try:
             ok = self.make_room(dst, node.snap_bytes, now, below)

@@ -59,16 +59,23 @@ NOTE 2 (drift). ``τ`` and ``p_end`` drift with every sample; queued ranks are n
 re-computed for it (that is O(n)). A candidate is re-ranked when it reaches the top of a
 heap (``EvictionQueue.victim``), so drift delays a unit's turn by at most the drift of
 its own ``H`` since it was last ranked.
-NOTE 3 (demotion is not loss). In a tier that is not the last, the victim moves one
-tier down; nothing has to be recomputed. What it costs is that its bytes are read from
-the slower tier the next time they are needed: ``(1/B_lower − 1/B_tier)`` seconds per
-byte, the same for every byte of every unit, so ``C ∝ M``, ``ln(C/M)`` is one constant
-for all units and ``H`` is ``t`` plus that constant: LRU over units. The cost term only
-ranks where units leave the cache (the last tier's heap). Measured on the shared subset
-at 1/16–1/4 of the paper's CPU+disk with the load compressed (``sim_eviction.md``),
-ranking demotions by ``ln(C/M)`` too pushed active sessions' history out of the GPU in
-favour of idle sessions' final bundles and lost to plain ``lru`` by up to 10 % on
-reuse-sensitive requests.
+NOTE 3 (which tiers rank by cost). Moving a unit one tier down loses nothing but
+speed, and that loss is the same per byte for every unit (``C ∝ M``: ``ln(C/M)`` one
+constant, ``H`` = ``t`` + a constant), which argued for recency in every tier but the
+last. That argument misses what the order of demotions decides in an exclusive
+hierarchy: a unit leaves the cache from the last tier, and which units reach the last
+tier first is decided by the tiers above it. With only the last tier ranked by cost,
+``C`` chose among the oldest bytes of the cache, a window the size of the last tier.
+So every tier HiState manages ranks by ``H`` (the paper's placement: "KV moves to disk
+only when CPU memory is full, by the eviction ranking"); only the engine's own block
+pool ranks by recency (``CacheConfig.recency_tiers``: the simulator's GPU tier; vLLM's
+prefix cache is LRU and HiState does not rank its blocks). Measured on the whole Weka
+folder at 1/8 of the paper's CPU+disk, with recency from release and the last tier
+deciding by ``H`` (``placement`` NOTE 1), at three load offsets (sessions 55, 60, 65 s
+apart), mean TTFT: CPU by recency 8.05 / 8.12 / 8.06 s, CPU by ``H`` 7.92 / 7.62 / 7.78 s
+(``file-lru`` 8.46 / 8.04 / 9.01 s); the GPU ranked by ``H`` as well 7.84 s (60 s
+apart): it pushed active sessions' history out of the engine's pool, as measured before
+on the compressed subset (``benchmarks/sim_eviction.md`` round 4).
 """
 
 from __future__ import annotations

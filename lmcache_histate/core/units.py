@@ -39,8 +39,8 @@ below it has left** (NOTE 1). Every session passing the snapshot (``Node.passes`
 an end access, not only those ending in its zone: ``mass = (1 − p_end)·internal +
 p_end·passes``.
 
-NOTE 1 (why: granularity, measured). The cost term ranks only where units leave the
-cache (the last tier, ``score`` NOTE 3), and there a cold session's units must leave
+NOTE 1 (why: granularity, measured). Where units leave the cache (the last tier) a
+cold session's units must leave
 *from the tail*, one interval at a time (the peel above): each step frees one
 segment and the session, if it comes back, still resumes from the snapshot above it.
 Priced by internal hits alone (``C = δ·(1 − p_end)·…``, ``p_end`` ≈ 0.97 in the Weka

@@ -98,6 +98,8 @@ def three_tier_policy(
     Every HiState row and the baselines' ``lru`` rows are this, with different knobs.
     """
     knobs.setdefault("supported_intervals", supported_intervals(chunk_tokens))
+    # The GPU tier is vLLM's own block pool: it ranks by recency (``score`` NOTE 3).
+    knobs.setdefault("recency_tiers", _GPU + 1)
     return HiStatePolicy.build(
         name,
         chunk_tokens=chunk_tokens,

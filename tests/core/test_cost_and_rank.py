@@ -117,8 +117,8 @@ def test_victim_flips_at_the_hand_computed_tau() -> None:
 
 
 def test_each_tier_has_its_own_ranking() -> None:
-    """KV on tier 0, snapshots on tier 1 (the last): tier 0 demotes, ranked by t alone;
-    tier 1 drops, ranked by H.
+    """KV on tier 0, snapshots on tier 1 (the last). Tier 0 is the engine's own pool
+    (``recency_tiers = 1``): it demotes, ranked by t alone; tier 1 drops, ranked by H.
 
     t: S2 90, S4 60, bundle 6 70, dead 8 80 (τ = 10, C as in the test above).
     Tier 0 (every unit moves its KV there): by t → 4 (60), 6 (70), 8 (80), 2 (90).
@@ -129,7 +129,7 @@ def test_each_tier_has_its_own_ranking() -> None:
     index, n = tree(kv_tier=0, snap_tier=1)
     for key, t in ((2, 90.0), (4, 60.0), (6, 70.0), (8, 80.0)):
         n[key].access = t
-    q = queue(index, 2, tau=10.0)
+    q = queue(index, 2, tau=10.0, recency_tiers=1)
     assert n[8] in q.heaps[0] and n[8] not in q.heaps[1]
     assert q.rank(n[2], 0) == 90.0 and q.rank(n[6], 0) == 70.0
     assert q.rank(n[2], 1) == pytest.approx(87.078636, abs=1e-5)
@@ -146,9 +146,40 @@ def test_each_tier_has_its_own_ranking() -> None:
     assert orders == [[4, 6, 8, 2], [4, 6, 2]]
 
 
+def test_a_tier_that_is_not_the_engines_pool_ranks_by_h_even_when_it_demotes() -> None:
+    """The tree of the test above with ``recency_tiers = 0`` (the live server: CPU and
+    disk are both HiState's): tier 0 ranks by H as well, with M = the bytes each unit
+    moves out of it (``score`` NOTE 3).
+
+    t: S2 90, S4 60, bundle 6 70, dead 8 80, τ = 10. On tier 0 every unit frees the two
+    KV chunks of its segment, M = 80 B (the snapshots are on tier 1):
+    S2: C·4 = 149.333333, ln(149.333333/80) = 0.624154 → 90 + 6.241539 = 96.241539;
+    S4: the same ratio → 66.241539; bundle 6: ln(72/80) = −0.105361 → 68.946395;
+    dead 8: C = 0, floored → 80 + 10·(−20.723266) = −127.232658.
+    Order: 8, 4, 6, 2 (by t alone it was 4, 6, 8, 2: the dead tail now goes first).
+    """
+    index, n = tree(kv_tier=0, snap_tier=1)
+    for key, t in ((2, 90.0), (4, 60.0), (6, 70.0), (8, 80.0)):
+        n[key].access = t
+    q = queue(index, 2, tau=10.0)
+    assert q.rank(n[2], 0) == pytest.approx(96.241539, abs=1e-5)
+    assert q.rank(n[4], 0) == pytest.approx(66.241539, abs=1e-5)
+    assert q.rank(n[6], 0) == pytest.approx(68.946395, abs=1e-5)
+    assert q.rank(n[8], 0) == pytest.approx(80.0 + 10.0 * LN_1E9, abs=1e-5)
+    q.check(exact=True)
+    order = []
+    while (found := q.victim(0)) is not None:
+        order.append(found[0].key)
+        q.heaps[0].discard(found[0])
+    assert order == [8, 4, 6, 2]
+    with pytest.raises(ValueError, match="recency_tiers"):
+        queue(index, 2, tau=10.0, recency_tiers=2)
+
+
 @pytest.mark.parametrize(("refresh_all", "order"), [(True, [8, 6, 4, 2]), (False, [4, 8, 2, 6])])
 def test_refresh_all_or_only_the_hit_unit(refresh_all: bool, order: list[int]) -> None:
-    """A hit on session a's whole prefix at t = 200, on tier 0 (ranked by t).
+    """A hit on session a's whole prefix at t = 200, on tier 0 (the engine's pool,
+    ranked by t).
 
     Before: S2 90, S4 60, bundle 6 70, dead 8 80. Refresh-all writes 200 into 1–6:
     8 (80) goes first, then the tie at 200 deepest first: 6, 4, 2. Without it only the
@@ -158,7 +189,7 @@ def test_refresh_all_or_only_the_hit_unit(refresh_all: bool, order: list[int]) -
     index, n = tree(kv_tier=0, snap_tier=1)
     for key, t in ((2, 90.0), (4, 60.0), (6, 70.0), (8, 80.0)):
         n[key].access = t
-    q = queue(index, 2, tau=10.0, refresh_all=refresh_all)
+    q = queue(index, 2, tau=10.0, refresh_all=refresh_all, recency_tiers=1)
     path = [n[k] for k in (1, 2, 3, 4, 5, 6)]
     q.touch(path, 6, 200.0)
     assert q.heaps[0].priority(n[6]) == 70.0  # not re-ranked by the access
@@ -207,10 +238,12 @@ def test_check_catches_a_stale_rank() -> None:
 
 def test_check_catches_a_rank_above_the_fresh_one_on_tiers_ranked_by_t() -> None:
     """Without ``exact``, ``check`` still rejects a queued rank *above* the fresh one where
-    ranks are ``t`` alone: every tier but the last, and every tier when ``τ = 0``."""
-    # Two tiers, τ = 10: tier 0 (KV) is ranked by t; S4's fresh rank there is t = 100.
+    ranks are ``t`` alone: the engine's pool (``recency_tiers``), and every tier when
+    ``τ = 0``."""
+    # Two tiers, τ = 10: tier 0 (KV, the engine's pool) is ranked by t; S4's fresh rank
+    # there is t = 100.
     index, n = tree(kv_tier=0, snap_tier=1)
-    q = queue(index, 2, tau=10.0)
+    q = queue(index, 2, tau=10.0, recency_tiers=1)
     q.check()
     q.heaps[0].set(n[4], 101.0, -n[4].depth)
     with pytest.raises(AssertionError, match="above fresh"):

@@ -131,8 +131,9 @@ def test_bytes_freed_count_every_copy_and_the_first_chunk() -> None:
 
     One tier: M = snapshot 200 + KV of 2 and of 1 (the first chunk, depth 0) 80 = 280:
     H = 100 + 10·ln(72/280) = 100 + 10·(−1.358123) = 86.418771.
-    Two tiers, KV and the snapshot on both (copies): each tier frees everything of the
-    unit: tier 0 by t (100), tier 1: M = 280 again → 86.418771.
+    Two tiers (tier 0 the engine's pool, ranked by t), KV and the snapshot on both
+    (copies): each tier frees everything of the unit: tier 0 by t (100), tier 1: M = 280
+    again → 86.418771.
     Two tiers, everything on the last (mask 0b10): nothing to free on tier 0 (None); the
     bundle drops whole from tier 1: 86.418771.
     Two tiers, KV on the last, the snapshot on both: tier 0 frees the snapshot's copy
@@ -148,7 +149,7 @@ def test_bytes_freed_count_every_copy_and_the_first_chunk() -> None:
         index.set_snapshot(n2, snap_mask, SNAP, 0.0)
         index.set_session("a", n2, 20)
         q = EvictionQueue(index, tiers, tau=10.0, token_bytes=TOKEN_BYTES,
-                          hit_model=HitModel(prior=0.9))
+                          hit_model=HitModel(prior=0.9), recency_tiers=tiers - 1)
         assert q.rank(n2, tiers - 1) == pytest.approx(86.418771, abs=1e-5)
         if tiers == 2:
             assert q.rank(n2, 0) == (None if snap_mask == mask == 0b10 else 100.0)
