@@ -189,11 +189,18 @@ class EvictionQueue:
             return
         freed = self._tier_bytes(anchor, kind)
         tau = self.tau
+        cost: float | None = None  # C does not depend on the tier: one zone walk per unit
         for tier, heap in enumerate(self.heaps):
-            if freed[tier] > 0:
-                heap.set(anchor, self._score(anchor, freed[tier], tau, tier), -anchor.depth)
-            else:
+            if freed[tier] <= 0:
                 heap.discard(anchor)
+                continue
+            if not tau or tier < self.recency_tiers:
+                rank = anchor.access
+            else:
+                if cost is None:
+                    cost = self.cost_bytes(anchor)
+                rank = score(anchor.access, cost, freed[tier], tau)
+            heap.set(anchor, rank, -anchor.depth)
 
     def remove(self, anchor: Node) -> None:
         for heap in self.heaps:

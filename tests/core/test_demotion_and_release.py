@@ -111,3 +111,46 @@ def test_a_hit_prefix_counts_as_read_when_its_request_completes() -> None:
     assert c.lookup([11]).hit_chunks == 0 and 11 not in c  # B's bundle left
     assert c.lookup([21]).hit_chunks == 1
     c.check()
+
+
+def test_a_retired_final_snapshot_lands_in_a_snapshot_tier_that_is_not_the_last() -> None:
+    """Tiers 1000 / 20 / 1000 B; KV and final snapshots on tier 0, intermediate and
+    retired ones on tier 1 (not the last); τ = 0 (H = t).
+
+    t = 0: A = chunks 1, 2, final after 2 (tier 0). t = 10: B = chunks 11, 12, 13 with an
+    intermediate snapshot after 12 (tier 1, now full) and its final after 13. t = 20: A
+    rewrites from chunk 1 on (chain 1, 5, 6; chunk 1 has no snapshot, so nothing hits
+    and S2 keeps t = 0): its old final S2 retires to tier 1, which holds B's S12 (t = 10,
+    newer). Tier 1 is not the last, so it makes room by its own ranking: S12 moves on to
+    tier 2 and S2 lands on tier 1 (refused by rank, it would have been forgotten).
+    Nothing leaves the cache."""
+    events = EventLog()
+    c = HiStateCache(CacheConfig(
+        chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+        tiers=(TierSpec("gpu", 1000), TierSpec("cpu", 20), TierSpec("disk", 1000)),
+        rules=PlacementRules(kv_tier=0, snapshot_tier=1, final_tier=0), tau=0.0,
+    ), listener=events)
+    request(c, "A", [1, 2], 0.0, [20])
+    request(c, "B", [11, 12, 13], 10.0, [20, 30])
+    assert c.tiers_of(12, SNAPSHOT) == 1 << 1
+    events.take()
+    request(c, "A", [1, 5, 6], 20.0, [30])
+    assert not [e for e in events.take() if e[0] == "dropped"]
+    assert c.tiers_of(2, SNAPSHOT) == 1 << 1  # A's retired final
+    assert c.tiers_of(12, SNAPSHOT) == 1 << 2  # B's intermediate, moved on
+    assert c.lookup([1, 2]).hit_chunks == 2 and c.lookup([11, 12]).hit_chunks == 2
+    c.check()
+
+
+@pytest.mark.parametrize("recency_tiers", [-1, 2])
+def test_recency_tiers_outside_the_tiers_is_refused_with_the_allowed_range(
+    recency_tiers: int,
+) -> None:
+    """Two tiers: 0 or 1 leading tiers may rank by recency (the last always ranks by H)."""
+    tiers = (TierSpec("cpu", 100), TierSpec("disk", 100))
+    with pytest.raises(ValueError, match=r"recency_tiers must be in \[0, 1\]"):
+        CacheConfig(chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+                    tiers=tiers, recency_tiers=recency_tiers)
+    ok = CacheConfig(chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+                     tiers=tiers, recency_tiers=1)
+    assert ok.recency_tiers == 1
