@@ -152,8 +152,9 @@ class RequestPath:
         what it read may be moved or evicted to make room for what it computed.
         """
         chunk = self.config.chunk_tokens
-        # The hit counts as read when the engine releases it (NOTE 1).
-        self.queue.touch(handle.pinned, handle.match.hit_chunks, now)
+        # The hit counts as read when the engine releases it (NOTE 1); a handle that
+        # pinned nothing (``attach``) refreshes nothing.
+        self.queue.touch(handle.pinned, min(handle.match.hit_chunks, len(handle.pinned)), now)
         self.release(handle)
         nodes = self.index.insert_chain(handle.keys[: input_tokens // chunk])
         # Other requests may have evicted part of the matched prefix since ``begin``: the

@@ -54,9 +54,10 @@ def test_queries_and_stats_describe_what_is_stored() -> None:
 
 
 def test_evict_demotes_the_lowest_ranked_cpu_unit() -> None:
-    """Tier 0 is not the last tier: it ranks by recency, ties deepest first (eviction
-    NOTE 3). Everything was stored at t = 1, so the deepest unit goes first: the bundle of
-    chunks 3-4 (KV 2 × 10 B) and the final snapshot (25 B), demoted to disk: 45 B freed."""
+    """No re-access gap has been seen, so τ = 0 and every tier ranks by recency, ties
+    deepest first (eviction NOTE 3). Everything was stored at t = 1, so the deepest unit
+    goes first: the bundle of chunks 3-4 (KV 2 × 10 B) and the final snapshot (25 B),
+    demoted to disk (tier 0 is not the last): 45 B freed."""
     cache = stored()
     victim = cache.victim(CPU)
     assert victim is not None and victim[0] == KEYS[3]

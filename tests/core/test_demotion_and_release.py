@@ -154,3 +154,34 @@ def test_recency_tiers_outside_the_tiers_is_refused_with_the_allowed_range(
     ok = CacheConfig(chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
                      tiers=tiers, recency_tiers=1)
     assert ok.recency_tiers == 1
+
+
+@pytest.mark.parametrize("refresh_all", [True, False])
+def test_a_handle_that_pinned_nothing_refreshes_nothing_when_it_completes(
+    refresh_all: bool,
+) -> None:
+    """``attach`` (a store no lookup announced, as the live server sees) pins nothing, so
+    its ``complete`` refreshes nothing, with or without refresh-all. Two tiers of 1000 B.
+    t = 0: A = chunks 1, 2, final after 2. t = 50: an attached store of chunks 1, 2, 3
+    (it matches 2 chunks) completes with its final after 3: S2 retires to disk with its
+    t = 0; completed through ``begin`` (which pinned the path) it would be read at 50."""
+    def cache() -> HiStateCache:
+        c = HiStateCache(CacheConfig(
+            chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+            tiers=(TierSpec("cpu", 1000), TierSpec("disk", 1000)), tau=0.0,
+            refresh_all=refresh_all,
+        ))
+        request(c, "A", [1, 2], 0.0, [20])
+        return c
+
+    attached = cache()
+    handle = attached.attach("A", [1, 2, 3])
+    assert handle.match.hit_chunks == 2 and not handle.pinned
+    attached.complete(handle, 30, 50.0, boundaries=[30])
+    inputs = attached.eviction_inputs(2, SNAPSHOT, 1)
+    assert inputs is not None and inputs[0] == 0.0
+    attached.check()
+    begun = cache()
+    begun.complete(begun.begin("A", [1, 2, 3], 10.0), 30, 50.0, boundaries=[30])
+    inputs = begun.eviction_inputs(2, SNAPSHOT, 1)
+    assert inputs is not None and inputs[0] == 50.0
