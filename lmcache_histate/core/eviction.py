@@ -112,10 +112,14 @@ class EvictionQueue:
         c = self.cost(anchor) if anchor.snap_tiers else 0.0
         return c * self.token_bytes
 
-    def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
+    def _score(
+        self, anchor: Node, freed: int, tau: float, tier: int, cost: float | None = None
+    ) -> float:
+        """The unit's rank in ``tier``; ``cost`` = ``cost_bytes(anchor)`` if the caller
+        already has it (it does not depend on the tier)."""
         if not tau or tier < self.recency_tiers:
             return anchor.access  # τ = 0, or the engine's own pool (``score`` NOTE 3): LRU
-        return score(anchor.access, self.cost_bytes(anchor), freed, tau)
+        return score(anchor.access, self.cost_bytes(anchor) if cost is None else cost, freed, tau)
 
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
         """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
@@ -174,12 +178,9 @@ class EvictionQueue:
         demoted there (``placement`` NOTE 1): its ``H`` with ``M`` = every byte it would
         free there once it has arrived (its snapshot alone for an intermediate snapshot
         unit, which leaves the last tier without its KV; the whole unit otherwise)."""
-        tau = self.tau
-        if not tau:
-            return anchor.access
         snap, chain = unit_nodes(anchor)
         freed = (snap.snap_bytes if snap is not None else 0) + sum(n.kv_bytes for n in chain)
-        return score(anchor.access, self.cost_bytes(anchor), freed, tau)
+        return self._score(anchor, freed, self.tau, len(self.heaps) - 1)
 
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
@@ -189,18 +190,14 @@ class EvictionQueue:
             return
         freed = self._tier_bytes(anchor, kind)
         tau = self.tau
-        cost: float | None = None  # C does not depend on the tier: one zone walk per unit
+        # C does not depend on the tier: one zone walk per unit, and none if no tier
+        # where it has bytes ranks by cost.
+        cost = self.cost_bytes(anchor) if tau and any(freed[self.recency_tiers :]) else 0.0
         for tier, heap in enumerate(self.heaps):
-            if freed[tier] <= 0:
-                heap.discard(anchor)
-                continue
-            if not tau or tier < self.recency_tiers:
-                rank = anchor.access
+            if freed[tier] > 0:
+                heap.set(anchor, self._score(anchor, freed[tier], tau, tier, cost), -anchor.depth)
             else:
-                if cost is None:
-                    cost = self.cost_bytes(anchor)
-                rank = score(anchor.access, cost, freed[tier], tau)
-            heap.set(anchor, rank, -anchor.depth)
+                heap.discard(anchor)
 
     def remove(self, anchor: Node) -> None:
         for heap in self.heaps:

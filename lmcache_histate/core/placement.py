@@ -197,8 +197,8 @@ class TieredStore:
 
     def evict(self, anchor: Node, tier: int, now: float) -> None:
         """Push the unit at ``anchor`` out of ``tier``: one tier down, or out of the cache."""
-        lower, last = tier + 1, len(self.tiers) - 1
-        if lower > last:
+        lower = tier + 1
+        if lower >= len(self.tiers):
             self.drop(anchor, now)
             return
         for _ in range(3):
@@ -222,14 +222,7 @@ class TieredStore:
                 if chain:
                     self.queue.update(anchor)
                 return
-            anchor.pins += 1
-            try:
-                # NOTE 1: only the last tier refuses, by its own scale.
-                below = self.queue.arrival_rank(anchor) if lower == last else None
-                ok = self.make_room(lower, need, now, below)
-            finally:
-                anchor.pins -= 1
-            if not ok:
+            if not self._make_room_for(anchor, lower, need, now):
                 break
         if not self.queue.pinned(anchor):
             self.drop(anchor, now)
@@ -275,15 +268,19 @@ class TieredStore:
         self.listener.dropped(node, SNAPSHOT, 1 << tier)
         self.queue.update(node)
 
-    def _move_snapshot(self, node: Node, src: int, dst: int, now: float) -> None:
-        # NOTE 1: as a demotion, refused only by the last tier on its own scale.
-        below = self.queue.arrival_rank(node) if dst == len(self.tiers) - 1 else None
-        node.pins += 1
+    def _make_room_for(self, arriving: Node, tier: int, need: int, now: float) -> bool:
+        """Make ``need`` bytes of room in ``tier`` for the unit at ``arriving``, which is
+        demoted there (pinned meanwhile, so making room cannot take it). Only the last tier
+        refuses, by the arriving unit's ``H`` on its own scale (NOTE 1)."""
+        below = self.queue.arrival_rank(arriving) if tier == len(self.tiers) - 1 else None
+        arriving.pins += 1
         try:
-            ok = self.make_room(dst, node.snap_bytes, now, below)
+            return self.make_room(tier, need, now, below)
         finally:
-            node.pins -= 1
-        if ok:
+            arriving.pins -= 1
+
+    def _move_snapshot(self, node: Node, src: int, dst: int, now: float) -> None:
+        if self._make_room_for(node, dst, node.snap_bytes, now):
             self._relocate(node, SNAPSHOT, src, dst)
             self.queue.update_around(node)
         else:
