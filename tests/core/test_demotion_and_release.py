@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import pytest
 from support.listeners import EventLog
+from test_placement_rules import CHUNK, a_read_then_c_stored, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
 
-CHUNK, KV_B, SNAP_B = 10, 10, 20
+KV_B, SNAP_B = 10, 20
 
 
 def three_tiers(fast: int, mid: int, last: int) -> tuple[HiStateCache, EventLog]:
@@ -29,10 +30,6 @@ def three_tiers(fast: int, mid: int, last: int) -> tuple[HiStateCache, EventLog]
         rules=PlacementRules(kv_tier=0, snapshot_tier=2, final_tier=0), tau=0.0,
     )
     return HiStateCache(cfg, listener=events), events
-
-
-def request(c: HiStateCache, sid: str, keys: list[int], now: float, snaps: list[int]) -> None:
-    c.complete(c.begin(sid, keys, now), CHUNK * len(keys), now, boundaries=snaps)
 
 
 def test_a_demotion_into_a_middle_tier_lands_and_pushes_the_middle_tier_down() -> None:
@@ -46,12 +43,7 @@ def test_a_demotion_into_a_middle_tier_lands_and_pushes_the_middle_tier_down() -
     moves on to disk and B lands. Nothing leaves the cache (the old rule, "evict below
     only units ranked under the demoted one", dropped B here)."""
     c, ev = three_tiers(40, 40, 1000)
-    request(c, "A", [1, 2], 0.0, [20])
-    request(c, "B", [11, 12], 10.0, [20])
-    request(c, "A", [1, 2], 20.0, [])
-    ev.take()
-    request(c, "C", [21, 22], 30.0, [20])
-    log = ev.take()
+    log = a_read_then_c_stored(c, ev)
     assert not [e for e in log if e[0] == "dropped"]
     assert c.tiers_of(2, SNAPSHOT) == 1 << 2 and c.tiers_of(1, KV) == 1 << 2  # A on disk
     assert c.tiers_of(12, SNAPSHOT) == 1 << 1 and c.tiers_of(11, KV) == 1 << 1  # B on CPU

@@ -34,6 +34,17 @@ def request(c: HiStateCache, sid: str, keys: list[int], now: float, snaps: list[
     c.complete(c.begin(sid, keys, now), CHUNK * len(keys), now, boundaries=snaps)
 
 
+def a_read_then_c_stored(c: HiStateCache, ev: EventLog) -> list[tuple]:
+    """Sessions of 2 chunks and a final snapshot each: A at t = 0, B at t = 10, A read
+    again at t = 20 (nothing new), C at t = 30. Returns the events of C's request."""
+    request(c, "A", [1, 2], 0.0, [20])
+    request(c, "B", [11, 12], 10.0, [20])
+    request(c, "A", [1, 2], 20.0, [])
+    ev.take()
+    request(c, "C", [21, 22], 30.0, [20])
+    return ev.take()
+
+
 def test_intermediate_snapshots_go_to_disk_final_ones_and_kv_to_cpu() -> None:
     c, ev = cache(cpu=1000, disk=1000)
     # 4 chunks, snapshots at 20 tokens (intermediate, chunk 2) and 40 (final, chunk 4).
@@ -81,12 +92,7 @@ def test_demotion_never_evicts_a_better_unit_from_the_lower_tier() -> None:
     instead and A stays.
     """
     c, ev = cache(cpu=40, disk=40)
-    request(c, "A", [1, 2], 0.0, [20])
-    request(c, "B", [11, 12], 10.0, [20])
-    request(c, "A", [1, 2], 20.0, [])
-    ev.take()
-    request(c, "C", [21, 22], 30.0, [20])
-    log = ev.take()
+    log = a_read_then_c_stored(c, ev)
     assert not [e for e in log if e[0] == "moved"]
     assert ("dropped", 12, "snapshot", 1 << CPU) in log
     assert [c.lookup(k).hit_chunks for k in ([1, 2], [11, 12], [21, 22])] == [2, 0, 2]
