@@ -13,10 +13,11 @@ LMCache server's threads need.
 So on a 2-core host, vLLM alone computes on one core with the other reserved, while the same
 vLLM with any KV connector computes on both cores and fights the spinning engine core and the
 cache server for them. An OpenMP parallel region waits for its slowest thread, so every model
-step stalls whenever either core is taken. Measured (``benchmarks/live/store_path.py``, 2-core
-AVX-512 host, fresh 2,048-token prompts that hit nothing): HiState 2.5x and stock LMCache 2.3x
-vLLM's TTFT with vLLM's default reservation; 1.13x and 1.5x with the reservation vLLM makes
-without a connector (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``).
+step stalls whenever either core is taken. Measured (``benchmarks/live/store_path.py``, the
+recorded run in benchmarks/README.md: 2-core AVX-512 host, fresh 2,048-token prompts that hit
+nothing): HiState 1.87x vLLM's TTFT alone and 1.98x queued with vLLM's default reservation;
+1.28x and 0.85x with the reservation vLLM makes without a connector
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``).
 
 What ``histate serve`` does: on the CPU platform, when a ``--kv-transfer-config`` is given,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is not set by the user, and the cores vLLM would select are
