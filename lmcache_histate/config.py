@@ -69,6 +69,7 @@ class HiStateConfig:
     hit_positions: str = "uniform"  # or "measured" (learned online; core/hit_positions.py)
     end_probability_prior: float = END_PROBABILITY_PRIOR
     ema_alpha: float = EMA_ALPHA
+    initial_pressure_factor: float = 0.0  # until a snapshot leaves (core/interval.py NOTE 2)
     host: str = "127.0.0.1"
     port: int = 5555
     http_host: str = "127.0.0.1"
@@ -298,6 +299,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key, lo, hi in (
         ("end_probability_prior", 0.0, 1.0),
         ("ema_alpha", 0.001, 1.0),
+        ("initial_pressure_factor", 0.0, 1e6),
         ("l1_eviction_watermark", 0.1, 1.0),
     ):
         if key in data:

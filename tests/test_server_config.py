@@ -29,6 +29,8 @@ def test_minimal_config_gets_defaults() -> None:
     assert len(cfg.intervals) == cfg.max_interval_chunks
     assert cfg.cpu_bytes == int(0.05 * 2**30)
     assert cfg.geometry.recurrent_layers == 3
+    assert cfg.initial_pressure_factor == 0.0  # a snapshot per chunk until one leaves
+    assert parse_config({**VALID, "initial_pressure_factor": 1}).initial_pressure_factor == 1.0
 
 
 @pytest.mark.parametrize(
@@ -46,6 +48,8 @@ def test_minimal_config_gets_defaults() -> None:
         ("http_port", 5555, "http_port: must differ from port"),
         ("cpu_fill", 2, "cpu_fill: must be a number in (0, 1], got 2"),
         ("cpu_fill", 0, "cpu_fill: must be a number in (0, 1], got 0"),
+        ("initial_pressure_factor", -1,
+         "initial_pressure_factor: must be a number in [0.0, 1000000.0], got -1"),
         ("session_ttl_s", -1, "session_ttl_s: must be a positive number, got -1"),
         ("refresh_all", "yes", "refresh_all: must be true or false, got 'yes'"),
         ("model", "no-such-model", "model: 'no-such-model' is neither a model preset"),

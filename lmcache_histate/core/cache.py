@@ -46,7 +46,7 @@ class HiStateCache:
         self._index = PrefixIndex(config.chunk_tokens)
         self._positions = HitPositions() if config.hit_positions == "measured" else None
         self._hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
-        self._residence = ResidenceTracker(config.ema_alpha)
+        self._residence = ResidenceTracker(config.ema_alpha, config.initial_pressure_factor)
         self._reaccess = ReaccessScale(config.ema_alpha)
         self._queue = EvictionQueue(
             self._index,
@@ -317,7 +317,7 @@ class HiStateCache:
         deployment's, pooled over servers that share a tier) instead of this core's own;
         eviction keeps feeding the core's own tracker. Returns the pressure factor in
         effect. ``force_pressure_factor(None)`` goes back to the core's own EMAs."""
-        pooled = ResidenceTracker(self.config.ema_alpha)
+        pooled = ResidenceTracker(self.config.ema_alpha, self.config.initial_pressure_factor)
         pooled.kv_ema, pooled.kv_samples = float(kv_s), int(kv_samples)
         pooled.snapshot_ema, pooled.snapshot_samples = float(snapshot_s), int(snapshot_samples)
         self._interval.residence = pooled

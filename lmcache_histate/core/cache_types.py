@@ -37,6 +37,9 @@ class CacheConfig:
     ``recency_tiers``: how many leading tiers are the engine's own block pool, which
     ranks by recency alone (vLLM's prefix cache is LRU); the simulator's GPU tier is
     one, the live server has none. Every other tier ranks by ``H`` (``score`` NOTE 3).
+    ``initial_pressure_factor``: the interval controller's pressure factor until a
+    snapshot has left the cache (0: a snapshot at every chunk while storage is free,
+    ``interval`` NOTE 2).
     """
 
     chunk_tokens: int
@@ -49,6 +52,7 @@ class CacheConfig:
     supported_intervals: tuple[int, ...] | None = None
     ema_alpha: float = EMA_ALPHA
     end_probability_prior: float = END_PROBABILITY_PRIOR
+    initial_pressure_factor: float = 0.0
     fixed_interval: int | None = None
     attention_tokens: float = math.inf
     hit_positions: str = "uniform"
@@ -68,6 +72,11 @@ class CacheConfig:
         for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.initial_pressure_factor < math.inf:
+            raise ValueError(
+                f"initial_pressure_factor must be a finite number ≥ 0, "
+                f"got {self.initial_pressure_factor}"
+            )
         if not self.attention_tokens > 0:
             raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
         if self.fixed_interval is not None and (

@@ -10,8 +10,8 @@ factor ``F``. Minimising ``I/2 + F·N_s·L/I`` gives the paper's continuous opti
 
 ``F = EMA(KV residence) / EMA(snapshot residence)``: when snapshots are evicted sooner
 than KV, the snapshot tier is the tight one, so ``F`` grows and snapshots get sparser.
-Until both residence times have been observed there is no evidence of pressure either
-way and ``F`` is 1.
+While no snapshot has left the cache ``F`` is ``initial_factor`` (default 0: every chunk
+gets a snapshot); once snapshots leave but no KV has, ``F`` is 1 (NOTE 2).
 
 The engine can only capture states at multiples of its block (chunk) size, so the choice
 is the supported interval with the lowest cost (the one next to ``I*`` on the convex
@@ -24,6 +24,19 @@ covers several of them, and one warp over it would put the segments' hit cluster
 the span's two ends only. The earlier part keeps the plain grid, plus a state where the
 new segment starts (the previous request's final state, recomputed). Measured effect:
 ``benchmarks/sim_eviction.md`` round 3 (it did not rescue the whole-folder loss at 1/8).
+
+NOTE 2 (free storage). The storage term prices a snapshot by what it displaces, and the
+residence times measure that only once something has been displaced. A snapshot tier
+that has never evicted a snapshot has room: storing one more displaces nothing, so its
+price is 0, which is also ``T_KV / T_state`` read literally (a snapshot residence that
+has not ended is longer than any observed KV one): the densest grid, one state per
+chunk. The first snapshot that leaves starts the average and the grid follows it.
+(With F = 1 here, the paper's worked optimum for Qwen3.5-9B's 1,572-token snapshot and an
+8K segment is a 5K interval: a rewrite inside the segment would resume up to 5K tokens
+before its cut on an empty disk; ``benchmarks/sim_rewrite.md``.) Snapshots leaving
+while no KV has is evidence the snapshot side is the tighter one, but not of by how
+much: ``F`` stays at the neutral 1 until KV leaves too. A deployment that would rather
+start from the paper's neutral factor sets ``initial_pressure_factor: 1``.
 """
 
 from __future__ import annotations
@@ -42,13 +55,19 @@ __all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
 class ResidenceTracker:
     """Exponential moving averages of how long KV chunks and snapshots stay cached.
 
-    Fed by eviction events (``residence = evicted_at - stored_at``).
+    Fed by eviction events (``residence = evicted_at - stored_at``). ``initial_factor`` is
+    the pressure factor until a snapshot has left (NOTE 2).
     """
 
-    __slots__ = ("alpha", "kv_ema", "kv_samples", "snapshot_ema", "snapshot_samples")
+    __slots__ = (
+        "alpha", "initial_factor", "kv_ema", "kv_samples", "snapshot_ema", "snapshot_samples"
+    )
 
-    def __init__(self, alpha: float = EMA_ALPHA) -> None:
+    def __init__(self, alpha: float = EMA_ALPHA, initial_factor: float = 0.0) -> None:
         self.alpha = check_alpha(alpha)
+        if not 0.0 <= initial_factor < math.inf:
+            raise ValueError(f"initial_factor must be a finite number ≥ 0, got {initial_factor}")
+        self.initial_factor = float(initial_factor)
         self.kv_ema = 0.0
         self.snapshot_ema = 0.0
         self.kv_samples = 0
@@ -67,8 +86,11 @@ class ResidenceTracker:
 
     @property
     def pressure_factor(self) -> float:
-        """``T_KV / T_state``; 1.0 until both kinds were seen leaving the cache."""
-        if self.kv_samples == 0 or self.snapshot_samples == 0:
+        """``T_KV / T_state``: ``initial_factor`` until a snapshot has left the cache, 1
+        until KV has too (NOTE 2)."""
+        if self.snapshot_samples == 0:
+            return self.initial_factor
+        if self.kv_samples == 0:
             return 1.0
         if self.snapshot_ema <= 0.0:
             return 1.0 if self.kv_ema <= 0.0 else 1e6

@@ -8,6 +8,8 @@ snapshot (N_s = 25 / 2 = 12.5 token units), tier 0 = CPU and tier 1 = disk, defa
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
@@ -49,7 +51,7 @@ def test_queries_and_stats_describe_what_is_stored() -> None:
     stats = cache.stats()
     assert (stats.nodes, stats.sessions) == (4, 1)
     assert (stats.used_bytes, stats.capacity_bytes) == ((65, 25), (1000, 1000))
-    assert stats.pressure_factor == 1.0  # nothing has left the cache yet
+    assert stats.pressure_factor == 0.0  # no snapshot has left the cache yet
     assert stats.dropped_units == 0
 
 
@@ -80,15 +82,18 @@ def test_set_capacity_evicts_until_it_fits_and_keeps_what_is_pinned() -> None:
 
 def test_force_pressure_factor_moves_the_interval_choice() -> None:
     """Segment L = 64, N_s = 12.5, supported I = 4 or 8, cost I/2 + F·N_s·L/I:
-    F = 1 (learned, nothing evicted): I = 4 → 2 + 200 = 202, I = 8 → 4 + 100 = 104: 8;
+    F = 0 (learned: no snapshot has left the cache): I = 4 → 2, I = 8 → 4: 4;
+    F = 1 (forced): I = 4 → 2 + 200 = 202, I = 8 → 4 + 100 = 104: 8;
     F = 0.01: I = 4 → 2 + 2 = 4, I = 8 → 4 + 1 = 5: 4."""
     cache = stored()
+    assert cache.interval_for(64) == 4
+    assert cache.force_pressure_factor(1.0) == 1.0
     assert cache.interval_for(64) == 8
     assert cache.force_pressure_factor(0.01) == 0.01
     assert cache.interval_for(64) == 4
     assert cache.stats().pressure_factor == 0.01
-    assert cache.force_pressure_factor(None) == 1.0
-    assert cache.interval_for(64) == 8
+    assert cache.force_pressure_factor(None) == 0.0
+    assert cache.interval_for(64) == 4
     with pytest.raises(ValueError, match="factor must be positive"):
         cache.force_pressure_factor(0.0)
 
@@ -116,20 +121,22 @@ def test_eviction_inputs_are_the_units_t_c_and_m_on_the_disk() -> None:
 
 def test_follow_residence_sets_the_pressure_factor_the_interval_uses() -> None:
     """A 64-token segment, N_s = 12.5, intervals (4, 8); cost(I) = I/2 + F * N_s * 64 / I.
-    F = 1 (no samples yet): cost(4) = 2 + 200 = 202, cost(8) = 4 + 100 = 104 -> 8.
-    Pooled EMAs kv 1 s / state 100 s: F = 0.01: cost(4) = 2 + 2 = 4, cost(8) = 4 + 1 = 5 -> 4."""
+    F = 0 (no snapshot sample yet): cost(4) = 2, cost(8) = 4 -> 4.
+    Pooled EMAs kv 1 s / state 100 s: F = 0.01: cost(4) = 2 + 2 = 4, cost(8) = 4 + 1 = 5 -> 4.
+    Snapshot samples but no KV one: F = 1: cost(4) = 2 + 200 = 202, cost(8) = 4 + 100 = 104
+    -> 8."""
     cache = stored()
-    assert cache.interval_for(64) == 8
+    assert cache.interval_for(64) == 4
     assert cache.follow_residence(1.0, 3, 100.0, 2) == pytest.approx(0.01)
     assert cache.stats().pressure_factor == pytest.approx(0.01)
     assert cache.interval_for(64) == 4
-    # No KV sample in the pooled EMAs: the factor is 1 again (8).
+    # No KV sample in the pooled EMAs: the neutral factor 1 (8).
     assert cache.follow_residence(1.0, 0, 100.0, 2) == 1.0
     assert cache.interval_for(64) == 8
     # The pooled EMAs replace the core's own only for planning: back to them on request.
-    cache.follow_residence(1.0, 3, 100.0, 2)
-    assert cache.force_pressure_factor(None) == 1.0  # the core itself saw nothing leave
-    assert cache.interval_for(64) == 8
+    cache.follow_residence(1.0, 0, 100.0, 2)
+    assert cache.force_pressure_factor(None) == 0.0  # the core itself saw nothing leave
+    assert cache.interval_for(64) == 4
 
 
 def test_eviction_inputs_edges() -> None:
@@ -157,3 +164,16 @@ def test_eviction_inputs_edges() -> None:
     ))
     small.complete(small.attach("b", [1, 2, 3, 4]), 4, 1.0, boundaries=[2, 4])
     assert small.eviction_inputs(2, SNAPSHOT, DISK) == pytest.approx((1.0, 1.9, 1.0))
+
+
+def test_initial_pressure_factor_is_the_factor_until_a_snapshot_leaves() -> None:
+    """``stored()``'s segment (L = 64, N_s = 12.5, I in {4, 8}) under a core configured
+    with ``initial_pressure_factor`` 1: cost(4) = 2 + 200 = 202, cost(8) = 4 + 100 = 104
+    -> 8 (the default 0 gives 4: test_force_pressure_factor_moves_the_interval_choice).
+    A negative value is refused at construction, naming the key."""
+    base = stored().config
+    cache = HiStateCache(replace(base, initial_pressure_factor=1.0))
+    assert cache.stats().pressure_factor == 1.0
+    assert cache.interval_for(64) == 8
+    with pytest.raises(ValueError, match="initial_pressure_factor must be a finite number ≥ 0"):
+        replace(base, initial_pressure_factor=-1.0)

@@ -46,9 +46,10 @@ def test_choice_is_nearest_supported_interval(factor: float, expected: int, cost
 def test_pressure_factor_from_residence_times() -> None:
     res = ResidenceTracker(alpha=0.5)
     ctl = IntervalController(chunk_tokens=528, snapshot_tokens=100, residence=res)
-    assert ctl.pressure_factor == 1.0  # no evidence yet
+    assert ctl.pressure_factor == 0.0  # no snapshot has left: storing one is free
+    assert ctl.choose(8000).interval == 528  # the densest grid: one state per chunk
     res.observe_kv(400.0)  # the first sample seeds the average: 400 (not 0.5·400)
-    assert ctl.pressure_factor == 1.0  # snapshots never left yet
+    assert ctl.pressure_factor == 0.0  # snapshots still never left
     res.observe_snapshot(100.0)  # seeds: 100
     assert ctl.pressure_factor == 4.0  # 400 / 100
     assert ctl.choose(8000).interval == 2640
@@ -120,7 +121,8 @@ def test_supported_intervals_and_the_cost_of_nothing() -> None:
         supported_intervals(528, 0)
     ctl = IntervalController(chunk_tokens=10, snapshot_tokens=50)
     assert ctl.cost(100, 0) == 0.0  # an empty segment costs nothing
-    assert ctl.cost(100, 1) == 50.0 + 50 * 1 / 100  # I/2 + F·N_s·L/I, F = 1
+    assert ctl.cost(100, 1, 1.0) == 50.0 + 50 * 1 / 100  # I/2 + F·N_s·L/I, F = 1
+    assert ctl.cost(100, 1) == 50.0  # F = 0 (nothing has left the cache): I/2 alone
 
 
 def test_an_explicit_factor_overrides_the_measured_pressure() -> None:
@@ -151,3 +153,29 @@ def test_counts_small_samples_and_the_factor_of_a_choice() -> None:
     ctl = IntervalController(chunk_tokens=10, snapshot_tokens=50, residence=res)
     assert ctl.choose(1000).pressure_factor == pytest.approx(1.95)
     assert ctl.choose(1000, factor=3.0).pressure_factor == 3.0
+
+
+def test_snapshots_leaving_before_any_kv_give_the_neutral_factor() -> None:
+    """Snapshot samples without a KV one: the snapshot side is tighter, by an unknown
+    amount: F = 1 (interval NOTE 2), so an 8,000-token segment with N_s = 100 gets the
+    F = 1 choice of the test above (1,056), not the densest grid (528)."""
+    res = ResidenceTracker()
+    ctl = IntervalController(chunk_tokens=528, snapshot_tokens=100, residence=res)
+    res.observe_snapshot(5.0)
+    assert ctl.pressure_factor == 1.0
+    assert ctl.choose(8000).interval == 1056
+
+
+def test_the_initial_factor_holds_until_a_snapshot_leaves() -> None:
+    """``initial_factor`` 1 (the paper's neutral start): F = 1 with no samples and with KV
+    samples only; the first snapshot sample replaces it with the measured ratio
+    (KV 400 s / snapshots 100 s = 4). Negative or infinite initial factors are refused."""
+    res = ResidenceTracker(alpha=0.5, initial_factor=1.0)
+    assert res.pressure_factor == 1.0
+    res.observe_kv(400.0)
+    assert res.pressure_factor == 1.0
+    res.observe_snapshot(100.0)
+    assert res.pressure_factor == 4.0
+    for bad in (-0.5, math.inf):
+        with pytest.raises(ValueError, match="initial_factor must be a finite number ≥ 0"):
+            ResidenceTracker(initial_factor=bad)

@@ -133,7 +133,7 @@ def test_residence_times_reach_the_snapshot_plan() -> None:
     Plan for a 1,200-token segment, cost I/2 + F·20·1,200/I:
       F = 1.5 (I* = √72,000 = 268.3): 260 → 130 + 36,000/260 = 268.46; 270 → 135 +
       133.33 = 268.33 → 270: 270, 540, 810, 1,080, then the final 1,200.
-      (F = 1, I* = √48,000 = 219.1: 210 → 219.29, 220 → 219.09 → 220.)
+      Before the drop no snapshot has left: F = 0, cost I/2 alone → every chunk.
     """
     events = EventLog()
     cfg = CacheConfig(
@@ -142,7 +142,7 @@ def test_residence_times_reach_the_snapshot_plan() -> None:
         rules=PlacementRules(kv_tier=0, snapshot_tier=0, final_tier=0), tau=0.0,
     )
     c = HiStateCache(cfg, listener=events)
-    assert c.snapshot_plan(0, 1200) == [220, 440, 660, 880, 1100, 1200]  # F = 1
+    assert c.snapshot_plan(0, 1200) == list(range(10, 1201, 10))  # F = 0
     request(c, "A", [1, 2], 0.0, [])
     request(c, "A", [1, 2], 10.0, [20])
     request(c, "B", [11], 30.0, [10])

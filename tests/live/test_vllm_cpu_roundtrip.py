@@ -11,7 +11,7 @@ Scenario (docs/design.md §4, §5.3; issue 4):
 
 1. prompt A (10 chunks + a tail) is generated. Its attention KV is stored for every chunk, its
    recurrent state only at the boundaries the server's interval controller chose for the
-   segment [0, len(A)) (pressure factor 1 on a fresh server) plus the final one. The test
+   segment [0, len(A)) (pressure factor 1: ``initial_pressure_factor``) plus the final one. The test
    configuration gives HiState's CPU tier less room than one chunk, so every object is placed
    on the disk tier; the test counts the files and their kinds;
 2. one more engine step lets the asynchronous store finish, then vLLM's own prefix cache is
@@ -119,7 +119,10 @@ def make_prompts(vocab: int, chunk: int, seed: int = 7) -> dict[str, list[int]]:
 def histate_config(path: Path, model_dir: Path, disk: Path, **values: Any) -> Path:
     """A HiState server config for the tiny model whose CPU tier holds less than one chunk
     (``cpu_fill``): every object is placed on the disk tier. ``chunk_size: auto``: the
-    launcher asks vLLM for the block size (as users deploy it)."""
+    launcher asks vLLM for the block size (as users deploy it). ``initial_pressure_factor``
+    1: the plans the tests derive by hand are the paper's neutral start (the default 0, a
+    state at every chunk until a snapshot leaves, is test_vllm_interval_saves' first turn;
+    a value None drops the key)."""
     cfg = {
         "policy": "histate",
         "model": str(model_dir / "config.json"),
@@ -132,8 +135,10 @@ def histate_config(path: Path, model_dir: Path, disk: Path, **values: Any) -> Pa
         "platform": "cpu",
         "kv_connector": "HiStateConnector",
         "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
+        "initial_pressure_factor": 1.0,
         **values,
     }
+    cfg = {key: value for key, value in cfg.items() if value is not None}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -6,9 +6,10 @@ sanitising, the STORE block-id rewrite.
 Live part (module-scoped: one ``histate-server`` and one vLLM CPU engine for all tests):
 
 * interval control observed in the stored objects: one session of three turns, each adding a
-  7-chunk segment, under pressure factors 1, 0.05 and 20 (forced on the server through the
-  test-only ``pressure_override`` server module). The recurrent objects on the HiState disk
-  tier per segment must be exactly the server controller's choice: 2, 7 and 1 snapshots;
+  7-chunk segment, under pressure factors 0 (a fresh server: no snapshot has left its
+  cache), 1 and 20 (forced on the server through the test-only ``pressure_override`` server
+  module). The recurrent objects on the HiState disk tier per segment must be exactly the
+  server controller's choice: 7, 2 and 1 snapshots;
 * rewrites: prompts diverging inside an earlier turn hit at the last interval snapshot before
   the divergence -- not at zero, not past it, and not at the chunk boundary just below it;
 * without a HiState server module (stock ``lmcache server``) the connector plans locally
@@ -58,7 +59,7 @@ needs_live = pytest.mark.skipif(
 
 TURN_CHUNKS = 7
 TAIL = 40
-FACTORS = (1.0, 0.05, 20.0)
+FACTORS = (0.0, 1.0, 20.0)
 MAX_MODEL_LEN = 8192
 PRESSURE_MODULE = "pressure_override"
 """Test-only server module in tests/support (on the server's PYTHONPATH)."""
@@ -188,7 +189,7 @@ def stack(
     work = tmp_path_factory.mktemp("interval")
     chunk = tiny_layout.block_size
     disk = work / "disk"
-    cfg = histate_config(work / "histate.yaml", tiny_model, disk)
+    cfg = histate_config(work / "histate.yaml", tiny_model, disk, initial_pressure_factor=None)
     command = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
     with (
         lmcache_server(server_module_arg(PRESSURE_MODULE), workdir=work / "server",
@@ -227,17 +228,16 @@ def expected_plans(chunk: int, row: dict[str, Any]) -> list[list[int]]:
     Server N_s (``LAYOUTS`` in test_vllm_cpu_roundtrip): 828 with AVX-512-BF16 (C = 384),
     432 with AVX2 (C = 256). cost(I) = I/2 + F x N_s x L / I, L = 7C.
 
-    * F = 1, C = 384, L = 2688: cost(5C) = 960 + 1159.2 = 2119.2, cost(6C) = 1152 + 966.0 =
-      2118.0, cost(7C) = 1344 + 828 = 2172 -> 6 chunks: [6C, 7C].
+    * F = 0 (turn 1): cost(I) = I/2, lowest at I = C -> every chunk: [C, ..., 7C].
+    * F = 1 (turn 2), C = 384, L = 2688: cost(5C) = 960 + 1159.2 = 2119.2, cost(6C) = 1152 +
+      966.0 = 2118.0, cost(7C) = 1344 + 828 = 2172 -> 6 chunks: [13C, 14C].
       C = 256, L = 1792: cost(4C) = 512 + 756 = 1268, cost(5C) = 640 + 604.8 = 1244.8,
-      cost(6C) = 768 + 504 = 1272 -> 5 chunks: [5C, 7C].
-    * F = 0.05: cost(C) = 192 + 289.8 = 481.8 < cost(2C) = 384 + 144.9 = 528.9 (C = 384);
-      128 + 151.2 = 279.2 < 256 + 75.6 = 331.6 (C = 256) -> every chunk: [8C, ..., 14C].
+      cost(6C) = 768 + 504 = 1272 -> 5 chunks: [12C, 14C].
     * F = 20: I* = sqrt(2 x 7C x N_s x 20) = 9,435 (C = 384) / 5,565 (C = 256), both beyond
       the 7C segment -> only the final: [21C].
     """
     first = {384: 6, 256: 5}[row["block"]]
-    return [[first * chunk, 7 * chunk], [k * chunk for k in range(8, 15)], [21 * chunk]]
+    return [[k * chunk for k in range(1, 8)], [(7 + first) * chunk, 14 * chunk], [21 * chunk]]
 
 
 @needs_live
@@ -251,7 +251,7 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     plans = expected_plans(chunk, stack.row)
     for turn, (prompt, factor) in enumerate(zip(session_prompts(chunk), FACTORS, strict=True)):
         if turn == 0:
-            assert factor == 1.0  # a fresh server's learned factor; the core exists only
+            assert factor == 0.0  # a fresh server's learned factor; the core exists only
         else:  # after the first lookup, so later turns force theirs
             forced = rpc(zmq, "histate_test.force_pressure", {"factor": factor})
             assert forced["pressure_factor"] == factor
@@ -273,7 +273,7 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
         start = expected[-1]
     print("\nturns:", json.dumps(stack.turns, indent=1))
     counts = [len(t["plan"]) for t in stack.turns]
-    assert counts == [2, 7, 1]  # sparser snapshots as the pressure factor grows
+    assert counts == [7, 2, 1]  # sparser snapshots as the pressure factor grows
     rpc(zmq, "histate_test.force_pressure", {"factor": None})
 
 
@@ -284,13 +284,13 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
     chunk = stack.chunk
     full = session_prompts(chunk)[-1]
     rng = random.Random(5)
-    snapshots = [b for t in stack.turns for b in t["plan"]]
-    first = snapshots[0] // chunk  # turn 1's interval: 6 chunks (C = 384) or 5 (C = 256)
-    # Divergence inside turn 1 (F=1: snapshots at first x C and 7C), turn 2 (F=0.05: every
-    # chunk) and turn 3 (F=20: only its final 21C, so the hit falls back to turn 2's final
-    # 14C although chunks up to 18C are cached).
-    cases = [((2 * first + 1) * chunk // 2, first * chunk), (chunk * 122 // 10, 12 * chunk),
-             (chunk * 182 // 10, 14 * chunk)]
+    first = stack.turns[1]["plan"][0] // chunk  # turn 2's first snapshot: 13C or 12C
+    # Divergence inside turn 1 (F=0: every chunk), turn 2 (F=1: snapshots at first x C and
+    # 14C; a divergence half a chunk below first x C falls back to turn 1's final 7C) and turn
+    # 3 (F=20: only its final 21C, so the hit falls back to turn 2's final 14C although
+    # chunks up to 18C are cached).
+    cases = [(chunk * 35 // 10, 3 * chunk), ((2 * first - 1) * chunk // 2, 7 * chunk),
+             ((2 * first + 1) * chunk // 2, first * chunk), (chunk * 182 // 10, 14 * chunk)]
     seen = []
     for diverge, want in cases:
         tail = [rng.randrange(4, 2048) for _ in range(300)]

@@ -144,18 +144,18 @@ def test_a_cpu_drop_is_a_residence_sample_and_a_disk_drop_withdraws_the_share() 
 
 
 def test_pressure_seen_by_a_changes_the_interval_b_plans(redis_server: RedisServer) -> None:
-    """A's evictions (residence samples kv 1 s, state 100 s, sent with ``observe`` as A's
-    tick does) reach B's core at B's next tick: F = T_KV / T_state = 1/100 = 0.01.
+    """A's evictions (residence samples kv 100 s, state 1 s, sent with ``observe`` as A's
+    tick does) reach B's core at B's next tick: F = T_KV / T_state = 100/1 = 100.
     B plans a 64-token segment with N_s = 12.5 and I in {4, 8}: cost I/2 + F * 12.5 * 64/I:
-    F = 1 (nothing seen): I = 4 -> 2 + 200 = 202, I = 8 -> 4 + 100 = 104: 8;
-    F = 0.01: I = 4 -> 2 + 2 = 4, I = 8 -> 4 + 1 = 5: 4."""
+    F = 0 (no snapshot seen leaving): I = 4 -> 2, I = 8 -> 4: 4;
+    F = 100: I = 4 -> 2 + 20,000 = 20,002, I = 8 -> 4 + 10,000 = 10,004: 8."""
     a, b = make_index(redis_server.url, "A"), make_index(redis_server.url, "B")
     core_b = stored()
     sync_b = DeploymentSync(lambda nk, part: [], str, time.time)
-    assert core_b.interval_for(64) == 8
-    a.sync([("kv", 1.0), ("state", 100.0)], [], [("s1", "", 0)])
-    emas = sync_b.sync(b, sync_b.collect(core_b, lambda: [], 4, 0))
-    assert emas == {"kv": 1.0, "kv_n": 1.0, "state": 100.0, "state_n": 1.0}
-    assert sync_b.apply(core_b, emas) == pytest.approx(0.01)
     assert core_b.interval_for(64) == 4
-    assert core_b.stats().pressure_factor == pytest.approx(0.01)
+    a.sync([("kv", 100.0), ("state", 1.0)], [], [("s1", "", 0)])
+    emas = sync_b.sync(b, sync_b.collect(core_b, lambda: [], 4, 0))
+    assert emas == {"kv": 100.0, "kv_n": 1.0, "state": 1.0, "state_n": 1.0}
+    assert sync_b.apply(core_b, emas) == pytest.approx(100.0)
+    assert core_b.interval_for(64) == 8
+    assert core_b.stats().pressure_factor == pytest.approx(100.0)

@@ -18,6 +18,17 @@ def request(sid: str, keys: list[int], tokens: int) -> Request:
     return Request(sid, 0, 0.0, 0.0, tokens, 1, tuple(keys))
 
 
+def row(gpu_bytes: int = 1000) -> FileLRUPolicy:
+    """The row over 1,000 B CPU and disk tiers, after equal KV and snapshot residence
+    times (5 s each): pressure factor 1, the choice the tests below derive by hand (with
+    nothing seen leaving, F = 0 would give a state at every chunk: ``core.interval``)."""
+    pol = file_lru_policy("file-lru", [("gpu", gpu_bytes), ("cpu", 1000), ("disk", 1000)], **GEO)
+    pol.interval.residence.observe_kv(5.0)
+    pol.interval.residence.observe_snapshot(5.0)
+    assert pol.interval.pressure_factor == 1.0
+    return pol
+
+
 def test_row_is_registered_after_the_lru_rows() -> None:
     assert BASELINES[-3:] == ("lru", "lru-refresh-all", "file-lru")
     row = baseline_policies(**GEO, gpu_bytes=100, cpu_bytes=100, disk_bytes=100)["file-lru"]()
@@ -25,11 +36,11 @@ def test_row_is_registered_after_the_lru_rows() -> None:
 
 
 def test_placement_and_interval_are_histate_s() -> None:
-    # One 48-token segment, pressure factor 1 (no residence seen): the interval cost is
+    # One 48-token segment, pressure factor 1 (``row``): the interval cost is
     # I/2 + 8·48/I over multiples of 4: I = 24 → 12 + 16 = 28; I = 28 → 14 + 13.71 =
     # 27.71; I = 32 → 16 + 12 = 28. So I = 28: states at 28 tokens (chunk 7, an
     # intermediate → disk) and at 48 (chunk 12, the final → GPU); KV on the GPU.
-    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
+    pol = row()
     keys = list(range(1, 13))
     req = request("A", keys, 48)
     pol.complete(req, pol.begin(req, 1.0), 1.0)
@@ -48,7 +59,7 @@ def test_objects_leave_one_by_one_not_as_units() -> None:
     # were released at t = 1; KV wins ties and the deepest chunk was queued first, so
     # A's KV chunks 12, 11, 10, 9 move to the CPU while A's final state (chunk 12) stays
     # on the GPU without its KV: a split a bundle never makes.
-    pol = file_lru_policy("file-lru", [("gpu", 56), ("cpu", 1000), ("disk", 1000)], **GEO)
+    pol = row(gpu_bytes=56)
     a = list(range(1, 13))
     req = request("A", a, 48)
     pol.complete(req, pol.begin(req, 1.0), 1.0)
@@ -71,7 +82,7 @@ def test_interval_states_are_charged_as_histate_charges_them() -> None:
     # copy (the intermediate state). With a 2 ms step overhead, an 8,192-token engine
     # step and 8 B/s copies: 48 recomputed tokens take ceil(48/4) = 12 small steps
     # instead of ceil(48/8192) = 1, so 11 more steps = 0.022 s; one 8-B copy = 1.0 s.
-    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
+    pol = row()
     keys = list(range(1, 13))
     req = request("A", keys, 48)
     lookup = pol.begin(req, 1.0)
@@ -90,7 +101,7 @@ def test_interval_states_are_charged_as_histate_charges_them() -> None:
 def test_a_request_adding_no_segment_plans_and_stores_no_state() -> None:
     # A repeats A's 12 chunks: the KV match covers the prompt, so there is no new
     # segment, no interval state (no host copy) and the final state stays the one saved.
-    pol = file_lru_policy("file-lru", [("gpu", 1000), ("cpu", 1000), ("disk", 1000)], **GEO)
+    pol = row()
     keys = list(range(1, 13))
     req = request("A", keys, 48)
     pol.complete(req, pol.begin(req, 1.0), 1.0)

@@ -221,10 +221,14 @@ def test_histate_rows_capture_their_planned_states() -> None:
     tr = synthetic_agent(1, 1, 20_000, 0.0, chunk_tokens=528, seed=0)
     (r,) = tr.sessions[0].requests
     full = histate_policy(s)
+    # 20,000 tokens = 37 full chunks (19,536 tokens). A fresh core has seen no snapshot
+    # leave: factor 0, a state at every chunk: 36 mid-prefill states and the final.
+    assert capture_of(full, r, full.begin(r, 0.0)) == Capture(step_tokens=528, host_states=36)
+    # Factor 1: N_s = 51,511,296 / 32,768 = 1,572 tokens, I* = sqrt(2 · 19,536 · 1,572) ≈
+    # 7,837 tokens → 15 chunks (7,920): states @15 @30, final @37: two mid-prefill states.
+    full = histate_policy(s)
+    full.cache.force_pressure_factor(1.0)
     cap = capture_of(full, r, full.begin(r, 0.0))
-    # 20,000 tokens = 37 full chunks; N_s = 51,511,296 / 32,768 = 1,572 tokens, factor 1:
-    # I* = sqrt(2 · 19,536 · 1,572) ≈ 7,837 tokens → 15 chunks (7,920): states @15 @30,
-    # final @37: two mid-prefill states.
     assert cap == Capture(step_tokens=528, host_states=2)
     align = histate_policy(s, "histate-align", **dict(VARIANTS["histate-align"]))
     assert capture_of(align, r, align.begin(r, 0.0)) == Capture()

@@ -138,6 +138,7 @@ class ModelCore:
             supported_intervals=tuple(i for i in cfg.intervals if i % self.chunk == 0) or None,
             ema_alpha=cfg.ema_alpha,
             end_probability_prior=cfg.end_probability_prior,
+            initial_pressure_factor=cfg.initial_pressure_factor,
         )
         self.core = HiStateCache(cache_cfg, listener=listener)
         self.model = (model_name, world_size)
