@@ -1,13 +1,17 @@
 """The paper's rewrite test in simulation: HiState vs vLLM with CPU+disk offload (LRU).
 
 24 sessions × 16 turns × 8K new tokens (``synthetic.paper_rewrite_trace``), a share of
-requests rewriting earlier context at a random position inside an earlier turn; the
-paper sweeps 0–10 % and reports the mean TTFT of the rewriting requests (HiState
-−18 to −21 %). Several seeds per share, because each seed draws different rewriting
-requests and cut positions; the table reports each seed and their mean.
+requests rewriting earlier context at a random position inside an earlier turn: the
+most recent one (scope ``last``, where Claude Code cuts, ``sim.rewrite_stats``) or any
+(scope ``any``); the paper sweeps 0–10 % and reports the mean TTFT of the rewriting
+requests (HiState −18 to −21 %). Several seeds per share, because each seed draws
+different rewriting requests and cut positions; the table reports each seed and their
+mean. ``--measure TRACE`` first prints where the requests of a real trace cut (at the
+Weka block size, 64 tokens).
 
 Usage: ``python benchmarks/sim_rewrite.py [--shares 0,0.05,0.1] [--seeds 0,1,2]
-[--config configs/sim-paper.yaml] [--row histate] [--baseline vllm-cpu-disk-offload]``
+[--scopes last,any] [--config configs/sim-paper.yaml] [--row histate]
+[--baseline vllm-cpu-disk-offload] [--measure ../shared/traces/weka-cc]``
 (``--row histate-measured``: the same with measured hit positions, ``core/hit_positions.py``).
 """
 
@@ -19,38 +23,59 @@ import statistics
 from lmcache_histate.sim.capture import capacity_of
 from lmcache_histate.sim.config import GIB, SimSetup, load_setup
 from lmcache_histate.sim.report import HISTATE, OFFLOAD, token_hit_rate
+from lmcache_histate.sim.rewrite_stats import rewrite_stats
 from lmcache_histate.sim.runner import policy_factories, rewrite_trace
 from lmcache_histate.sim.server import simulate
+from lmcache_histate.sim.traces import load_trace
 
 
 def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def measure(spec: str) -> None:
+    """Where the requests of a real trace rewrite their predecessors' context."""
+    st = rewrite_stats(load_trace(spec, 64))
+    far = sum(v for k, v in st.turns_back.items() if k >= 10)
+    offsets = sorted(st.last_turn_offsets)
+    median = statistics.median(offsets) if offsets else float("nan")
+    print(f"{spec}: {st.requests:,} requests, {st.rewrites:,} rewrite their predecessor's "
+          f"context: {st.turns_back[0]:,} ({st.last_turn_share:.0%}) inside its most recent "
+          f"turn (median offset {median:.3f}), {st.resets:,} resets, "
+          f"{st.rewrites - st.resets - st.turns_back[0] - far:,} 1–9 turns back, "
+          f"{far:,} ≥ 10 turns back.\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shares", default="0,0.05,0.1")
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--scopes", default="last,any")
+    ap.add_argument("--measure", default=None, help="a Weka trace to measure rewrites in")
     ap.add_argument("--config", default=None)
     ap.add_argument("--row", default=HISTATE)
     ap.add_argument("--baseline", default=OFFLOAD)
     args = ap.parse_args()
+    if args.measure:
+        measure(args.measure)
     base = load_setup(args.config) if args.config else SimSetup.paper()
     shares = [float(x) for x in args.shares.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
+    scopes = args.scopes.split(",")
     names = (args.row, args.baseline)
     factories = policy_factories(base)
     memory = ", ".join(f"{n} {capacity_of(factories[n]()) / GIB:.0f} GiB" for n in names)
     print(f"Memory per row: {memory}. Duration and rate: {names[0]}'s run / {names[1]}'s.\n")
-    print(f"| share | seed | rewriting requests | {names[0]} rw mean (s) | {names[1]} rw mean (s) "
+    print(f"| scope | share | seed | rewriting requests | {names[0]} rw mean (s) "
+          f"| {names[1]} rw mean (s) "
           f"| Δ rw mean | {names[0]} all mean (s) | {names[1]} all mean (s) | Δ all mean "
           f"| hit % {names[0]} / {names[1]} | duration (h) | requests/h |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
-    for share in shares:
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+    for scope, share in ((c, s) for c in scopes for s in shares):
         deltas: list[float] = []
         for seed in seeds:
             setup = base.with_(seed=seed)
-            trace = rewrite_trace(setup, share)
+            trace = rewrite_trace(setup, share, scope)
             factories = policy_factories(setup)
             runs = {n: simulate(trace, factories[n](), setup) for n in names}
             rw = {n: _mean([r.ttft for r in runs[n].results if r.rewrite]) for n in names}
@@ -65,11 +90,11 @@ def main() -> None:
                      else "– | – | –")
             hours = [runs[n].makespan / 3600 for n in names]
             rates = [len(runs[n].results) / h for n, h in zip(names, hours, strict=True)]
-            print(f"| {share:.0%} | {seed} | {n_rw} | {cells} | {al[names[0]]:.3f} | "
+            print(f"| {scope} | {share:.0%} | {seed} | {n_rw} | {cells} | {al[names[0]]:.3f} | "
                   f"{al[names[1]]:.3f} | {d_al:+.1%} | {hits[0]:.2f} / {hits[1]:.2f} | "
                   f"{hours[0]:.2f} / {hours[1]:.2f} | {rates[0]:,.0f} / {rates[1]:,.0f} |")
         if deltas:
-            print(f"| {share:.0%} | mean | | | | {_mean(deltas):+.1%} | | | | | | |")
+            print(f"| {scope} | {share:.0%} | mean | | | | {_mean(deltas):+.1%} | | | | | | |")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                      help="the paper's rewrite test (16 turns x 8K tokens, 24 sessions)")
     p.add_argument("--rewrite-share", type=float, default=0.1,
                    help="share of rewriting requests for --synthetic rewrite (default 0.1)")
+    p.add_argument("--rewrite-scope", choices=["last", "any"], default="last",
+                   help="where --synthetic rewrite cuts: inside the most recent turn (last, "
+                        "default: what Claude Code does) or inside any earlier turn")
     p.add_argument("--config", help="simulation config YAML (default: configs/sim-paper.yaml "
                    "values, built in)")
     p.add_argument("--policies", help="comma-separated policy names or 'all' (default: all)")
@@ -64,7 +67,8 @@ def _simulate(args: argparse.Namespace) -> int:
     exp = run_simulate(
         SimulateOptions(
             trace=args.trace, synthetic=args.synthetic, rewrite_share=args.rewrite_share,
-            config=args.config, policies=args.policies, max_input_tokens=args.max_input_tokens,
+            rewrite_scope=args.rewrite_scope, config=args.config, policies=args.policies,
+            max_input_tokens=args.max_input_tokens,
             out=args.out, seed=args.seed, sweep=args.sweep, plots=args.plots,
             same_memory=args.same_memory,
         )

@@ -48,6 +48,7 @@ class SimulateOptions:
     trace: str = "weka-sample"
     synthetic: str | None = None
     rewrite_share: float = 0.1
+    rewrite_scope: str = "last"
     config: str | None = None
     policies: str | None = None
     max_input_tokens: int | None = None
@@ -85,7 +86,7 @@ def _trace(opts: SimulateOptions, setup: SimSetup) -> Trace:
         raise ValueError(f"unknown synthetic trace {opts.synthetic!r}; known: rewrite")
     if not 0.0 <= opts.rewrite_share <= 1.0:
         raise ValueError(f"--rewrite-share must be in [0, 1], got {opts.rewrite_share}")
-    return rewrite_trace(setup, opts.rewrite_share)
+    return rewrite_trace(setup, opts.rewrite_share, opts.rewrite_scope)
 
 
 def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Experiment:
@@ -129,6 +130,7 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
     }
     if opts.synthetic:
         meta["rewrite_share"] = opts.rewrite_share
+        meta["rewrite_scope"] = opts.rewrite_scope
     paths = write_report(
         Path(opts.out), summaries, meta, runs=runs, sweep=points, plots=opts.plots, same=same
     )

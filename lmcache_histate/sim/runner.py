@@ -68,9 +68,10 @@ def load_sim_trace(spec: str, setup: SimSetup, max_input_tokens: int | None = No
     return trace
 
 
-def rewrite_trace(setup: SimSetup, share: float) -> Trace:
-    """The paper's rewrite test (16 turns × 8K new tokens, 24 sessions), staggered starts."""
-    trace = paper_rewrite_trace(share, setup.seed, setup.chunk_tokens)
+def rewrite_trace(setup: SimSetup, share: float, scope: str = "last") -> Trace:
+    """The paper's rewrite test (16 turns × 8K new tokens, 24 sessions), staggered starts;
+    ``scope``: where a rewrite cuts (``synthetic.REWRITE_SCOPES``)."""
+    trace = paper_rewrite_trace(share, setup.seed, setup.chunk_tokens, rewrite_scope=scope)
     if not setup.session_gap_s:
         return trace
     sessions = []

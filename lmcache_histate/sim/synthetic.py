@@ -7,11 +7,23 @@ turn's new tokens, so ``output_tokens`` does not grow the context (what is fresh
 real replay is the same: the tool result and the response both follow the prefix).
 
 A rewriting request (k ≥ 1) keeps a prefix of the earlier context that ends at a
-uniformly random position strictly INSIDE one of the earlier turns (never at a turn
-boundary and never inside the system prompt: agents edit tool output and messages,
-not the system prompt), replaces the rest of the earlier context with fresh tokens of
-the same length and then appends its own turn; later turns build on the rewritten
-context. Exactly round(rewrite_share × eligible requests) requests rewrite, sampled
+uniformly random position strictly INSIDE an earlier turn (never at a turn boundary and
+never inside the system prompt: agents edit tool output and messages, not the system
+prompt), replaces the rest of the earlier context with fresh tokens of the same length
+and then appends its own turn; later turns build on the rewritten context. Which
+earlier turn is ``rewrite_scope``:
+
+* ``"last"`` (the default): the most recent one, the turn request k−1 appended. This is
+  where Claude Code cuts: in the Weka folder, 1,237 of the 1,578 requests that rewrite
+  their predecessor's context (78 %) cut inside its most recent turn, 30 reset to
+  nothing, 265 cut ≥ 10 turns back (``sim.rewrite_stats``; ``benchmarks/sim_rewrite.md``).
+  Inside the turn the measured cut is late (median offset 0.875); the offset here stays
+  uniform, which gives a finer resume point less to win than the measured one would.
+* ``"any"``: a uniformly drawn earlier turn (0..k−1), the model of the first rewrite
+  tests: the cut is then on average half the context back and most of a rewriting
+  request is new tokens whatever the cache holds.
+
+Exactly round(rewrite_share × eligible requests) requests rewrite, sampled
 without replacement from all requests k ≥ 1 of all sessions, so each has probability
 ``rewrite_share`` and the realised share is exact (the paper sweeps 0–10 %).
 
@@ -25,6 +37,8 @@ from __future__ import annotations
 import random
 
 from lmcache_histate.sim.traces import ChunkChain, HashInterner, Request, Session, Trace
+
+REWRITE_SCOPES = ("last", "any")
 
 
 def synthetic_agent(
@@ -40,10 +54,13 @@ def synthetic_agent(
     system_tokens: int = 0,
     session_gap: float = 0.0,
     name: str | None = None,
+    rewrite_scope: str = "last",
 ) -> Trace:
     """Build a deterministic synthetic agent trace (see the module docstring)."""
     if not 0.0 <= rewrite_share <= 1.0:
         raise ValueError(f"rewrite_share must be in [0, 1], got {rewrite_share}")
+    if rewrite_scope not in REWRITE_SCOPES:
+        raise ValueError(f"rewrite_scope must be one of {REWRITE_SCOPES}, got {rewrite_scope!r}")
     if num_sessions < 0 or turns < 0 or system_tokens < 0 or chunk_tokens <= 0:
         raise ValueError("sizes must be non-negative and chunk_tokens positive")
     if new_tokens_per_turn < 2:
@@ -63,8 +80,9 @@ def synthetic_agent(
         for k in range(turns):
             rewrite = (s, k) in rewriting
             if rewrite:
-                # A position strictly inside one of the turns 0..k-1.
-                cut = system_tokens + rng.randrange(k) * n + rng.randrange(1, n)
+                # A position strictly inside turn k-1 ("last") or one of 0..k-1 ("any").
+                turn = k - 1 if rewrite_scope == "last" else rng.randrange(k)
+                cut = system_tokens + turn * n + rng.randrange(1, n)
                 earlier = chain.length
                 chain.truncate(cut)
                 chain.append_fresh(earlier - cut)
@@ -83,12 +101,17 @@ def synthetic_agent(
             )
         sessions.append(Session(sid, None, tuple(reqs)))
     if name is None:
-        name = f"synthetic-{num_sessions}x{turns}x{n}-rw{rewrite_share:g}-s{seed}"
+        name = f"synthetic-{num_sessions}x{turns}x{n}-rw{rewrite_share:g}-{rewrite_scope}-s{seed}"
     return Trace(name, chunk_tokens, tuple(sessions))
 
 
 def paper_rewrite_trace(
-    rewrite_share: float, seed: int, chunk_tokens: int, *, num_sessions: int = 24
+    rewrite_share: float,
+    seed: int,
+    chunk_tokens: int,
+    *,
+    num_sessions: int = 24,
+    rewrite_scope: str = "last",
 ) -> Trace:
     """The paper's rewrite test: 16 turns × 8K (8,192) new tokens per session, a share of
     rewriting requests (the paper sweeps 0–10 %); 24 sessions matches its ≤24 concurrent."""
@@ -99,5 +122,6 @@ def paper_rewrite_trace(
         rewrite_share,
         chunk_tokens=chunk_tokens,
         seed=seed,
-        name=f"paper-rewrite-{rewrite_share:g}-s{seed}",
+        rewrite_scope=rewrite_scope,
+        name=f"paper-rewrite-{rewrite_share:g}-{rewrite_scope}-s{seed}",
     )

@@ -35,6 +35,10 @@ def test_synthetic_rewrite_reports_rewriting_requests(tmp_path: Path) -> None:
     doc = json.loads((out / "report.json").read_text())
     (pol,) = doc["policies"]
     assert pol["rewriting"]["n"] == 36  # 10 % of 24 sessions x 15 eligible turns
+    assert doc["meta"]["rewrite_scope"] == "last"  # the default: cuts in the latest turn
+    assert main([*argv, "--rewrite-scope", "any", "--out", str(tmp_path / "any")]) == 0
+    meta = json.loads((tmp_path / "any" / "report.json").read_text())["meta"]
+    assert (meta["trace"], meta["rewrite_scope"]) == ("paper-rewrite-0.1-any-s0", "any")
 
 
 @pytest.mark.parametrize(

@@ -253,10 +253,15 @@ def test_synthetic_deterministic() -> None:
     assert a != synthetic_agent(4, 6, 500, 0.3, chunk_tokens=64, seed=4)
 
 
+@pytest.mark.parametrize("scope", ["last", "any"])
 @pytest.mark.parametrize("share", [0.0, 0.05, 0.1, 0.5])
-def test_synthetic_rewrite_share_and_positions(share: float) -> None:
+def test_synthetic_rewrite_share_and_positions(share: float, scope: str) -> None:
+    """Request k (k ≥ 1) keeps its predecessor's context up to a cut strictly inside an
+    earlier turn: turn k−1, tokens (30 + 40(k−1), 30 + 40k), for scope "last"; any turn
+    after the 30-token system prompt, not on a turn boundary, for "any"."""
     n, system = 40, 30
-    tr = synthetic_agent(10, 8, n, share, chunk_tokens=1, seed=11, system_tokens=system)
+    tr = synthetic_agent(10, 8, n, share, chunk_tokens=1, seed=11, system_tokens=system,
+                         rewrite_scope=scope)
     reqs = [r for s in tr.sessions for r in s.requests]
     assert sum(r.rewrite for r in reqs) == round(share * 10 * 7)
     for s in tr.sessions:
@@ -264,10 +269,32 @@ def test_synthetic_rewrite_share_and_positions(share: float) -> None:
         for k, (prev, cur) in enumerate(zip(s.requests, s.requests[1:], strict=False), 1):
             assert cur.input_tokens == system + (k + 1) * n
             cut = common_prefix(prev.chunk_hashes, cur.chunk_hashes)  # chunk 1 → token-exact
-            if cur.rewrite:
+            if cur.rewrite and scope == "last":
+                assert system + (k - 1) * n < cut < system + k * n
+            elif cur.rewrite:
                 assert system < cut < prev.input_tokens and (cut - system) % n != 0
             else:
                 assert cut == prev.input_tokens
+
+
+def test_any_scope_cuts_reach_beyond_the_last_turn() -> None:
+    """With 35 rewriting requests of up to 7 earlier turns, "any" cuts some earlier turn
+    than the last (each does so with probability (k−1)/k ≥ 1/2 for k ≥ 2), "last" never."""
+    deep = {}
+    for scope in ("last", "any"):
+        tr = synthetic_agent(10, 8, 40, 0.5, chunk_tokens=1, seed=11, rewrite_scope=scope)
+        deep[scope] = sum(
+            common_prefix(prev.chunk_hashes, cur.chunk_hashes) < (k - 1) * 40
+            for s in tr.sessions
+            for k, (prev, cur) in enumerate(zip(s.requests, s.requests[1:], strict=False), 1)
+            if cur.rewrite
+        )
+    assert deep["last"] == 0 and deep["any"] > 0
+
+
+def test_unknown_rewrite_scope_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"rewrite_scope must be one of \('last', 'any'\)"):
+        synthetic_agent(2, 3, 40, 0.5, chunk_tokens=1, seed=0, rewrite_scope="first")
 
 
 def test_paper_rewrite_trace_shape() -> None:
