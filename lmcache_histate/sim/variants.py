@@ -15,6 +15,9 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate-every32``    a snapshot every 32 chunks (the paper's "every 32 blocks").
 ``histate-measured``   ``histate`` with measured hit positions (``core.hit_positions``)
                        instead of the paper's uniform ones: what measuring them buys.
+``histate-neutral-``   ``histate`` starting from the paper's neutral pressure factor 1
+``start``              instead of 0 while no snapshot has left the cache
+                       (``core.interval`` NOTE 2): what free storage buys.
 =====================  =====================================================================
 
 The eviction ablations are baseline rows: ``lru`` is this same core with ``tau = 0`` and
@@ -79,6 +82,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
     "histate-measured": {"tau": None, "hit_positions": "measured"},
+    "histate-neutral-start": {"tau": None, "initial_pressure_factor": 1.0},
 }
 
 

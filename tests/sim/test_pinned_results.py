@@ -53,6 +53,7 @@ histate: {tau: 600.0, max_interval_chunks: 64, ema_alpha: 0.05}
 cost_model: cost_model_qwen35_9b_h100.yaml
 """
 TIGHT_ROWS = ("histate,histate-fixed-tau,histate-align,histate-every32,histate-measured,"
+              "histate-neutral-start,"
               "unlimited,marconi,"
               "vllm-align-gpu,vllm-cpu-offload,vllm-cpu-disk-offload,sglang-hicache,"
               "sglang-hicache-l3,lru,lru-refresh-all,"

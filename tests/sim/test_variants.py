@@ -20,6 +20,10 @@ def test_variant_knobs() -> None:
     assert "histate-lru" not in cfg  # the baselines' ``lru`` row is that ablation
     assert cfg["histate-align"].fixed_interval == 0
     assert cfg["histate-every32"].fixed_interval == 32 * 528
+    # Free storage until a snapshot leaves (F = 0) is the design; F = 1 its ablation.
+    assert cfg["histate"].initial_pressure_factor == 0.0
+    assert cfg["histate-neutral-start"].initial_pressure_factor == 1.0
+    assert pols["histate-neutral-start"].cache.stats().pressure_factor == 1.0
     assert [t.name for t in cfg["histate"].tiers] == ["gpu", "cpu", "disk"]
     assert all(p.promote_tier == 0 for p in pols.values())
 
