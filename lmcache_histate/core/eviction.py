@@ -44,7 +44,7 @@ from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
-from .units import HitModel, UnitKind, expected_recompute, unit_kind, unit_nodes
+from .units import HitModel, UnitKind, expected_recompute, tail_chain, unit_kind, unit_nodes
 
 __all__ = ["EvictionQueue"]
 
@@ -124,18 +124,21 @@ class EvictionQueue:
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
         """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
         ``H = score(t, C, M, τ)`` is computed from; None if it frees nothing there."""
-        freed = self._tier_bytes(anchor)[tier]
+        freed = self._tier_bytes(anchor, tier=tier)[tier]
         if freed <= 0:
             return None
         return anchor.access, self.cost_bytes(anchor), freed
 
-    def _tier_bytes(self, anchor: Node, kind: UnitKind | None = None) -> list[int]:
+    def _tier_bytes(
+        self, anchor: Node, kind: UnitKind | None = None, tier: int | None = None
+    ) -> list[int]:
         """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
 
         Every tier but the last demotes (a snapshot unit carries its KV segment); the
         last drops (a snapshot unit goes alone). Objects sit on one tier each, except
         final snapshots with a write-through copy. The KV walk is ``units.tail_chain``
-        inlined (this runs for every re-ranked unit).
+        inlined (this runs for every re-ranked unit). A caller that reads one ``tier``
+        only says so: a snapshot unit's KV walk adds nothing to the last tier.
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
@@ -149,7 +152,7 @@ class EvictionQueue:
                 low = mask & -mask
                 out[low.bit_length() - 1] += anchor.snap_bytes
                 mask ^= low
-        if kind is UnitKind.SNAPSHOT and last == 0:
+        if kind is UnitKind.SNAPSHOT and (last == 0 or tier == last):
             return out
         kv_on_last = kind is not UnitKind.SNAPSHOT
         node = anchor
@@ -168,7 +171,7 @@ class EvictionQueue:
 
     def rank(self, anchor: Node, tier: int) -> float | None:
         """``H`` of the unit at ``anchor`` for ``tier``; None if it frees nothing there."""
-        freed = self._tier_bytes(anchor)[tier]
+        freed = self._tier_bytes(anchor, tier=tier)[tier]
         if freed <= 0:
             return None
         return self._score(anchor, freed, self.tau, tier)
@@ -252,21 +255,26 @@ class EvictionQueue:
 
     # --------------------------------------------------------------- victims
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:
-        """Whether any part the unit would move out of ``tier`` is pinned."""
-        last = len(self.heaps) - 1
-        snap, chain = unit_nodes(anchor, demote=tier is not None and tier < last)
-        if snap is not None and snap.pins:
+        """Whether any part the unit would move out of ``tier`` is pinned.
+
+        The parts are ``unit_nodes``'; walked, not listed (every victim is checked). The
+        anchor is one of them for every kind (the snapshot, or the chain's first node).
+        """
+        kind = unit_kind(anchor)
+        if kind is None:
+            return False
+        if anchor.pins:
             return True
-        return any(n.pins for n in chain)
+        if kind is UnitKind.SNAPSHOT and (tier is None or tier >= len(self.heaps) - 1):
+            return False  # dropped alone
+        return any(n.pins for n in tail_chain(anchor))
 
     def victim(self, tier: int, below: float | None = None) -> tuple[Node, float] | None:
         """The unpinned unit with the lowest ``H`` in ``tier`` (and ``H < below``)."""
         heap = self.heaps[tier]
         skipped: list[tuple[Node, float]] = []
         found: tuple[Node, float] | None = None
-        while heap:
-            top = heap.peek()
-            assert top is not None
+        while (top := heap.peek()) is not None:
             anchor, pri = top
             if below is not None and pri >= below:
                 break

@@ -25,6 +25,7 @@ engine resumes from that state and recomputes everything after it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -133,6 +134,10 @@ class Match:
     hit_node: Node | None
 
 
+def _lacks_kv(node: Node) -> bool:
+    return not node.kv_tiers
+
+
 class PrefixIndex:
     """Tree of chunk nodes keyed by chained chunk hash."""
 
@@ -195,16 +200,19 @@ class PrefixIndex:
 
     @staticmethod
     def match_path(path: Sequence[Node]) -> Match:
-        """``match`` of a chain already walked (``walk``'s result): no second walk."""
-        kv = 0
-        hit: Node | None = None
-        for node in path:
-            if not node.kv_tiers:
-                break
-            kv += 1
+        """``match`` of a chain already walked (``walk``'s result): no second walk.
+
+        KV is prefix-closed (module invariants), so the chunks of a chain that hold KV
+        are a prefix of it: its end is found by bisection, and the hit by a scan back to
+        the nearest snapshot, instead of a pass over the whole chain (every lookup and
+        every request matches one).
+        """
+        kv = bisect_left(path, True, key=_lacks_kv)
+        for i in range(kv - 1, -1, -1):
+            node = path[i]
             if node.snap_tiers:
-                hit = node
-        return Match(kv, 0 if hit is None else hit.depth + 1, hit)
+                return Match(kv, node.depth + 1, node)
+        return Match(kv, 0, None)
 
     # ------------------------------------------------------------------ content
     def set_kv(self, node: Node, tiers: int, nbytes: int, now: float) -> None:

@@ -255,14 +255,17 @@ class RequestPath:
         return nbytes
 
     def release(self, handle: RequestHandle) -> None:
-        lost = []
-        for node in handle.pinned:
+        pinned = handle.pinned
+        for node in pinned:
             node.pins -= 1
-            if not node.kv_tiers:
-                lost.append(node)
         # A pinned node whose content was lost meanwhile (``lose``) was kept only for
-        # the pin; deepest first, so each prune sees its children already gone.
-        for node in reversed(lost):
+        # the pin; deepest first, so each prune sees its children already gone. The
+        # pins are a chain from the root (``begin``) and KV is prefix-closed, so those
+        # nodes are its tail: found from its end instead of testing every node.
+        cut = len(pinned)
+        while cut and not pinned[cut - 1].kv_tiers:
+            cut -= 1
+        for node in reversed(pinned[cut:]):
             if not node.pins and node.key in self.index.nodes:
                 self.index.prune(node)
         handle.pinned = []

@@ -122,7 +122,8 @@ def is_kv_leaf(node: Node) -> bool:
 
 def unit_kind(node: Node) -> UnitKind | None:
     """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
-    if is_kv_leaf(node):
+    # ``is_kv_leaf`` inlined: this runs several times for every re-ranked unit.
+    if node.kv_tiers and not node.kv_children:
         return UnitKind.BUNDLE if node.snap_tiers else UnitKind.DEAD
     if node.snap_tiers:
         return UnitKind.SNAPSHOT
@@ -208,12 +209,13 @@ def expected_recompute(
     stack = [node]
     while stack:
         q = stack.pop()
-        if q.ends:
-            for session in q.ends:
+        ends, children = q.ends, q.children  # each read once: this runs per re-rank
+        if ends:
+            for session in ends:
                 if session.end_tokens > p:
                     internal += to_end * (session.end_tokens - p) / session.end_tokens
-        if q.children:
-            for child in q.children.values():
+        if children:
+            for child in children.values():
                 if child.snap_tiers:
                     mass = ((child.depth + 1) * chunk_tokens - p) * child.weight
                     hi = child.seg_offset
