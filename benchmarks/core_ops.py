@@ -13,111 +13,175 @@ one snapshot every 4 chunks, Qwen3.5-9B sizes), full to capacity, then times:
             refreshed units that reach the top of the heap (the work an access defers).
 
 All sizes run side by side in one process, so the ratios between rows are what to read
-on a shared machine. Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``.
+on a shared machine. ``--against REF`` compares this checkout's core with the core of git
+revision ``REF`` instead: both are imported into one process (REF's ``lmcache_histate/core``
+extracted with ``git archive``; the core imports only itself), both caches are built, and
+the batches of each operation alternate between the two, so load swings hit both alike;
+it also checks that both evict the same units in the same order.
+
+Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``,
+``python benchmarks/core_ops.py --against main [--sizes 1000000]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import resource
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
-
-from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.geometry import preset
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 CHUNK = 528
 SESSION_CHUNKS = 100
 SNAP_EVERY = 4
 OPS = 2000
+PHASES = ("lookup", "evict", "access", "insert", "evict_after")
 
 
-def build(objects: int) -> tuple[HiStateCache, list[list[int]]]:
-    geo = preset("qwen3.5-9b")
-    kv = CHUNK * geo.kv_bytes_per_token
-    snap = geo.snapshot_bytes
-    per_session_kv = SESSION_CHUNKS
-    per_session_snap = SESSION_CHUNKS // SNAP_EVERY
-    sessions = max(1, objects // (per_session_kv + per_session_snap))
-    cfg = CacheConfig(
-        chunk_tokens=CHUNK,
-        kv_chunk_bytes=kv,
-        snapshot_bytes=snap,
-        tiers=(
-            TierSpec("cpu", sessions * per_session_kv * kv + sessions * snap),
-            TierSpec("disk", sessions * per_session_snap * snap),
-        ),
-        rules=PlacementRules(kv_tier=0, snapshot_tier=1, final_tier=0),
-        tau=600.0,
-        fixed_interval=SNAP_EVERY * CHUNK,
-    )
-    cache = HiStateCache(cfg)
-    chains = []
-    for s in range(sessions):
-        keys = [s * 1_000_000 + i for i in range(SESSION_CHUNKS)]
-        chains.append(keys)
-        handle = cache.begin(f"s{s}", keys, float(s))
-        cache.complete(handle, SESSION_CHUNKS * CHUNK, float(s))
-    return cache, chains
+def load_core(ref: str | None) -> ModuleType:
+    """The policy core package: this checkout's, or git revision ``ref``'s (extracted
+    into a temporary folder and imported under another name)."""
+    if ref is None:
+        return importlib.import_module("lmcache_histate.core")
+    root = Path(__file__).resolve().parent.parent
+    blob = subprocess.run(["git", "-C", str(root), "archive", ref, "lmcache_histate/core"],
+                          check=True, capture_output=True).stdout
+    tmp = Path(tempfile.mkdtemp(prefix="core_ops_"))
+    (tmp / "core.tar").write_bytes(blob)
+    with tarfile.open(tmp / "core.tar") as tar:
+        tar.extractall(tmp, filter="data")
+    (tmp / "lmcache_histate" / "core").rename(tmp / "core_at_ref")
+    sys.path.insert(0, str(tmp))
+    return importlib.import_module("core_at_ref")
 
 
-def timed(fn, n: int) -> float:
-    start = time.perf_counter()
-    for i in range(n):
-        fn(i)
-    return (time.perf_counter() - start) / n * 1e6
+class Side:
+    """One core's cache, full to capacity, and the operations timed on it."""
 
+    def __init__(self, core: ModuleType, objects: int, seed: int = 0) -> None:
+        cache_m = importlib.import_module(core.__name__ + ".cache")
+        place = importlib.import_module(core.__name__ + ".placement")
+        geo = importlib.import_module(core.__name__ + ".geometry").preset("qwen3.5-9b")
+        kv, snap = CHUNK * geo.kv_bytes_per_token, geo.snapshot_bytes
+        per_snap = SESSION_CHUNKS // SNAP_EVERY
+        sessions = max(1, objects // (SESSION_CHUNKS + per_snap))
+        cfg = cache_m.CacheConfig(
+            chunk_tokens=CHUNK,
+            kv_chunk_bytes=kv,
+            snapshot_bytes=snap,
+            tiers=(
+                place.TierSpec("cpu", sessions * SESSION_CHUNKS * kv + sessions * snap),
+                place.TierSpec("disk", sessions * per_snap * snap),
+            ),
+            rules=place.PlacementRules(kv_tier=0, snapshot_tier=1, final_tier=0),
+            tau=600.0,
+            fixed_interval=SNAP_EVERY * CHUNK,
+        )
+        t0 = time.perf_counter()
+        self.cache = cache = cache_m.HiStateCache(cfg)
+        chains = []
+        for s in range(sessions):
+            keys = [s * 1_000_000 + i for i in range(SESSION_CHUNKS)]
+            chains.append(keys)
+            handle = cache.begin(f"s{s}", keys, float(s))
+            cache.complete(handle, SESSION_CHUNKS * CHUNK, float(s))
+        self.build_s = time.perf_counter() - t0
+        # A micro-benchmark of the core's own operations (victim, drop, insert, store_kv):
+        # it times the private parts behind the facade directly.
+        self.index, self.queue, self.store = cache._index, cache._queue, cache._store
+        self.objects = len(self.index.nodes) + sum(
+            1 for n in self.index.nodes.values() if n.snap_tiers
+        )
+        self.now = float(len(chains) + 10)
+        rng = random.Random(seed)
+        self.picks = [rng.choice(chains) for _ in range(OPS)]
+        self.fresh: list = []
+        self.victims: list[int] = []
 
-def run(objects: int, rng: random.Random) -> dict[str, float]:
-    t0 = time.perf_counter()
-    cache, chains = build(objects)
-    build_s = time.perf_counter() - t0
-    # A micro-benchmark of the core's own operations (victim, drop, insert, store_kv): it
-    # times the private parts behind the facade directly.
-    index, queue, store = cache._index, cache._queue, cache._store
-    held = len(index.nodes) + sum(1 for n in index.nodes.values() if n.snap_tiers)
-    now = float(len(chains) + 10)
-    picks = [rng.choice(chains) for _ in range(OPS)]
+    def op(self, phase: str) -> Callable[[int], None]:
+        if phase == "insert" and not self.fresh:
+            # New chunks extending fresh prefixes: the CPU tier is full, so each evicts.
+            self.fresh = [self.index.insert_chain([9_000_000_000 + i])[0] for i in range(OPS)]
+        return getattr(self, "evict" if phase == "evict_after" else phase)
 
-    lookup = timed(lambda i: cache.lookup(picks[i]), OPS)
+    def lookup(self, i: int) -> None:
+        self.cache.lookup(self.picks[i])
 
-    def evict(_: int) -> None:
-        found = queue.victim(1)
+    def evict(self, _: int) -> None:
+        found = self.queue.victim(1)
         if found is not None:
-            store.drop(found[0], now)
+            self.victims.append(found[0].key)
+            self.store.drop(found[0], self.now)
 
-    ev_clean = timed(evict, OPS // 2)
+    def access(self, i: int) -> None:
+        self.cache.release(self.cache.begin(f"a{i}", self.picks[i], self.now + i))
 
-    def access(i: int) -> None:
-        cache.release(cache.begin(f"a{i}", picks[i], now + i))
+    def insert(self, i: int) -> None:
+        kv = self.cache.config.kv_chunk_bytes
+        self.store.store_kv(self.fresh[i], kv, self.now + OPS + i)
 
-    acc = timed(access, OPS)
 
-    # New chunks extending fresh prefixes: the CPU tier is full, so each insert evicts.
-    base = 9_000_000_000
-    fresh = [index.insert_chain([base + i])[0] for i in range(OPS)]
-    kv_bytes = cache.config.kv_chunk_bytes
-    insert = timed(lambda i: store.store_kv(fresh[i], kv_bytes, now + OPS + i), OPS)
-    ev = timed(evict, OPS // 2)
-    return {
-        "objects": held,
-        "build_s": build_s,
-        "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "insert_us": insert,
-        "lookup_us": lookup,
-        "access_us": acc,
-        "evict_us": ev_clean,
-        "evict_after_us": ev,
-    }
+def count(phase: str) -> int:
+    return OPS // 2 if phase.startswith("evict") else OPS
+
+
+def run(objects: int) -> dict[str, float]:
+    side = Side(load_core(None), objects)
+    row = {"objects": side.objects, "build_s": side.build_s}
+    for phase in PHASES:
+        fn, n = side.op(phase), count(phase)
+        start = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        row[phase] = (time.perf_counter() - start) / n * 1e6
+    row["mem_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return row
+
+
+def against(ref: str, objects: int, batches: int = 40) -> None:
+    """Both cores side by side, batches alternated (module docstring)."""
+    sides = {"this checkout": Side(load_core(None), objects), ref: Side(load_core(ref), objects)}
+    names = list(sides)
+    print(f"{objects:,} objects; µs per operation, mean of {batches} alternated batches\n")
+    print(f"| operation | {names[0]} | {names[1]} | ratio |")
+    print("|---|---:|---:|---:|")
+    for phase in PHASES:
+        fns = {name: side.op(phase) for name, side in sides.items()}
+        per = count(phase) // batches
+        spent = dict.fromkeys(names, 0.0)
+        for k in range(batches):
+            for name in names if k % 2 == 0 else reversed(names):
+                fn = fns[name]
+                start = time.perf_counter()
+                for i in range(k * per, (k + 1) * per):
+                    fn(i)
+                spent[name] += time.perf_counter() - start
+        us = {name: spent[name] / (per * batches) * 1e6 for name in names}
+        print(f"| {phase.replace('_', ' ')} | {us[names[0]]:.1f} | {us[names[1]]:.1f} "
+              f"| {us[names[0]] / us[names[1]]:.2f} |")
+    same = sides[names[0]].victims == sides[names[1]].victims
+    print(f"\nSame {len(sides[names[0]].victims):,} victims in the same order: {same}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="10000,100000,1000000")
+    ap.add_argument("--sizes", default=None, help="default 10000,100000,1000000 (1000000 "
+                    "with --against)")
+    ap.add_argument("--against", default=None, metavar="REF",
+                    help="a git revision whose core runs side by side with this checkout's")
     args = ap.parse_args()
-    rng = random.Random(0)
-    rows = [run(int(s), rng) for s in args.sizes.split(",")]
+    if args.against:
+        for size in (args.sizes or "1000000").split(","):
+            against(args.against, int(size))
+        return
+    rows = [run(int(s)) for s in (args.sizes or "10000,100000,1000000").split(",")]
     print(
         "| objects | build (s) | peak RSS (MiB) | insert (µs) | lookup 100 chunks (µs) "
         "| access (µs) | evict (µs) | evict after access (µs) |"
@@ -125,9 +189,9 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['objects']:,} | {r['build_s']:.1f} | {r['mem_mib']:.0f} | {r['insert_us']:.1f} "
-            f"| {r['lookup_us']:.1f} | {r['access_us']:.1f} | {r['evict_us']:.1f} "
-            f"| {r['evict_after_us']:.1f} |"
+            f"| {r['objects']:,} | {r['build_s']:.1f} | {r['mem_mib']:.0f} | {r['insert']:.1f} "
+            f"| {r['lookup']:.1f} | {r['access']:.1f} | {r['evict']:.1f} "
+            f"| {r['evict_after']:.1f} |"
         )
 
 
