@@ -8,6 +8,7 @@ snapshot (N_s = 25 / 2 = 12.5 token units), tier 0 = CPU and tier 1 = disk, defa
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -170,10 +171,11 @@ def test_initial_pressure_factor_is_the_factor_until_a_snapshot_leaves() -> None
     """``stored()``'s segment (L = 64, N_s = 12.5, I in {4, 8}) under a core configured
     with ``initial_pressure_factor`` 1: cost(4) = 2 + 200 = 202, cost(8) = 4 + 100 = 104
     -> 8 (the default 0 gives 4: test_force_pressure_factor_moves_the_interval_choice).
-    A negative value is refused at construction, naming the key."""
+    A negative or infinite value is refused at construction, naming the key."""
     base = stored().config
     cache = HiStateCache(replace(base, initial_pressure_factor=1.0))
     assert cache.stats().pressure_factor == 1.0
     assert cache.interval_for(64) == 8
-    with pytest.raises(ValueError, match="initial_pressure_factor must be a finite number ≥ 0"):
-        replace(base, initial_pressure_factor=-1.0)
+    for bad in (-1.0, math.inf):
+        with pytest.raises(ValueError, match="initial_pressure_factor must be a finite number ≥ 0"):
+            replace(base, initial_pressure_factor=bad)

@@ -236,3 +236,20 @@ def test_promote_skips_what_is_already_there_and_a_snapshot_whose_kv_is_not() ->
     assert small.promote(handle, DISK, 1.0) == 0
     small.release(handle)
     small.check()
+
+
+@pytest.mark.parametrize(("lost", "pruned"), [(3, {3}), (2, {2, 3})])
+def test_release_prunes_exactly_the_chunks_lost_under_the_pin(lost: int, pruned: set[int]) -> None:
+    """A stores KV chunks 1-3 (CPU). B's request pins all three; meanwhile chunk
+    ``lost``'s KV vanishes, and with it every chunk below (KV is prefix-closed): 3 alone,
+    or 2 and 3. The pinned nodes stay in the index until B releases them; the release
+    removes exactly the lost ones and keeps the chunks above with their KV."""
+    c, _ = cache(cpu=1000, disk=1000)
+    request(c, "A", [1, 2, 3], 0.0, [])
+    handle = c.begin("B", [1, 2, 3], 1.0)
+    c.lose(lost, KV, CPU)
+    assert all(k in c for k in (1, 2, 3))  # kept for the pin
+    c.release(handle)
+    assert {k for k in (1, 2, 3) if k not in c} == pruned
+    assert all(c.tiers_of(k, KV) == 1 << CPU for k in {1, 2, 3} - pruned)
+    c.check()
