@@ -33,7 +33,10 @@ has not ended is longer than any observed KV one): the densest grid, one state p
 chunk. The first snapshot that leaves starts the average and the grid follows it.
 (With F = 1 here, the paper's worked optimum for Qwen3.5-9B's 1,572-token snapshot and an
 8K segment is a 5K interval: a rewrite inside the segment would resume up to 5K tokens
-before its cut on an empty disk; ``benchmarks/sim_rewrite.md``.) Snapshots leaving
+before its cut on an empty disk. Measured, ``benchmarks/sim_weka.md`` "sim_rewrite": the
+rewrite test goes from −13 % to −19 % vs vLLM; under pressure the start-up transient
+moves the rows within their run-to-run spread, ``benchmarks/sim_eviction.md`` round 5.)
+Snapshots leaving
 while no KV has is evidence the snapshot side is the tighter one, but not of by how
 much: ``F`` stays at the neutral 1 until KV leaves too. A deployment that would rather
 start from the paper's neutral factor sets ``initial_pressure_factor: 1``.
