@@ -16,7 +16,8 @@ earlier turn is ``rewrite_scope``:
 * ``"last"`` (the default): the most recent one, the turn request k−1 appended. This is
   where Claude Code cuts: in the Weka folder, 1,237 of the 1,578 requests that rewrite
   their predecessor's context (78 %) cut inside its most recent turn, 30 reset to
-  nothing, 265 cut ≥ 10 turns back (``sim.rewrite_stats``; ``benchmarks/sim_weka.md`` "sim_rewrite").
+  nothing, 265 cut ≥ 10 turns back (``sim.rewrite_stats``; ``benchmarks/sim_weka.md``,
+  "sim_rewrite").
   Inside the turn the measured cut is late (median offset 0.875); the offset here stays
   uniform, which gives a finer resume point less to win than the measured one would.
 * ``"any"``: a uniformly drawn earlier turn (0..k−1), the model of the first rewrite
