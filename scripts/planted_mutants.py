@@ -112,15 +112,15 @@ MUTANTS = (
     Mutant(
         "demotion-ignores-lower-tier-h",
         "lmcache_histate/core/placement.py",
-        "ok = self.make_room(lower, need, now, below=rank)",
-        "ok = self.make_room(lower, need, now)",
+        "if not self._make_room_for(anchor, lower, need, now):",
+        "if not self.make_room(lower, need, now):",
         "placement: demotion ignoring H on the lower tier (evict)",
     ),
     Mutant(
         "retire-ignores-lower-tier-h",
         "lmcache_histate/core/placement.py",
-        "ok = self.make_room(dst, node.snap_bytes, now, below=rank)",
-        "ok = self.make_room(dst, node.snap_bytes, now)",
+        "if self._make_room_for(node, dst, node.snap_bytes, now):",
+        "if self.make_room(dst, node.snap_bytes, now):",
         "placement: demotion ignoring H on the lower tier (a retired final snapshot)",
     ),
     Mutant(
