@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 from lmcache_histate.backends.server.disk import file_format as df
 from support.lmcache_mp import REC_GROUP, HybridEngineClient, LMCacheServer, TokenSource
+from support.request_client import request_client
 from test_backend_server import CHUNK, GEOMETRY, histate, on_disk, settle, tokens
 
 __all__ = ["tokens"]  # the fixture, re-exported for pytest
@@ -57,14 +57,11 @@ def raw_http(
 
 def rpc(server: LMCacheServer, method: str, payload: bytes) -> tuple[bool, str, float]:
     """(success, payload or error, seconds) of one ``server_module_call``."""
-    client = RequestClientFactory.create(server.endpoints.zmq_url)
-    try:
+    with request_client(server.endpoints.zmq_url) as client:
         t0 = time.monotonic()
         request = ServerModuleCallRequest(method=method, payload=payload)
         response = client.server_module_call(request).result(timeout=20)
         seconds = time.monotonic() - t0
-    finally:
-        client.close()
     text = response.payload.decode() if response.success else response.error
     return bool(response.success), text, seconds
 

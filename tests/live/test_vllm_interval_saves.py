@@ -158,15 +158,12 @@ def test_rewrite_nulls_unchosen_recurrent_chunks_and_uses_offered_blocks() -> No
 def rpc(zmq_url: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
     """One ``server_module_call`` to the server, as the connector makes it."""
     from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+    from support.request_client import request_client
 
-    client = RequestClientFactory.create(zmq_url)
-    try:
+    with request_client(zmq_url) as client:
         response = client.server_module_call(
             ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
         ).result(10)
-    finally:
-        client.close()
     assert response.success, response.error
     return json.loads(response.payload)
 

@@ -54,7 +54,8 @@ from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache.v1.multiprocess.transfer_context import TransferContext, create_transfer_context
 from lmcache.v1.multiprocess.transport.base import RequestClient
-from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+from support.request_client import OwnedRequestClient
 
 ATTN_GROUP = 0
 """Object group id of the attention KV (first regular group under --separate-object-groups)."""
@@ -504,7 +505,8 @@ class HybridEngineClient:
             ),
         ]
         self._hasher = TokenHasher(chunk_size=g.chunk_size, hash_algorithm="blake3")
-        self.client: RequestClient = RequestClientFactory.create(zmq_url)
+        self._owned_client = OwnedRequestClient(zmq_url)  # own ZMQ context: request_client.py
+        self.client: RequestClient = self._owned_client.client
         self._transfer: TransferContext | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -544,7 +546,7 @@ class HybridEngineClient:
                 with contextlib.suppress(Exception):
                     future.result(timeout=2.0)
             transfer.close()
-        self.client.close()
+        self._owned_client.close()
 
     @property
     def transfer(self) -> TransferContext:
