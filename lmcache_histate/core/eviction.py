@@ -44,7 +44,14 @@ from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
-from .units import HitModel, UnitKind, expected_recompute, tail_chain, unit_kind, unit_nodes
+from .units import (
+    HitModel,
+    UnitKind,
+    expected_recompute,
+    unit_kind,
+    unit_nodes,
+    unit_parts,
+)
 
 __all__ = ["EvictionQueue"]
 
@@ -124,21 +131,26 @@ class EvictionQueue:
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
         """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
         ``H = score(t, C, M, τ)`` is computed from; None if it frees nothing there."""
-        freed = self._tier_bytes(anchor, tier=tier)[tier]
+        freed = self._freed_in(anchor, tier)
         if freed <= 0:
             return None
         return anchor.access, self.cost_bytes(anchor), freed
 
-    def _tier_bytes(
-        self, anchor: Node, kind: UnitKind | None = None, tier: int | None = None
-    ) -> list[int]:
-        """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
+    def _freed_in(self, anchor: Node, tier: int) -> int:
+        """Bytes the unit at ``anchor`` frees in ``tier``: its ``units.unit_parts`` there
+        (alone out of the last tier). 0 where no unit is anchored."""
+        snap, chain = unit_parts(anchor, alone=tier >= len(self.heaps) - 1)
+        bit = 1 << tier
+        freed = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
+        return freed + sum(n.kv_bytes for n in chain if n.kv_tiers & bit)
+
+    def _tier_bytes(self, anchor: Node, kind: UnitKind | None = None) -> list[int]:
+        """Bytes the unit at ``anchor`` frees in each tier (``units.unit_parts``), one pass.
 
         Every tier but the last demotes (a snapshot unit carries its KV segment); the
         last drops (a snapshot unit goes alone). Objects sit on one tier each, except
         final snapshots with a write-through copy. The KV walk is ``units.tail_chain``
-        inlined (this runs for every re-ranked unit). A caller that reads one ``tier``
-        only says so: a snapshot unit's KV walk adds nothing to the last tier.
+        inlined (this runs for every re-ranked unit).
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
@@ -152,7 +164,7 @@ class EvictionQueue:
                 low = mask & -mask
                 out[low.bit_length() - 1] += anchor.snap_bytes
                 mask ^= low
-        if kind is UnitKind.SNAPSHOT and (last == 0 or tier == last):
+        if kind is UnitKind.SNAPSHOT and last == 0:
             return out
         kv_on_last = kind is not UnitKind.SNAPSHOT
         node = anchor
@@ -171,7 +183,7 @@ class EvictionQueue:
 
     def rank(self, anchor: Node, tier: int) -> float | None:
         """``H`` of the unit at ``anchor`` for ``tier``; None if it frees nothing there."""
-        freed = self._tier_bytes(anchor, tier=tier)[tier]
+        freed = self._freed_in(anchor, tier)
         if freed <= 0:
             return None
         return self._score(anchor, freed, self.tau, tier)
@@ -257,17 +269,13 @@ class EvictionQueue:
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:
         """Whether any part the unit would move out of ``tier`` is pinned.
 
-        The parts are ``unit_nodes``'; walked, not listed (every victim is checked). The
-        anchor is one of them for every kind (the snapshot, or the chain's first node).
+        The parts are ``units.unit_parts``' (the snapshot goes alone out of the last tier,
+        and ``tier`` None means the last); walked, not listed (every victim is checked).
         """
-        kind = unit_kind(anchor)
-        if kind is None:
-            return False
-        if anchor.pins:
+        snap, chain = unit_parts(anchor, alone=tier is None or tier >= len(self.heaps) - 1)
+        if snap is not None and snap.pins:
             return True
-        if kind is UnitKind.SNAPSHOT and (tier is None or tier >= len(self.heaps) - 1):
-            return False  # dropped alone
-        return any(n.pins for n in tail_chain(anchor))
+        return any(n.pins for n in chain)
 
     def victim(self, tier: int, below: float | None = None) -> tuple[Node, float] | None:
         """The unpinned unit with the lowest ``H`` in ``tier`` (and ``H < below``)."""

@@ -15,7 +15,7 @@ something together:
 
 On every tier but the last, a snapshot unit also carries the KV segment above it (up
 to the previous snapshot or branch point): moving it down is always safe, and it is the
-only way interior KV can make room in a fast tier (see ``unit_nodes``).
+only way interior KV can make room in a fast tier (see ``unit_parts``).
 
 Cold sessions (our choice where the paper is silent): once a session's final bundle is
 evicted, the previous intermediate snapshot becomes the end of a KV leaf, i.e. the anchor
@@ -87,6 +87,7 @@ __all__ = [
     "tail_chain",
     "unit_kind",
     "unit_nodes",
+    "unit_parts",
 ]
 
 
@@ -122,8 +123,7 @@ def is_kv_leaf(node: Node) -> bool:
 
 def unit_kind(node: Node) -> UnitKind | None:
     """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
-    # ``is_kv_leaf`` inlined: this runs several times for every re-ranked unit.
-    if node.kv_tiers and not node.kv_children:
+    if is_kv_leaf(node):
         return UnitKind.BUNDLE if node.snap_tiers else UnitKind.DEAD
     if node.snap_tiers:
         return UnitKind.SNAPSHOT
@@ -141,21 +141,30 @@ def tail_chain(leaf: Node) -> Iterator[Node]:
         node = parent
 
 
-def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
-    """``(snapshot node or None, KV nodes)`` that leave a tier with the unit at ``anchor``.
+def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterator[Node]]:
+    """``(snapshot node or None, KV nodes, lazily)`` that leave a tier with the unit at
+    ``anchor``; ``alone`` when it leaves the last tier (dropped), not when it is demoted.
 
-    Dropping (leaving the last tier) must keep KV prefix-closed, so an intermediate
-    snapshot is dropped alone. Demoting (moving one tier down) breaks nothing, so there an
-    intermediate snapshot also carries the KV segment above it: otherwise KV lying between
-    two snapshots would belong to no unit until every snapshot below it is gone, and it
-    could never leave a fast tier.
+    The one statement of what a unit is made of (``unit_nodes`` lists it, the queue's pin
+    check walks it). The snapshot node, when there is one, is ``anchor``; the KV nodes are
+    ``tail_chain(anchor)`` (``anchor`` first), except that an intermediate snapshot dropped
+    ``alone`` carries none: dropping must keep KV prefix-closed. Demoting breaks nothing,
+    so there an intermediate snapshot also carries the KV segment above it: otherwise KV
+    lying between two snapshots would belong to no unit until every snapshot below it is
+    gone, and it could never leave a fast tier.
     """
     kind = unit_kind(anchor)
     if kind is None:
-        return None, []
+        return None, iter(())
     if kind is UnitKind.SNAPSHOT:
-        return anchor, list(tail_chain(anchor)) if demote else []
-    return (anchor if kind is UnitKind.BUNDLE else None), list(tail_chain(anchor))
+        return anchor, iter(()) if alone else tail_chain(anchor)
+    return (anchor if kind is UnitKind.BUNDLE else None), tail_chain(anchor)
+
+
+def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
+    """``unit_parts`` with the KV nodes listed (leaf first); ``demote`` = not ``alone``."""
+    snap, chain = unit_parts(anchor, alone=not demote)
+    return snap, list(chain)
 
 
 def snapshot_ancestor(node: Node) -> Node | None:
