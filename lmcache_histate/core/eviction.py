@@ -104,19 +104,22 @@ class EvictionQueue:
         """The ``τ`` in use now: the fixed one, or the calibrated re-access scale."""
         return self.reaccess.tau if self.fixed_tau is None else self.fixed_tau
 
-    def cost(self, node: Node) -> float:
+    def cost(self, node: Node, above: Node | None = None) -> float:
+        """``units.expected_recompute`` of ``node`` (``above``: where the search for its
+        previous snapshot may start, see there)."""
         return expected_recompute(
             node,
             self.index.chunk_tokens,
             self.hit_model.end_probability,
             self.attention_tokens,
             self.positions,
+            above,
         )
 
-    def cost_bytes(self, anchor: Node) -> float:
+    def cost_bytes(self, anchor: Node, above: Node | None = None) -> float:
         """``C`` of the unit at ``anchor`` in the bytes ``M`` is counted in (0 for a unit
         without a snapshot: a KV tail resumes nothing)."""
-        c = self.cost(anchor) if anchor.snap_tiers else 0.0
+        c = self.cost(anchor, above) if anchor.snap_tiers else 0.0
         return c * self.token_bytes
 
     def _score(
@@ -144,20 +147,23 @@ class EvictionQueue:
         freed = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
         return freed + sum(n.kv_bytes for n in chain if n.kv_tiers & bit)
 
-    def _tier_bytes(self, anchor: Node, kind: UnitKind | None = None) -> list[int]:
-        """Bytes the unit at ``anchor`` frees in each tier (``units.unit_parts``), one pass.
+    def _tier_bytes(self, anchor: Node) -> list[int]:
+        """Bytes the unit at ``anchor`` frees in each tier (``units.unit_parts``)."""
+        kind = unit_kind(anchor)
+        return [0] * len(self.heaps) if kind is None else self._walk(anchor, kind)[0]
+
+    def _walk(self, anchor: Node, kind: UnitKind) -> tuple[list[int], Node]:
+        """``(bytes freed in each tier, top of the KV walk)`` of the unit at ``anchor``.
 
         Every tier but the last demotes (a snapshot unit carries its KV segment); the
         last drops (a snapshot unit goes alone). Objects sit on one tier each, except
         final snapshots with a write-through copy. The KV walk is ``units.tail_chain``
-        inlined (this runs for every re-ranked unit).
+        inlined (this runs for every re-ranked unit); its top (``anchor`` when it is not
+        walked) has no snapshot between it and ``anchor``, so ``update`` starts the cost's
+        search for the previous snapshot there instead of walking the segment again.
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
-        if kind is None:
-            kind = unit_kind(anchor)
-            if kind is None:
-                return out
         if kind is not UnitKind.DEAD:
             mask = anchor.snap_tiers
             while mask:
@@ -165,7 +171,7 @@ class EvictionQueue:
                 out[low.bit_length() - 1] += anchor.snap_bytes
                 mask ^= low
         if kind is UnitKind.SNAPSHOT and last == 0:
-            return out
+            return out, anchor
         kv_on_last = kind is not UnitKind.SNAPSHOT
         node = anchor
         while True:
@@ -178,7 +184,7 @@ class EvictionQueue:
                 mask ^= low
             parent = node.parent
             if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
-                return out
+                return out, node
             node = parent
 
     def rank(self, anchor: Node, tier: int) -> float | None:
@@ -203,14 +209,17 @@ class EvictionQueue:
         if anchor.depth < 0 or kind is None or anchor.parent is None:
             self.remove(anchor)
             return
-        freed = self._tier_bytes(anchor, kind)
-        tau = self.tau
+        freed, top = self._walk(anchor, kind)
+        tau, recency = self.tau, self.recency_tiers
         # C does not depend on the tier: one zone walk per unit, and none if no tier
         # where it has bytes ranks by cost.
-        cost = self.cost_bytes(anchor) if tau and any(freed[self.recency_tiers :]) else 0.0
+        cost = self.cost_bytes(anchor, top) if tau and any(freed[recency:]) else 0.0
+        t, tie = anchor.access, -anchor.depth
         for tier, heap in enumerate(self.heaps):
-            if freed[tier] > 0:
-                heap.set(anchor, self._score(anchor, freed[tier], tau, tier, cost), -anchor.depth)
+            m = freed[tier]
+            if m > 0:
+                # ``_score`` inline (this runs for every re-ranked unit in every tier).
+                heap.set(anchor, score(t, cost, m, tau) if tau and tier >= recency else t, tie)
             else:
                 heap.discard(anchor)
 
@@ -321,7 +330,7 @@ class EvictionQueue:
                 assert anchor in live, f"queued node {anchor} is not in the index"
         by_t = not self.tau
         for node in live:
-            freed = self._tier_bytes(node) if unit_kind(node) is not None else [0] * len(self.heaps)
+            freed = self._tier_bytes(node)
             for tier, heap in enumerate(self.heaps):
                 assert (freed[tier] > 0) == (node in heap), (node, tier, freed)
                 if node not in heap:

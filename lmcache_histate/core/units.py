@@ -182,8 +182,13 @@ def expected_recompute(
     end_probability: float,
     attention_tokens: float = math.inf,
     positions: HitPositions | None = None,
+    above: Node | None = None,
 ) -> float:
     """``C`` of the snapshot at ``node``: expected extra recompute if it goes.
+
+    ``above``, if given, is where the search for the previous snapshot may start: ``node``
+    or an ancestor with no snapshot between the two (the top of ``tail_chain(node)``,
+    which a caller that walked it already holds).
 
     In linear-token equivalents: every loss counted here is the recompute of
     ``[p_prev, p)``, which with causal attention costs ``a·δ + b·(p² − p_prev²)/2``
@@ -207,7 +212,7 @@ def expected_recompute(
     if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
-    prev = snapshot_ancestor(node)
+    prev = snapshot_ancestor(node if above is None else above)
     delta = p - (0 if prev is None else (prev.depth + 1) * chunk_tokens)
     lo = node.seg_offset
     measured = positions is not None and lo >= 0.0
