@@ -45,6 +45,8 @@ from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
 from .units import (
+    KIND_DEAD,
+    KIND_SNAPSHOT,
     HitModel,
     UnitKind,
     expected_recompute,
@@ -164,15 +166,15 @@ class EvictionQueue:
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
-        if kind is not UnitKind.DEAD:
+        if kind is not KIND_DEAD:
             mask = anchor.snap_tiers
             while mask:
                 low = mask & -mask
                 out[low.bit_length() - 1] += anchor.snap_bytes
                 mask ^= low
-        if kind is UnitKind.SNAPSHOT and last == 0:
+        if kind is KIND_SNAPSHOT and last == 0:
             return out, anchor
-        kv_on_last = kind is not UnitKind.SNAPSHOT
+        kv_on_last = kind is not KIND_SNAPSHOT
         node = anchor
         while True:
             mask = node.kv_tiers

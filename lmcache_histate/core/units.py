@@ -80,6 +80,9 @@ from .hit_positions import HitPositions
 from .index import Node
 
 __all__ = [
+    "KIND_BUNDLE",
+    "KIND_DEAD",
+    "KIND_SNAPSHOT",
     "HitModel",
     "UnitKind",
     "expected_recompute",
@@ -95,6 +98,12 @@ class UnitKind(Enum):
     SNAPSHOT = "snapshot"
     BUNDLE = "bundle"
     DEAD = "dead"
+
+
+# The members as module constants, for the hot paths: on Python 3.11 reading
+# ``UnitKind.SNAPSHOT`` calls the enum's member descriptor (~0.2 µs, measured; a module
+# constant ~0.02 µs), and every re-rank compares kinds several times.
+KIND_SNAPSHOT, KIND_BUNDLE, KIND_DEAD = UnitKind.SNAPSHOT, UnitKind.BUNDLE, UnitKind.DEAD
 
 
 class HitModel:
@@ -124,9 +133,9 @@ def is_kv_leaf(node: Node) -> bool:
 def unit_kind(node: Node) -> UnitKind | None:
     """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
     if is_kv_leaf(node):
-        return UnitKind.BUNDLE if node.snap_tiers else UnitKind.DEAD
+        return KIND_BUNDLE if node.snap_tiers else KIND_DEAD
     if node.snap_tiers:
-        return UnitKind.SNAPSHOT
+        return KIND_SNAPSHOT
     return None
 
 
@@ -156,9 +165,9 @@ def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterator[Node
     kind = unit_kind(anchor)
     if kind is None:
         return None, iter(())
-    if kind is UnitKind.SNAPSHOT:
+    if kind is KIND_SNAPSHOT:
         return anchor, iter(()) if alone else tail_chain(anchor)
-    return (anchor if kind is UnitKind.BUNDLE else None), tail_chain(anchor)
+    return (anchor if kind is KIND_BUNDLE else None), tail_chain(anchor)
 
 
 def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
