@@ -147,7 +147,10 @@ class EvictionQueue:
         snap, chain = unit_parts(anchor, alone=tier >= len(self.heaps) - 1)
         bit = 1 << tier
         freed = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
-        return freed + sum(n.kv_bytes for n in chain if n.kv_tiers & bit)
+        for node in chain:  # a loop, not sum(<generator>): this runs for every victim
+            if node.kv_tiers & bit:
+                freed += node.kv_bytes
+        return freed
 
     def _tier_bytes(self, anchor: Node) -> list[int]:
         """Bytes the unit at ``anchor`` frees in each tier (``units.unit_parts``)."""
@@ -286,7 +289,12 @@ class EvictionQueue:
         snap, chain = unit_parts(anchor, alone=tier is None or tier >= len(self.heaps) - 1)
         if snap is not None and snap.pins:
             return True
-        return any(n.pins for n in chain)
+        # A loop, not any(<generator>): no generator is made when there is no chain (a
+        # snapshot dropped alone, the common victim), measured.
+        for node in chain:  # noqa: SIM110
+            if node.pins:
+                return True
+        return False
 
     def victim(self, tier: int, below: float | None = None) -> tuple[Node, float] | None:
         """The unpinned unit with the lowest ``H`` in ``tier`` (and ``H < below``)."""

@@ -72,7 +72,7 @@ keeps the uniform mass: its offsets are not one interval of one segment.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from enum import Enum
 
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR
@@ -150,7 +150,7 @@ def tail_chain(leaf: Node) -> Iterator[Node]:
         node = parent
 
 
-def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterator[Node]]:
+def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterable[Node]]:
     """``(snapshot node or None, KV nodes, lazily)`` that leave a tier with the unit at
     ``anchor``; ``alone`` when it leaves the last tier (dropped), not when it is demoted.
 
@@ -164,9 +164,9 @@ def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterator[Node
     """
     kind = unit_kind(anchor)
     if kind is None:
-        return None, iter(())
+        return None, ()
     if kind is KIND_SNAPSHOT:
-        return anchor, iter(()) if alone else tail_chain(anchor)
+        return anchor, () if alone else tail_chain(anchor)
     return (anchor if kind is KIND_BUNDLE else None), tail_chain(anchor)
 
 
