@@ -44,6 +44,7 @@ from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
+from .tiers import bits
 from .units import (
     KIND_DEAD,
     KIND_SNAPSHOT,
@@ -99,6 +100,9 @@ class EvictionQueue:
         self.positions = positions
         self.recency_tiers = recency_tiers
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
+        # The tiers in each tier mask, ascending: the tier-bytes walk reads a node's mask
+        # through this table instead of a bit loop (a handful of tiers: 2^n entries).
+        self._tiers_of = [tuple(bits(mask)) for mask in range(1 << num_tiers)]
 
     # ----------------------------------------------------------------- ranking
     @property
@@ -169,24 +173,18 @@ class EvictionQueue:
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
+        tiers_of = self._tiers_of
         if kind is not KIND_DEAD:
-            mask = anchor.snap_tiers
-            while mask:
-                low = mask & -mask
-                out[low.bit_length() - 1] += anchor.snap_bytes
-                mask ^= low
+            for t in tiers_of[anchor.snap_tiers]:
+                out[t] += anchor.snap_bytes
         if kind is KIND_SNAPSHOT and last == 0:
             return out, anchor
-        kv_on_last = kind is not KIND_SNAPSHOT
+        # A snapshot unit's KV does not leave the last tier with it (it goes alone).
+        kv_mask = ~(1 << last) if kind is KIND_SNAPSHOT else -1
         node = anchor
         while True:
-            mask = node.kv_tiers
-            while mask:
-                low = mask & -mask
-                t = low.bit_length() - 1
-                if t < last or kv_on_last:
-                    out[t] += node.kv_bytes
-                mask ^= low
+            for t in tiers_of[node.kv_tiers & kv_mask]:
+                out[t] += node.kv_bytes
             parent = node.parent
             if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
                 return out, node
