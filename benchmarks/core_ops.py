@@ -17,10 +17,12 @@ on a shared machine. ``--against REF`` compares this checkout's core with the co
 revision ``REF`` instead: both are imported into one process (REF's ``lmcache_histate/core``
 extracted with ``git archive``; the core imports only itself), both caches are built, and
 the batches of each operation alternate between the two, so load swings hit both alike;
-it also checks that both evict the same units in the same order.
+it also checks that both evict the same units in the same order. Besides the ratio of the
+totals it prints the median of the per-batch ratios, which a load spike during a few
+batches does not move.
 
 Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``,
-``python benchmarks/core_ops.py --against main [--sizes 1000000]``.
+``python benchmarks/core_ops.py --against main [--sizes 1000000] [--ops 6000 --batches 120]``.
 """
 
 from __future__ import annotations
