@@ -154,13 +154,14 @@ def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterable[Node
     """``(snapshot node or None, KV nodes, lazily)`` that leave a tier with the unit at
     ``anchor``; ``alone`` when it leaves the last tier (dropped), not when it is demoted.
 
-    The one statement of what a unit is made of (``unit_nodes`` lists it, the queue's pin
-    check walks it). The snapshot node, when there is one, is ``anchor``; the KV nodes are
-    ``tail_chain(anchor)`` (``anchor`` first), except that an intermediate snapshot dropped
-    ``alone`` carries none: dropping must keep KV prefix-closed. Demoting breaks nothing,
-    so there an intermediate snapshot also carries the KV segment above it: otherwise KV
-    lying between two snapshots would belong to no unit until every snapshot below it is
-    gone, and it could never leave a fast tier.
+    The one statement of what a unit is made of (``unit_nodes`` lists it; the queue's
+    pin check and its bytes-in-one-tier walk it: each runs for every victim). The
+    snapshot node, when there is one, is ``anchor``; the KV nodes are ``tail_chain(anchor)``
+    (``anchor`` first), except that an intermediate snapshot dropped ``alone`` carries
+    none: dropping must keep KV prefix-closed. Demoting breaks nothing, so there an
+    intermediate snapshot also carries the KV segment above it: otherwise KV lying
+    between two snapshots would belong to no unit until every snapshot below it is gone,
+    and it could never leave a fast tier.
     """
     kind = unit_kind(anchor)
     if kind is None:
