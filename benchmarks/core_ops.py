@@ -17,10 +17,12 @@ on a shared machine. ``--against REF`` compares this checkout's core with the co
 revision ``REF`` instead: both are imported into one process (REF's ``lmcache_histate/core``
 extracted with ``git archive``; the core imports only itself), both caches are built, and
 the batches of each operation alternate between the two, so load swings hit both alike;
-it also checks that both evict the same units in the same order.
+it also checks that both evict the same units in the same order. Besides the ratio of the
+totals it prints the median of the per-batch ratios, which a load spike during a few
+batches does not move.
 
 Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``,
-``python benchmarks/core_ops.py --against main [--sizes 1000000]``.
+``python benchmarks/core_ops.py --against main [--sizes 1000000] [--ops 6000 --batches 120]``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import importlib
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -146,40 +149,51 @@ def run(objects: int) -> dict[str, float]:
 
 
 def against(ref: str, objects: int, batches: int = 40) -> None:
-    """Both cores side by side, batches alternated (module docstring)."""
+    """Both cores side by side, batches alternated (module docstring). The ratio is of
+    the totals; the median of the per-batch ratios (each pair ran back to back) is the
+    one a load swing during a few batches does not move."""
     sides = {"this checkout": Side(load_core(None), objects), ref: Side(load_core(ref), objects)}
     names = list(sides)
     print(f"{objects:,} objects; µs per operation, mean of {batches} alternated batches\n")
-    print(f"| operation | {names[0]} | {names[1]} | ratio |")
-    print("|---|---:|---:|---:|")
+    print(f"| operation | {names[0]} | {names[1]} | ratio | median batch ratio |")
+    print("|---|---:|---:|---:|---:|")
     for phase in PHASES:
         fns = {name: side.op(phase) for name, side in sides.items()}
         per = count(phase) // batches
         spent = dict.fromkeys(names, 0.0)
+        ratios = []
         for k in range(batches):
+            took = {}
             for name in names if k % 2 == 0 else reversed(names):
                 fn = fns[name]
                 start = time.perf_counter()
                 for i in range(k * per, (k + 1) * per):
                     fn(i)
-                spent[name] += time.perf_counter() - start
+                took[name] = time.perf_counter() - start
+                spent[name] += took[name]
+            ratios.append(took[names[0]] / took[names[1]])
         us = {name: spent[name] / (per * batches) * 1e6 for name in names}
         print(f"| {phase.replace('_', ' ')} | {us[names[0]]:.1f} | {us[names[1]]:.1f} "
-              f"| {us[names[0]] / us[names[1]]:.2f} |")
+              f"| {us[names[0]] / us[names[1]]:.2f} | {statistics.median(ratios):.2f} |")
     same = sides[names[0]].victims == sides[names[1]].victims
     print(f"\nSame {len(sides[names[0]].victims):,} victims in the same order: {same}")
 
 
 def main() -> None:
+    global OPS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default=None, help="default 10000,100000,1000000 (1000000 "
                     "with --against)")
     ap.add_argument("--against", default=None, metavar="REF",
                     help="a git revision whose core runs side by side with this checkout's")
+    ap.add_argument("--ops", type=int, default=OPS, help=f"operations of each kind (default "
+                    f"{OPS}; half as many evictions)")
+    ap.add_argument("--batches", type=int, default=40, help="alternated batches with --against")
     args = ap.parse_args()
+    OPS = args.ops
     if args.against:
         for size in (args.sizes or "1000000").split(","):
-            against(args.against, int(size))
+            against(args.against, int(size), args.batches)
         return
     rows = [run(int(s)) for s in (args.sizes or "10000,100000,1000000").split(",")]
     print(

@@ -44,7 +44,17 @@ from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
 from .score import ReaccessScale, score
-from .units import HitModel, UnitKind, expected_recompute, tail_chain, unit_kind, unit_nodes
+from .tiers import bits
+from .units import (
+    KIND_DEAD,
+    KIND_SNAPSHOT,
+    HitModel,
+    UnitKind,
+    expected_recompute,
+    unit_kind,
+    unit_nodes,
+    unit_parts,
+)
 
 __all__ = ["EvictionQueue"]
 
@@ -90,6 +100,9 @@ class EvictionQueue:
         self.positions = positions
         self.recency_tiers = recency_tiers
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
+        # The tiers in each tier mask, ascending: the tier-bytes walk reads a node's mask
+        # through this table instead of a bit loop (a handful of tiers: 2^n entries).
+        self._tiers_of = [tuple(bits(mask)) for mask in range(1 << num_tiers)]
 
     # ----------------------------------------------------------------- ranking
     @property
@@ -97,19 +110,22 @@ class EvictionQueue:
         """The ``τ`` in use now: the fixed one, or the calibrated re-access scale."""
         return self.reaccess.tau if self.fixed_tau is None else self.fixed_tau
 
-    def cost(self, node: Node) -> float:
+    def cost(self, node: Node, above: Node | None = None) -> float:
+        """``units.expected_recompute`` of ``node`` (``above``: where the search for its
+        previous snapshot may start, see there)."""
         return expected_recompute(
             node,
             self.index.chunk_tokens,
             self.hit_model.end_probability,
             self.attention_tokens,
             self.positions,
+            above,
         )
 
-    def cost_bytes(self, anchor: Node) -> float:
+    def cost_bytes(self, anchor: Node, above: Node | None = None) -> float:
         """``C`` of the unit at ``anchor`` in the bytes ``M`` is counted in (0 for a unit
         without a snapshot: a KV tail resumes nothing)."""
-        c = self.cost(anchor) if anchor.snap_tiers else 0.0
+        c = self.cost(anchor, above) if anchor.snap_tiers else 0.0
         return c * self.token_bytes
 
     def _score(
@@ -124,54 +140,59 @@ class EvictionQueue:
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
         """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
         ``H = score(t, C, M, τ)`` is computed from; None if it frees nothing there."""
-        freed = self._tier_bytes(anchor, tier=tier)[tier]
+        freed = self._freed_in(anchor, tier)
         if freed <= 0:
             return None
         return anchor.access, self.cost_bytes(anchor), freed
 
-    def _tier_bytes(
-        self, anchor: Node, kind: UnitKind | None = None, tier: int | None = None
-    ) -> list[int]:
-        """Bytes the unit at ``anchor`` frees in each tier (``unit_nodes``), one pass.
+    def _freed_in(self, anchor: Node, tier: int) -> int:
+        """Bytes the unit at ``anchor`` frees in ``tier``: its ``units.unit_parts`` there
+        (alone out of the last tier). 0 where no unit is anchored."""
+        snap, chain = unit_parts(anchor, alone=tier >= len(self.heaps) - 1)
+        bit = 1 << tier
+        freed = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
+        for node in chain:  # a loop, not sum(<generator>): this runs for every victim
+            if node.kv_tiers & bit:
+                freed += node.kv_bytes
+        return freed
+
+    def _tier_bytes(self, anchor: Node) -> list[int]:
+        """Bytes the unit at ``anchor`` frees in each tier (``units.unit_parts``)."""
+        kind = unit_kind(anchor)
+        return [0] * len(self.heaps) if kind is None else self._walk(anchor, kind)[0]
+
+    def _walk(self, anchor: Node, kind: UnitKind) -> tuple[list[int], Node]:
+        """``(bytes freed in each tier, top of the KV walk)`` of the unit at ``anchor``.
 
         Every tier but the last demotes (a snapshot unit carries its KV segment); the
         last drops (a snapshot unit goes alone). Objects sit on one tier each, except
         final snapshots with a write-through copy. The KV walk is ``units.tail_chain``
-        inlined (this runs for every re-ranked unit). A caller that reads one ``tier``
-        only says so: a snapshot unit's KV walk adds nothing to the last tier.
+        inlined (this runs for every re-ranked unit); its top (``anchor`` when it is not
+        walked) has no snapshot between it and ``anchor``, so ``update`` starts the cost's
+        search for the previous snapshot there instead of walking the segment again.
         """
         last = len(self.heaps) - 1
         out = [0] * (last + 1)
-        if kind is None:
-            kind = unit_kind(anchor)
-            if kind is None:
-                return out
-        if kind is not UnitKind.DEAD:
-            mask = anchor.snap_tiers
-            while mask:
-                low = mask & -mask
-                out[low.bit_length() - 1] += anchor.snap_bytes
-                mask ^= low
-        if kind is UnitKind.SNAPSHOT and (last == 0 or tier == last):
-            return out
-        kv_on_last = kind is not UnitKind.SNAPSHOT
+        tiers_of = self._tiers_of
+        if kind is not KIND_DEAD:
+            for t in tiers_of[anchor.snap_tiers]:
+                out[t] += anchor.snap_bytes
+        if kind is KIND_SNAPSHOT and last == 0:
+            return out, anchor
+        # A snapshot unit's KV does not leave the last tier with it (it goes alone).
+        kv_mask = ~(1 << last) if kind is KIND_SNAPSHOT else -1
         node = anchor
         while True:
-            mask = node.kv_tiers
-            while mask:
-                low = mask & -mask
-                t = low.bit_length() - 1
-                if t < last or kv_on_last:
-                    out[t] += node.kv_bytes
-                mask ^= low
+            for t in tiers_of[node.kv_tiers & kv_mask]:
+                out[t] += node.kv_bytes
             parent = node.parent
             if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
-                return out
+                return out, node
             node = parent
 
     def rank(self, anchor: Node, tier: int) -> float | None:
         """``H`` of the unit at ``anchor`` for ``tier``; None if it frees nothing there."""
-        freed = self._tier_bytes(anchor, tier=tier)[tier]
+        freed = self._freed_in(anchor, tier)
         if freed <= 0:
             return None
         return self._score(anchor, freed, self.tau, tier)
@@ -191,14 +212,17 @@ class EvictionQueue:
         if anchor.depth < 0 or kind is None or anchor.parent is None:
             self.remove(anchor)
             return
-        freed = self._tier_bytes(anchor, kind)
-        tau = self.tau
+        freed, top = self._walk(anchor, kind)
+        tau, recency = self.tau, self.recency_tiers
         # C does not depend on the tier: one zone walk per unit, and none if no tier
         # where it has bytes ranks by cost.
-        cost = self.cost_bytes(anchor) if tau and any(freed[self.recency_tiers :]) else 0.0
+        cost = self.cost_bytes(anchor, top) if tau and any(freed[recency:]) else 0.0
+        t, tie = anchor.access, -anchor.depth
         for tier, heap in enumerate(self.heaps):
-            if freed[tier] > 0:
-                heap.set(anchor, self._score(anchor, freed[tier], tau, tier, cost), -anchor.depth)
+            m = freed[tier]
+            if m > 0:
+                # ``_score`` inline (this runs for every re-ranked unit in every tier).
+                heap.set(anchor, score(t, cost, m, tau) if tau and tier >= recency else t, tie)
             else:
                 heap.discard(anchor)
 
@@ -257,17 +281,18 @@ class EvictionQueue:
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:
         """Whether any part the unit would move out of ``tier`` is pinned.
 
-        The parts are ``unit_nodes``'; walked, not listed (every victim is checked). The
-        anchor is one of them for every kind (the snapshot, or the chain's first node).
+        The parts are ``units.unit_parts``' (the snapshot goes alone out of the last tier,
+        and ``tier`` None means the last); walked, not listed (every victim is checked).
         """
-        kind = unit_kind(anchor)
-        if kind is None:
-            return False
-        if anchor.pins:
+        snap, chain = unit_parts(anchor, alone=tier is None or tier >= len(self.heaps) - 1)
+        if snap is not None and snap.pins:
             return True
-        if kind is UnitKind.SNAPSHOT and (tier is None or tier >= len(self.heaps) - 1):
-            return False  # dropped alone
-        return any(n.pins for n in tail_chain(anchor))
+        # A loop, not any(<generator>): no generator is made when there is no chain (a
+        # snapshot dropped alone, the common victim), measured.
+        for node in chain:  # noqa: SIM110
+            if node.pins:
+                return True
+        return False
 
     def victim(self, tier: int, below: float | None = None) -> tuple[Node, float] | None:
         """The unpinned unit with the lowest ``H`` in ``tier`` (and ``H < below``)."""
@@ -313,7 +338,7 @@ class EvictionQueue:
                 assert anchor in live, f"queued node {anchor} is not in the index"
         by_t = not self.tau
         for node in live:
-            freed = self._tier_bytes(node) if unit_kind(node) is not None else [0] * len(self.heaps)
+            freed = self._tier_bytes(node)
             for tier, heap in enumerate(self.heaps):
                 assert (freed[tier] > 0) == (node in heap), (node, tier, freed)
                 if node not in heap:

@@ -75,16 +75,21 @@ class IndexedHeap(Generic[K]):
         else:
             order = old[2]
         entry = (priority, tie, order, self._seq, key)
-        self._live[key] = entry
-        heapq.heappush(self._heap, entry)
-        if old is not None:
-            self._maybe_compact()
+        live, heap = self._live, self._heap
+        live[key] = entry
+        heapq.heappush(heap, entry)
+        # ``_compact``'s condition, inline: this runs for every re-rank.
+        if old is not None and len(heap) > 2 * len(live) and len(heap) > 2 * COMPACT_MIN:
+            self._compact()
 
     def discard(self, key: K) -> bool:
         """Remove ``key`` if present; returns whether it was."""
-        if self._live.pop(key, None) is None:
+        live = self._live
+        if live.pop(key, None) is None:
             return False
-        self._maybe_compact()
+        n = len(self._heap)
+        if n > 2 * len(live) and n > 2 * COMPACT_MIN:
+            self._compact()
         return True
 
     def peek(self) -> tuple[K, float] | None:
@@ -104,7 +109,8 @@ class IndexedHeap(Generic[K]):
         heapq.heappop(self._heap)
         return top
 
-    def _maybe_compact(self) -> None:
-        if len(self._heap) > 2 * max(len(self._live), COMPACT_MIN):
-            self._heap = list(self._live.values())
-            heapq.heapify(self._heap)
+    def _compact(self) -> None:
+        """Rebuild from the live entries; callers do so once stale entries outnumber live
+        ones (and ``COMPACT_MIN``): ``len(_heap) > 2 · max(len(_live), COMPACT_MIN)``."""
+        self._heap = list(self._live.values())
+        heapq.heapify(self._heap)

@@ -15,7 +15,7 @@ something together:
 
 On every tier but the last, a snapshot unit also carries the KV segment above it (up
 to the previous snapshot or branch point): moving it down is always safe, and it is the
-only way interior KV can make room in a fast tier (see ``unit_nodes``).
+only way interior KV can make room in a fast tier (see ``unit_parts``).
 
 Cold sessions (our choice where the paper is silent): once a session's final bundle is
 evicted, the previous intermediate snapshot becomes the end of a KV leaf, i.e. the anchor
@@ -72,7 +72,7 @@ keeps the uniform mass: its offsets are not one interval of one segment.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from enum import Enum
 
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR
@@ -80,6 +80,9 @@ from .hit_positions import HitPositions
 from .index import Node
 
 __all__ = [
+    "KIND_BUNDLE",
+    "KIND_DEAD",
+    "KIND_SNAPSHOT",
     "HitModel",
     "UnitKind",
     "expected_recompute",
@@ -87,6 +90,7 @@ __all__ = [
     "tail_chain",
     "unit_kind",
     "unit_nodes",
+    "unit_parts",
 ]
 
 
@@ -94,6 +98,12 @@ class UnitKind(Enum):
     SNAPSHOT = "snapshot"
     BUNDLE = "bundle"
     DEAD = "dead"
+
+
+# The members as module constants, for the hot paths: on Python 3.11 reading
+# ``UnitKind.SNAPSHOT`` calls the enum's member descriptor (~0.2 µs, measured; a module
+# constant ~0.02 µs), and every re-rank compares kinds several times.
+KIND_SNAPSHOT, KIND_BUNDLE, KIND_DEAD = UnitKind.SNAPSHOT, UnitKind.BUNDLE, UnitKind.DEAD
 
 
 class HitModel:
@@ -122,11 +132,10 @@ def is_kv_leaf(node: Node) -> bool:
 
 def unit_kind(node: Node) -> UnitKind | None:
     """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
-    # ``is_kv_leaf`` inlined: this runs several times for every re-ranked unit.
-    if node.kv_tiers and not node.kv_children:
-        return UnitKind.BUNDLE if node.snap_tiers else UnitKind.DEAD
+    if is_kv_leaf(node):
+        return KIND_BUNDLE if node.snap_tiers else KIND_DEAD
     if node.snap_tiers:
-        return UnitKind.SNAPSHOT
+        return KIND_SNAPSHOT
     return None
 
 
@@ -141,21 +150,31 @@ def tail_chain(leaf: Node) -> Iterator[Node]:
         node = parent
 
 
-def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
-    """``(snapshot node or None, KV nodes)`` that leave a tier with the unit at ``anchor``.
+def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterable[Node]]:
+    """``(snapshot node or None, KV nodes, lazily)`` that leave a tier with the unit at
+    ``anchor``; ``alone`` when it leaves the last tier (dropped), not when it is demoted.
 
-    Dropping (leaving the last tier) must keep KV prefix-closed, so an intermediate
-    snapshot is dropped alone. Demoting (moving one tier down) breaks nothing, so there an
-    intermediate snapshot also carries the KV segment above it: otherwise KV lying between
-    two snapshots would belong to no unit until every snapshot below it is gone, and it
-    could never leave a fast tier.
+    The one statement of what a unit is made of (``unit_nodes`` lists it; the queue's
+    pin check and its bytes-in-one-tier walk it: each runs for every victim). The
+    snapshot node, when there is one, is ``anchor``; the KV nodes are ``tail_chain(anchor)``
+    (``anchor`` first), except that an intermediate snapshot dropped ``alone`` carries
+    none: dropping must keep KV prefix-closed. Demoting breaks nothing, so there an
+    intermediate snapshot also carries the KV segment above it: otherwise KV lying
+    between two snapshots would belong to no unit until every snapshot below it is gone,
+    and it could never leave a fast tier.
     """
     kind = unit_kind(anchor)
     if kind is None:
-        return None, []
-    if kind is UnitKind.SNAPSHOT:
-        return anchor, list(tail_chain(anchor)) if demote else []
-    return (anchor if kind is UnitKind.BUNDLE else None), list(tail_chain(anchor))
+        return None, ()
+    if kind is KIND_SNAPSHOT:
+        return anchor, () if alone else tail_chain(anchor)
+    return (anchor if kind is KIND_BUNDLE else None), tail_chain(anchor)
+
+
+def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
+    """``unit_parts`` with the KV nodes listed (leaf first); ``demote`` = not ``alone``."""
+    snap, chain = unit_parts(anchor, alone=not demote)
+    return snap, list(chain)
 
 
 def snapshot_ancestor(node: Node) -> Node | None:
@@ -173,8 +192,13 @@ def expected_recompute(
     end_probability: float,
     attention_tokens: float = math.inf,
     positions: HitPositions | None = None,
+    above: Node | None = None,
 ) -> float:
     """``C`` of the snapshot at ``node``: expected extra recompute if it goes.
+
+    ``above``, if given, is where the search for the previous snapshot may start: ``node``
+    or an ancestor with no snapshot between the two (the top of ``tail_chain(node)``,
+    which a caller that walked it already holds).
 
     In linear-token equivalents: every loss counted here is the recompute of
     ``[p_prev, p)``, which with causal attention costs ``a·δ + b·(p² − p_prev²)/2``
@@ -198,7 +222,7 @@ def expected_recompute(
     if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
-    prev = snapshot_ancestor(node)
+    prev = snapshot_ancestor(node if above is None else above)
     delta = p - (0 if prev is None else (prev.depth + 1) * chunk_tokens)
     lo = node.seg_offset
     measured = positions is not None and lo >= 0.0
