@@ -107,3 +107,61 @@ def test_set_moves_a_key_whenever_priority_or_tie_changes() -> None:
     assert heap.discard("j") is False
     heap.set("j", 3.0)
     assert heap.discard("j") is True
+
+
+def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
+    """The rebuild waits until the list exceeds 2·max(live, COMPACT_MIN = 64) entries.
+
+    200 keys, then each re-set once: after the i-th re-set the list holds 200 + i entries
+    (i stale), at most 400 = 2·200 after the 200th, so none compacts; one more re-set makes
+    401 > 400 and the list is rebuilt from the 200 live entries. With 10 keys the floor
+    decides: 10 + 118 re-sets reach 128 = 2·64 entries without a rebuild, the next one
+    (129) rebuilds to 10.
+    """
+    heap: IndexedHeap[int] = IndexedHeap()
+    for k in range(200):
+        heap.set(k, float(k))
+    sizes = []
+    for k in range(200):
+        heap.set(k, 1000.0 + k)
+        sizes.append(len(heap._heap))
+    assert sizes == list(range(201, 401))
+    heap.set(0, 5000.0)
+    assert len(heap._heap) == 200
+
+    small: IndexedHeap[int] = IndexedHeap()
+    for k in range(10):
+        small.set(k, 0.0)
+    for i in range(118):
+        small.set(i % 10, float(i + 1))
+    assert len(small._heap) == 128
+    small.set(0, 999.0)
+    assert len(small._heap) == 10
+    # Last priorities: key k < 8 from i = 110 + k (111..117 for 1..7), 8 and 9 from
+    # i = 108, 109 (109, 110), key 0 now 999: the rebuilt heap keeps that order.
+    assert [small.pop()[0] for _ in range(10)] == [8, 9, 1, 2, 3, 4, 5, 6, 7, 0]
+
+
+def test_discard_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
+    """150 keys discarded one by one: after the j-th discard the list still holds 150
+    entries for 150 − j live keys; 150 > 2·(150 − j) first at j = 76 (74 live), where it
+    is rebuilt to 74. Below the floor nothing compacts: 40 keys re-set to 128 = 2·64
+    entries, then one discard (39 live, 128 not > 128) keeps all 128."""
+    heap: IndexedHeap[int] = IndexedHeap()
+    for k in range(150):
+        heap.set(k, float(k))
+    sizes = []
+    for k in range(76):
+        heap.discard(k)
+        sizes.append(len(heap._heap))
+    assert sizes == [150] * 75 + [74]
+    assert heap.pop() == (76, 76.0)
+
+    small: IndexedHeap[int] = IndexedHeap()
+    for k in range(40):
+        small.set(k, 0.0)
+    for i in range(88):
+        small.set(i % 40, float(i + 1))
+    assert len(small._heap) == 128
+    small.discard(0)
+    assert len(small._heap) == 128
