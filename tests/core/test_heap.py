@@ -109,6 +109,19 @@ def test_set_moves_a_key_whenever_priority_or_tie_changes() -> None:
     assert heap.discard("j") is True
 
 
+def at_the_floor(live: int) -> IndexedHeap[int]:
+    """``live`` keys at 0.0, then re-set in turn (the i-th re-set gives key ``i % live``
+    priority ``i + 1``) until the list holds 128 = 2·COMPACT_MIN entries, none rebuilt:
+    128 is not above the floor."""
+    heap: IndexedHeap[int] = IndexedHeap()
+    for k in range(live):
+        heap.set(k, 0.0)
+    for i in range(128 - live):
+        heap.set(i % live, float(i + 1))
+    assert len(heap._heap) == 128
+    return heap
+
+
 def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
     """The rebuild waits until the list exceeds 2·max(live, COMPACT_MIN = 64) entries.
 
@@ -129,12 +142,7 @@ def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
     heap.set(0, 5000.0)
     assert len(heap._heap) == 200
 
-    small: IndexedHeap[int] = IndexedHeap()
-    for k in range(10):
-        small.set(k, 0.0)
-    for i in range(118):
-        small.set(i % 10, float(i + 1))
-    assert len(small._heap) == 128
+    small = at_the_floor(10)  # 118 re-sets: the i-th gives key i % 10 priority i + 1
     small.set(0, 999.0)
     assert len(small._heap) == 10
     # Last priorities: key k < 8 from i = 110 + k (111..117 for 1..7), 8 and 9 from
@@ -157,11 +165,6 @@ def test_discard_compacts_exactly_when_stale_entries_outnumber_live_ones() -> No
     assert sizes == [150] * 75 + [74]
     assert heap.pop() == (76, 76.0)
 
-    small: IndexedHeap[int] = IndexedHeap()
-    for k in range(40):
-        small.set(k, 0.0)
-    for i in range(88):
-        small.set(i % 40, float(i + 1))
-    assert len(small._heap) == 128
+    small = at_the_floor(40)
     small.discard(0)
     assert len(small._heap) == 128
