@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from sim_eviction import run_point
+from sim_eviction import GIB, run_point
 
 from lmcache_histate.sim.config import load_setup
 from lmcache_histate.sim.report import OFFLOAD, REFERENCE, reuse_sensitive
@@ -59,8 +59,10 @@ def main() -> None:
     idle = {(r.session_id, r.index): min(r.think_time, setup.max_think_s) if r.index else 0.0
             for s in trace.sessions for r in s.requests}
 
+    memory = {n: runs[n].capacity_bytes / GIB for n in (a, b)}
     print(f"{trace.name} at {args.factor:g}x CPU+disk, {a} − {b}, "
-          f"{len(sensitive)} reuse-sensitive requests\n")
+          f"{len(sensitive)} reuse-sensitive requests; memory (GPU + CPU + disk): "
+          f"{a} {memory[a]:.1f} GiB, {b} {memory[b]:.1f} GiB\n")
     print("| who hit more | requests | Σ ΔTTFT (s) | Δ queue (s) | Δ recompute (s) | Δ load (s) |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, pick in (("same", lambda x, y: x == y), (f"{b} more", lambda x, y: y > x),
