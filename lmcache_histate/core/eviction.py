@@ -128,13 +128,19 @@ class EvictionQueue:
         c = self.cost(anchor, above) if anchor.snap_tiers else 0.0
         return c * self.token_bytes
 
+    def _first_cost_tier(self, tau: float) -> int:
+        """The first tier ranked by ``H``; the tiers above it rank by ``t`` alone (LRU):
+        the engine's own pool (NOTE 2, ``score`` NOTE 3), and every tier when ``τ = 0``.
+        The one statement of that rule (``_score`` and ``update`` read it)."""
+        return self.recency_tiers if tau else len(self.heaps)
+
     def _score(
         self, anchor: Node, freed: int, tau: float, tier: int, cost: float | None = None
     ) -> float:
         """The unit's rank in ``tier``; ``cost`` = ``cost_bytes(anchor)`` if the caller
         already has it (it does not depend on the tier)."""
-        if not tau or tier < self.recency_tiers:
-            return anchor.access  # τ = 0, or the engine's own pool (``score`` NOTE 3): LRU
+        if tier < self._first_cost_tier(tau):
+            return anchor.access
         return score(anchor.access, self.cost_bytes(anchor) if cost is None else cost, freed, tau)
 
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
@@ -213,16 +219,17 @@ class EvictionQueue:
             self.remove(anchor)
             return
         freed, top = self._walk(anchor, kind)
-        tau, recency = self.tau, self.recency_tiers
+        tau = self.tau
+        first = self._first_cost_tier(tau)
         # C does not depend on the tier: one zone walk per unit, and none if no tier
         # where it has bytes ranks by cost.
-        cost = self.cost_bytes(anchor, top) if tau and any(freed[recency:]) else 0.0
+        cost = self.cost_bytes(anchor, top) if any(freed[first:]) else 0.0
         t, tie = anchor.access, -anchor.depth
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
             if m > 0:
                 # ``_score`` inline (this runs for every re-ranked unit in every tier).
-                heap.set(anchor, score(t, cost, m, tau) if tau and tier >= recency else t, tie)
+                heap.set(anchor, score(t, cost, m, tau) if tier >= first else t, tie)
             else:
                 heap.discard(anchor)
 
@@ -336,7 +343,7 @@ class EvictionQueue:
         for heap in self.heaps:
             for anchor in heap:
                 assert anchor in live, f"queued node {anchor} is not in the index"
-        by_t = not self.tau
+        first = self._first_cost_tier(self.tau)
         for node in live:
             freed = self._tier_bytes(node)
             for tier, heap in enumerate(self.heaps):
@@ -348,5 +355,5 @@ class EvictionQueue:
                 tol = 1e-9 * max(1.0, abs(fresh))
                 if exact:
                     assert abs(queued - fresh) <= tol, f"stale rank {queued} ≠ {fresh}: {node}"
-                elif by_t or tier < self.recency_tiers:
+                elif tier < first:
                     assert queued <= fresh + tol, f"rank {queued} above fresh {fresh}: {node}"

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import random
 
-from lmcache_histate.sim.traces import ChunkChain, HashInterner, Request, Session, Trace
+from lmcache_histate.sim.trace_model import ChunkChain, HashInterner, Request, Session, Trace
 
 REWRITE_SCOPES = ("last", "any")
 

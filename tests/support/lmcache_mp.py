@@ -506,7 +506,6 @@ class HybridEngineClient:
         ]
         self._hasher = TokenHasher(chunk_size=g.chunk_size, hash_algorithm="blake3")
         self._owned_client = OwnedRequestClient(zmq_url)  # own ZMQ context: request_client.py
-        self.client: RequestClient = self._owned_client.client
         self._transfer: TransferContext | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -547,6 +546,11 @@ class HybridEngineClient:
                     future.result(timeout=2.0)
             transfer.close()
         self._owned_client.close()
+
+    @property
+    def client(self) -> RequestClient:
+        """The engine's request client (on its own ZMQ context, ``request_client``)."""
+        return self._owned_client.client
 
     @property
     def transfer(self) -> TransferContext:
