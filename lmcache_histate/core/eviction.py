@@ -134,14 +134,11 @@ class EvictionQueue:
         The one statement of that rule (``_score`` and ``update`` read it)."""
         return self.recency_tiers if tau else len(self.heaps)
 
-    def _score(
-        self, anchor: Node, freed: int, tau: float, tier: int, cost: float | None = None
-    ) -> float:
-        """The unit's rank in ``tier``; ``cost`` = ``cost_bytes(anchor)`` if the caller
-        already has it (it does not depend on the tier)."""
+    def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
+        """The unit's rank in ``tier`` (``update`` computes the same, inline)."""
         if tier < self._first_cost_tier(tau):
             return anchor.access
-        return score(anchor.access, self.cost_bytes(anchor) if cost is None else cost, freed, tau)
+        return score(anchor.access, self.cost_bytes(anchor), freed, tau)
 
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
         """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
