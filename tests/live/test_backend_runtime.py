@@ -317,3 +317,32 @@ def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> N
         ("stored", 0, SNAPSHOT, DISK, 1),
         ("stored", 1, SNAPSHOT, CPU, 1), ("stored", 1, SNAPSHOT, DISK, 1),
     }
+
+
+def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
+    """Runtime NOTE 1: a ``now`` read before taking the lock could reach the core after a
+    later stamp from another thread (a negative re-access gap). The clock here records,
+    at each read, whether the calling thread holds the runtime's lock (``RLock._is_owned``,
+    what ``threading.Condition`` checks); a commit, a lookup, a CPU eviction and a janitor
+    tick each read it, and every read must be under the lock."""
+    cfg = parse_config(
+        {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
+         "disk_path": str(tmp_path), "disk_gib": 1}
+    )
+    held: list[bool] = []
+    ticks = iter(float(t) for t in range(1, 10_000))
+
+    def clock() -> float:
+        held.append(runtime.lock._is_owned())  # type: ignore[attr-defined]
+        return next(ticks)
+
+    runtime = HiStateRuntime(cfg, clock=clock)
+    l1 = FakeL1()
+    runtime.attach_server(Ctx(StorageManager(l1)), janitor=False)
+    l1.runtime = runtime
+    t = toks(4, 12)
+    commit(runtime, ipc(t[: 2 * CHUNK], 0, 2 * CHUNK, "a"), [0, 1], [1])
+    runtime.on_lookup(ipc(t, 0, len(t), "b", worker=None))
+    runtime.evict_cpu(1)
+    runtime.tick()
+    assert len(held) >= 4 and all(held), held

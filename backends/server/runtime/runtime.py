@@ -36,6 +36,14 @@ into LMCache's L1 manager or waiting on disk I/O: each entry point below takes t
 drains queued L1 removals, calls the parts, takes the collected ``Actions`` and runs them
 after releasing it. Callbacks that LMCache makes while holding its own L1 lock
 (``note_l1_removed``) only append to a queue; the janitor thread drains it too.
+
+NOTE 1 (events are stamped under the lock). The core assumes its clock never runs back
+(a session's re-access gap is ``now − last access``; a negative one is clamped to 0). An
+entry point that read the clock before taking the lock could apply its event after a
+later-stamped one from another thread (LMCache serves stores and lookups on different
+threads): under load in CI a commit stamped after the next lookup made a session's only
+re-access gap negative, and the calibrated ``τ`` read 0. So every ``now`` is read once
+the lock is held, and events reach the core in the order of their stamps.
 """
 
 from __future__ import annotations
@@ -191,8 +199,8 @@ class HiStateRuntime:
         end = min(key.end, len(key.token_ids))
         end -= end % chunk
         hashes = chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
-        now = self.clock()
         with self.lock:
+            now = self.clock()  # under the lock: NOTE 1
             self.actions.drain()
             chain = self.chains.link_chain(hashes, key.cache_salt, None)
             core = self._core_for(key.model_name, key.world_size)
@@ -228,8 +236,8 @@ class HiStateRuntime:
         """Objects just committed to L1: place them; returns the keys to write to disk."""
         if not keys or self.ctx is None:
             return set()
-        now = self.clock()
         with self.lock:
+            now = self.clock()  # under the lock: NOTE 1
             self.actions.drain()
             core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
             if core is None:
@@ -257,8 +265,8 @@ class HiStateRuntime:
 
     def evict_cpu(self, need_bytes: int) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
-        now = self.clock()
         with self.lock:
+            now = self.clock()  # under the lock: NOTE 1
             self.actions.drain()
             core = self.model.core
             if core is None:
@@ -328,8 +336,8 @@ class HiStateRuntime:
                 logger.exception("HiState janitor failed")
 
     def tick(self) -> None:
-        now = self.clock()
         with self.lock:
+            now = self.clock()  # under the lock: NOTE 1
             self.actions.drain()
             core = self.model.core
             if core is not None:
