@@ -131,7 +131,7 @@ class EvictionQueue:
     def _first_cost_tier(self, tau: float) -> int:
         """The first tier ranked by ``H``; the tiers above it rank by ``t`` alone (LRU):
         the engine's own pool (NOTE 2, ``score`` NOTE 3), and every tier when ``τ = 0``.
-        The one statement of that rule (``_score`` and ``update`` read it)."""
+        The one statement of that rule (``_score``, ``update`` and ``check`` read it)."""
         return self.recency_tiers if tau else len(self.heaps)
 
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
