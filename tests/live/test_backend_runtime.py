@@ -8,6 +8,7 @@ without a recorded STORE, objects removed from L1 behind HiState's back, session
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,18 +100,24 @@ class Ctx:
         self.session_manager = SessionManager(self.token_hasher)
 
 
-@pytest.fixture
-def rt(tmp_path: Path) -> Any:
+def runtime_on_fake_l1(tmp_path: Path, clock: Callable[[], float]) -> HiStateRuntime:
+    """A runtime with its disk tier in ``tmp_path``, attached to a ``FakeL1``, janitor off
+    (tests call ``tick()``)."""
     cfg = parse_config(
         {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
          "disk_path": str(tmp_path), "disk_gib": 1}
     )
-    clock = iter(float(t) for t in range(1, 10_000))
-    runtime = HiStateRuntime(cfg, clock=lambda: next(clock))
+    runtime = HiStateRuntime(cfg, clock=clock)
     l1 = FakeL1()
-    runtime.attach_server(Ctx(StorageManager(l1)), janitor=False)  # tests call tick()
+    runtime.attach_server(Ctx(StorageManager(l1)), janitor=False)
     l1.runtime = runtime
     return runtime
+
+
+@pytest.fixture
+def rt(tmp_path: Path) -> Any:
+    clock = iter(float(t) for t in range(1, 10_000))
+    return runtime_on_fake_l1(tmp_path, lambda: next(clock))
 
 
 def ipc(tokens: list[int], start: int, end: int, rid: str, ws: int = 1, worker: int | None = 0,
@@ -325,10 +332,6 @@ def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
     at each read, whether the calling thread holds the runtime's lock (``RLock._is_owned``,
     what ``threading.Condition`` checks); a commit, a lookup, a CPU eviction and a janitor
     tick each read it, and every read must be under the lock."""
-    cfg = parse_config(
-        {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
-         "disk_path": str(tmp_path), "disk_gib": 1}
-    )
     held: list[bool] = []
     ticks = iter(float(t) for t in range(1, 10_000))
 
@@ -336,10 +339,7 @@ def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
         held.append(runtime.lock._is_owned())  # type: ignore[attr-defined]
         return next(ticks)
 
-    runtime = HiStateRuntime(cfg, clock=clock)
-    l1 = FakeL1()
-    runtime.attach_server(Ctx(StorageManager(l1)), janitor=False)
-    l1.runtime = runtime
+    runtime = runtime_on_fake_l1(tmp_path, clock)
     t = toks(4, 12)
     commit(runtime, ipc(t[: 2 * CHUNK], 0, 2 * CHUNK, "a"), [0, 1], [1])
     runtime.on_lookup(ipc(t, 0, len(t), "b", worker=None))
