@@ -1,7 +1,9 @@
 """Disk tiers of several servers (``HiStateDiskAdapter`` with a ``shared_index`` section, the
 part of a server that reads, writes and deletes the shared folder) against a real
 redis-server: a degraded server writes within its share of the budget; a server killed
-(SIGKILL, a real process) while it holds load leases blocks nothing past the lease TTL.
+(SIGKILL, a real process) while it holds load leases blocks nothing past the lease TTL; a
+write that fails gives its reservation back at once; a server whose files another server
+evicted still writes what the deployment reserved for it (writes NOTE 3).
 
 Every object here has a 1,000-byte payload and the same key shape, so every file has the
 same size ``F`` (header + 1,000 B); budgets are counted in ``F``.
@@ -23,7 +25,7 @@ from lmcache_histate.backends.server.disk.shared_link import key_id
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 from lmcache_histate.backends.server.shared_index.layout import KeySpace
 from support.redis_server import RedisServer
-from test_backend_disk_tier import MODEL, key, lookup, store
+from test_backend_disk_tier import MODEL, key, load, lookup, store
 
 PAYLOAD = 1000
 KEYS = KeySpace("t", MODEL)
@@ -75,6 +77,84 @@ def test_degraded_servers_write_within_their_share(tmp_path: Path,
     finally:
         a.close()
         b.close()
+
+
+def state_of(folder: Path, client: redis.Redis) -> tuple[dict[str, str], dict[str, int], int]:
+    """(state per entry id, files on disk, the deployment's used bytes)."""
+    entries = {KEYS.id_of(n): client.hget(n, "state")
+               for n in client.scan_iter(match=KEYS.object_pattern)}
+    return entries, files(folder), int(client.get(KEYS.used) or 0)
+
+
+def test_a_failed_write_gives_its_reservation_back_at_once(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A regular file sits where object 1's directory must go, so its write fails with a
+    real I/O error after the deployment reserved it (F bytes, state 'writing'). The
+    reservation is given back in the same store: no entry, used 0 (before the fix it
+    stayed 'writing' holding F until its deadline). Once the blocker is gone the same
+    object is stored: one entry, one file, used F."""
+    folder = tmp_path / "shared"
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    a = tier(folder, redis_server.url, "a", 4 * F)
+    try:
+        blocker = df.object_path(folder, to_oid(key(1))).parent
+        blocker.parent.mkdir(parents=True, exist_ok=True)
+        blocker.write_bytes(b"not a directory")
+        assert not store(a, [key(1)], payloads(1))
+        assert a.stats["not_persisted_io_error"] == 1
+        assert a.shared.stats["reserved"] == 1 and a.shared.stats["unreserved"] == 1
+        assert state_of(folder, client) == ({}, {}, 0)
+        blocker.unlink()
+        assert store(a, [key(1)], payloads(1))
+        entries, on_disk, used = state_of(folder, client)
+        assert entries == {key_id(key(1)): "stored"}
+        assert len(on_disk) == 1 and used == F == sum(on_disk.values())
+    finally:
+        a.close()
+        client.close()
+
+
+def test_files_another_server_evicted_do_not_block_writes_or_hide_objects(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Budget 2 F. A stores 1 and 2; B stores 3 and 4, and each of B's writes claims one
+    of A's files (the deployment's lowest H = t: A's are older). A is told nothing (a
+    claim informs only the claimant), so A's own view still holds 1 and 2: 2 F of its
+    2 F capacity.
+    * A stores 5: the deployment claims one of B's files and reserves 5 for A. A writes
+      it although its own view is full (the deployment's budget bounds the folder).
+      Before the fix: not persisted (local capacity), its entry left 'writing'.
+    * A stores 1 again: the deployment has no entry for it and reserves it; A's entry
+      for 1 is stale and is replaced by the new file. Before the fix: reported stored
+      ("present") with no file and its entry left 'writing'.
+    At the end: 2 entries, both stored, one file each, used 2 F, and A loads 1's bytes."""
+    folder = tmp_path / "shared"
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    a = tier(folder, redis_server.url, "a", 2 * F)
+    b = tier(folder, redis_server.url, "b", 2 * F)
+    try:
+        assert store(a, [key(1)], payloads(1)) and store(a, [key(2)], payloads(2))
+        assert store(b, [key(3)], payloads(3)) and store(b, [key(4)], payloads(4))
+        assert b.shared.stats["evicted"] == 2
+        assert set(state_of(folder, client)[0]) == {key_id(key(3)), key_id(key(4))}
+        assert a.contains(key(1)) and a.contains(key(2))  # A's stale view
+        assert store(a, [key(5)], payloads(5))
+        assert a.stats.get("not_persisted_capacity", 0) == 0
+        assert store(a, [key(1)], payloads(1))
+        assert a.stats["stale_entries_replaced"] == 1
+        entries, on_disk, used = state_of(folder, client)
+        assert entries == {key_id(key(5)): "stored", key_id(key(1)): "stored"}
+        assert len(on_disk) == 2 and used == 2 * F == sum(on_disk.values())
+        assert a.shared.stats.get("unreserved", 0) == 0
+        assert lookup(a, [key(1)]) == [0]
+        hits, data = load(a, [key(1)], [PAYLOAD])
+        assert hits == [0] and data == payloads(1)
+        a.submit_unlock([key(1)])
+    finally:
+        a.close()
+        b.close()
+        client.close()
 
 
 def lock_and_wait(folder: str, url: str, ids: list[int], ready: Any) -> None:

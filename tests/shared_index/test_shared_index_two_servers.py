@@ -49,6 +49,27 @@ def test_b_loads_what_a_stored_with_identical_bytes(redis_server: RedisServer,
     assert a.usage() == (rec.size, 1 << 20, 0)  # counted once
 
 
+def test_unreserve_gives_back_only_the_callers_own_reservations(
+    redis_server: RedisServer, shared_dir: Path
+) -> None:
+    """A reserves objects 1 and 2, B reserves 3, A commits 2. A's unreserve of all three
+    gives back only 1 (its own entry still 'writing'): 2 is stored, 3 is B's. Used bytes
+    drop by 1's size alone, and 1 can then be reserved again (by B)."""
+    a, b = make_index(redis_server.url, "A"), make_index(redis_server.url, "B")
+    a.join(1 << 20)
+    b.join(1 << 20)
+    one, two, three = (write(shared_dir, n, bytes([n]) * 100) for n in (1, 2, 3))
+    a.reserve([(r.id, r.size, r.path) for r in (one, two)])
+    b.reserve([(three.id, three.size, three.path)])
+    assert a.commit([two]) == [1]
+    assert a.usage()[0] == one.size + two.size + three.size
+    assert a.unreserve([one.id, two.id, three.id]) == 1
+    assert a.usage()[0] == two.size + three.size
+    assert set(b.lookup([one.id, two.id, three.id], lease=False)) == {two.id}
+    assert b.reserve([(one.id, one.size, one.path)]).reserved == (one.id,)
+    assert a.unreserve([]) == 0
+
+
 def test_namespaces_are_separate(redis_server: RedisServer, shared_dir: Path) -> None:
     a = make_index(redis_server.url, "A")
     other = SharedIndex(IndexConnection(settings(redis_server.url, "X")),

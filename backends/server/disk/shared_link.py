@@ -10,7 +10,8 @@ stays the one that reads and writes files; this part answers, per hook:
 | lookup-and-lock | ``lookup`` of every key (one script): stored ones are hits, leased |
 | unlock (load done) | leases this server no longer needs queued for ``release`` |
 | load found a file gone / corrupt | ``forget_stored`` |
-| write batch | ``reserve_with_eviction`` before, ``Registrar.committed`` after the rename |
+| write batch | ``reserve_with_eviction`` before, ``Registrar.committed`` after the rename, |
+| | ``unreserve`` for the reserved objects not written (a failed or skipped write) |
 | a victim this server claimed | file deleted, own local entry forgotten, ``drop`` |
 | background thread | ``release`` (NOTE 3), ``poll`` (re-registration), ``reconcile`` |
 
@@ -185,11 +186,14 @@ class SharedIndexLink:
                 self._own.pop(i, None)
 
     # ----------------------------------------------------------------- writes
-    def reserve(self, items: Sequence[tuple[ObjectKey, int]]) -> tuple[set[str], set[str]] | None:
+    def reserve(
+        self, items: Sequence[tuple[ObjectKey, int]]
+    ) -> tuple[set[str], set[str], set[str]] | None:
         """Reserve ``(key, file size)`` objects under the deployment budget, evicting by
-        the deployment ranking for those that do not fit. Returns ``(present, full)``:
-        ids another server stored already (write nothing) and ids over budget (not
-        persisted); the others are reserved. None when Redis is unreachable."""
+        the deployment ranking for those that do not fit. Returns ``(reserved, present,
+        full)`` ids: reserved for this server (write them, then ``commit_written`` or
+        ``unreserve`` each), stored already by another server (write nothing), over
+        budget (not persisted). None when Redis is unreachable."""
         rows = [(key_id(k), size, self._relative(k)) for k, size in items]
         got = reserve_with_eviction(self.index, rows, self._delete_claimed)
         if got is None:
@@ -197,7 +201,13 @@ class SharedIndexLink:
         self.stats["reserved"] += len(got.reserved)
         self.stats["present"] += len(got.present)
         self.stats["over_budget"] += len(got.full)
-        return set(got.present), set(got.full)
+        return set(got.reserved), set(got.present), set(got.full)
+
+    def unreserve(self, keys: Sequence[ObjectKey]) -> None:
+        """Reserved objects this server did not write: their bytes go back to the budget
+        now (Redis unreachable: at their deadline, by a reconcile's ``forget_expired``)."""
+        given = self.index.unreserve([key_id(k) for k in keys])
+        self.stats["unreserved"] += given or 0
 
     def commit_written(
         self, written: Sequence[tuple[ObjectKey, int, Any, int, int, bytes]]

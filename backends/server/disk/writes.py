@@ -9,10 +9,11 @@ capacity (held by LMCache's adapter base class, which ``get_usage`` reads).
 Invariants:
 
 * every object handed to ``_write_batch`` ends up stored or failed, whatever happens
-  (a key that cannot be encoded, an I/O error, a bug): its reservation is released, the
-  batch reports it, the store task completes. A failure is counted per cause
-  (``stats["not_persisted_<cause>"]``) and logged once per cause, so a full disk does
-  not flood the log with one warning per object;
+  (a key that cannot be encoded, an I/O error, a bug): its reservation is released (in
+  a shared folder the deployment's too: committed if stored, given back by
+  ``unreserve`` otherwise), the batch reports it, the store task completes. A failure
+  is counted per cause (``stats["not_persisted_<cause>"]``) and logged once per cause,
+  so a full disk does not flood the log with one warning per object;
 * the effective capacity (``_max_capacity_bytes``, what ``get_usage`` reports and what the
   HiState core is told through ``capacity_listener``) never exceeds what the filesystem
   can hold: ENOSPC lowers it to the bytes held + the free space (NOTE 1), and while it
@@ -23,6 +24,15 @@ NOTE 1: after ENOSPC the HiState core must learn the real size, or it keeps plac
 snapshots on a disk it believes has room and never evicts (the probe saw 48 MB used of a
 "1 GiB" tier on a 64 MiB filesystem). Lowering the capacity makes the core evict by H
 until what it holds fits, which frees real space for the next writes.
+
+NOTE 3 (shared folder: the deployment's reservation decides): an object the deployment
+reserved for this server is in no server's index, so it is written even where this
+server's own view disagrees. Its local entry, if any, is stale (another server's claim
+deleted the file, or the entry was forgotten as corrupt) and is replaced; and the local
+capacity check is skipped, because this server's view still counts files other servers
+evicted (it is told only of its own claims, shared_link NOTE 1) and the deployment's
+budget already bounds the folder. Before, such an object was reported present or not
+persisted while its reservation stayed ``writing`` until its deadline, holding budget.
 """
 
 from __future__ import annotations
@@ -126,13 +136,13 @@ class DiskWriter:
         written = 0
         dirs: set[Path] = set()
         self._maybe_recheck_capacity()
-        skip = self._shared_reserve(keys, buffers)
+        reserved, skip = self._shared_reserve(keys, buffers)
         for i, key in enumerate(keys):
             if key in skip:  # shared: another server stored it, or over the budget
                 (ok if skip[key] == "present" else failed).append(key)
                 continue
             try:
-                outcome, nbytes, path = self._write_one(key, buffers[i])
+                outcome, nbytes, path = self._write_one(key, buffers[i], key in reserved)
             except BaseException as exc:  # _write_one released its reservation
                 self.not_persisted(key, exc)
                 failed.append(key)
@@ -152,15 +162,20 @@ class DiskWriter:
         self.stats["objects_written"] += len(stored)
         if self.tier.shared is not None and stored:
             self._shared_commit(stored, dict(zip(keys, buffers, strict=True)))
+        if unwritten := reserved.difference(stored):
+            self.tier.shared.unreserve(list(unwritten))
         tell(self.tier.write_listener, "write", stored, failed)
         return ok, failed, written
 
-    def _shared_reserve(self, keys: list[ObjectKey], buffers: list[Any]) -> dict[ObjectKey, str]:
+    def _shared_reserve(
+        self, keys: list[ObjectKey], buffers: list[Any]
+    ) -> tuple[set[ObjectKey], dict[ObjectKey, str]]:
         """Shared folder: reserve the batch under the deployment budget (evicting by the
-        deployment's ranking); returns the keys not to write: ``"present"`` (another
-        server stored it) or ``"full"`` (not persisted). Degraded: the local view."""
+        deployment's ranking); returns the keys reserved for this server, and the keys
+        not to write: ``"present"`` (another server stored it) or ``"full"`` (not
+        persisted). Not shared, or degraded: nothing reserved, the local view decides."""
         if self.tier.shared is None:
-            return {}
+            return set(), {}
         sized = []
         for key, buf in zip(keys, buffers, strict=True):
             with contextlib.suppress(Exception):  # a bad key fails in _write_one
@@ -169,17 +184,20 @@ class DiskWriter:
                 sized.append((key, df.header_size(oid, self._meta(key)[2]) + payload))
         got = self.tier.shared.reserve(sized)
         if got is None:
-            return {}
-        present, full = got
+            return set(), {}
+        reserved, present, full = got
+        mine: set[ObjectKey] = set()
         out: dict[ObjectKey, str] = {}
         for key, _size in sized:
             i = key_id(key)
-            if i in present:
+            if i in reserved:
+                mine.add(key)
+            elif i in present:
                 out[key] = "present"
             elif i in full:
                 out[key] = "full"
                 self.stats["not_persisted_deployment_budget"] += 1
-        return out
+        return mine, out
 
     def _shared_commit(self, stored: list[ObjectKey], buffers: dict[ObjectKey, Any]) -> None:
         """Shared folder: the renamed files are committed to the deployment's index."""
@@ -189,10 +207,14 @@ class DiskWriter:
             (k, e.size, buffers[k], e.kind, e.depth, e.parent) for k, e in entries if e is not None
         ])
 
-    def _write_one(self, key: ObjectKey, buf: Any) -> tuple[str, int, Path]:
+    def _write_one(
+        self, key: ObjectKey, buf: Any, deployment_reserved: bool = False
+    ) -> tuple[str, int, Path]:
         """Write one object: ``("stored" | "present" | "failed", payload bytes, path)``.
+        ``deployment_reserved``: a shared folder's deployment reserved it (NOTE 3).
 
-        Raises whatever the write raised, after releasing the reservation it took.
+        Raises whatever the write raised, after releasing the local reservation it took
+        (the caller gives the deployment's back).
         """
         view = memoryview(buf).cast("B")
         kind, depth, parent = self._meta(key)
@@ -200,12 +222,15 @@ class DiskWriter:
         size = df.header_size(oid, parent) + len(view)
         path = df.object_path(self.root, oid)
         share = None if self.tier.shared is None else self.tier.shared.degraded_share()
+        stale = None
         with self._lock:
-            if key in self._index or key in self.writing:
+            if key in self.writing or (key in self._index and not deployment_reserved):
                 # Already persisted (objects are immutable), or a concurrent writer owns
                 # it and reports its outcome.
                 return "present", 0, path
-            if self._access.held() + self.reserved + size > self._access.capacity():
+            if deployment_reserved:  # NOTE 3
+                stale = self._index.pop(key, None)
+            elif self._access.held() + self.reserved + size > self._access.capacity():
                 self.stats["not_persisted_capacity"] += 1
                 return "failed", 0, path
             if share is not None and self._access.held() + self.reserved + size > share:
@@ -213,6 +238,9 @@ class DiskWriter:
                 return "failed", 0, path
             self.reserved += size
             self.writing[key] = False
+        if stale is not None:
+            self._access.deleted([key], [stale.size])
+            self.stats["stale_entries_replaced"] += 1
         try:
             df.write_object(
                 path, oid, view, kind=kind, depth=depth, parent=parent,

@@ -9,7 +9,8 @@ A server calls (``docs/shared-index.md`` §9 says where: the disk tier's link, t
   script: entries read, load leases taken, last access refreshed for refresh-all);
   ``release`` once the load finished;
 * ``reserve`` before writing objects to the shared disk tier, ``commit`` after the files
-  are renamed into place (``budget.reserve_with_eviction`` adds the eviction step);
+  are renamed into place (``budget.reserve_with_eviction`` adds the eviction step),
+  ``unreserve`` for the reserved objects that were not written;
 * ``claim`` / ``drop`` to evict by the deployment's ``H`` ranking; ``forget_stored`` when a
   stored entry's file is gone or corrupt (a miss; the entry is cleaned up);
 * ``rescore`` when a server's ``C`` / ``M`` of an object change (``sync`` batches it with
@@ -249,6 +250,17 @@ class SharedIndex:
         if not ids:
             return 0
         return len(self._run("forget", ["stored", self.instance, self._claim_ms, *ids], []))
+
+    def unreserve(self, ids: Iterable[str]) -> int | None:
+        """Give back this server's reservations of objects it did not write (a failed or
+        skipped write): their entries go and their bytes are freed at once, not at their
+        deadline. Returns how many were given back; None when Redis is unreachable (the
+        deadline's ``forget_expired`` frees them then)."""
+        ids = list(ids)
+        if not ids:
+            return 0
+        out = self._run("forget", ["unreserved", self.instance, self._claim_ms, *ids])
+        return None if out is None else len(out)
 
     def forget_expired(self, ids: Iterable[str]) -> list[tuple[str, str, str]]:
         """Entries past their deadline: dead writers' reservations are forgotten, dead

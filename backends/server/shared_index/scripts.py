@@ -250,6 +250,8 @@ FORGET = _PRELUDE + """
 -- mode 'stored': the entry's file is gone or corrupt: forget a stored entry, free its bytes.
 -- mode 'expired': an entry whose deadline passed: a 'writing' one is forgotten (its
 --   writer died), an 'evicting' one is taken over by the taker (its claimant died).
+-- mode 'unreserved': the taker's own reservations ('writing', owner = taker) whose
+--   objects it did not write (failed or skipped): forgotten, their bytes freed.
 -- Returns {id, state, path} per entry acted on.
 local mode, taker, claim_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local nowms = now_ms()
@@ -257,10 +259,10 @@ local out = {}
 for i = 4, #ARGV do
   local id = ARGV[i]
   local key = P .. 'o:' .. id
-  local f = redis.call('HMGET', key, 'state', 'size', 'path', 'until')
+  local f = redis.call('HMGET', key, 'state', 'size', 'path', 'until', 'owner')
   local expired = f[4] and tonumber(f[4]) < nowms
-  if (mode == 'stored' and f[1] == 'stored') or (mode == 'expired' and expired
-      and f[1] == 'writing') then
+  if (mode == 'stored' and f[1] == 'stored') or (f[1] == 'writing' and (
+      (mode == 'expired' and expired) or (mode == 'unreserved' and f[5] == taker))) then
     redis.call('DECRBY', KEYS[1], tonumber(f[2]))
     redis.call('DEL', key, P .. 'lease:' .. id)
     redis.call('ZREM', P .. 'rank', id)
