@@ -61,7 +61,7 @@ MUTANTS = (
     Mutant(
         "update-around-skips-snapshot-above",
         "lmcache_histate/core/eviction.py",
-        "        if above is not None and above.depth >= 0:\n            self.update(above)\n",
+        "        if above is not None and above.depth >= 0:\n            update(above, epoch)\n",
         "",
         "eviction: update_around not re-ranking the unit above a new snapshot",
     ),

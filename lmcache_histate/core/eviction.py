@@ -34,6 +34,23 @@ deepest unit first (``tie = −depth``), as vLLM's reverse-order block freeing d
 head of a prefix is read by every hit through it, the tail only by hits that reach it,
 so a cold prefix leaves a tier from its tail: what stays is still a prefix. (Insertion
 order, the heap's default, would take the head first: it was stored earliest.)
+
+NOTE 4 (stamps: a top whose inputs did not change is not re-ranked). Re-ranking the top
+in ``victim`` (NOTE 1) was one of the three zone walks of an eviction
+(``benchmarks/core_ops.py``), and between requests it only confirms ranks that nothing
+has touched since they were queued. ``update`` stamps the unit's node
+with the queue's ``epoch`` and the ``access`` it ranked with, and ``victim`` takes a
+top as current, without re-ranking it, only if both still match: the inputs of its
+rank are then those it was queued with, so a fresh rank would equal the queued one.
+Every input is covered: ``access`` by the stamp; ``τ``, ``p_end``, the hit positions
+and the queue's own settings by ``_epoch_now`` (a new epoch whenever any of them
+differs from the last time it looked; every stamp is taken right after it looked);
+a change of structure by ``update_around``, which re-ranks (and so re-stamps) every
+unit it changes, as ``check(exact=True)`` asserts; the sessions' hit densities by
+the index, which resets the stamps on the path they change (``index`` invariants);
+and a change of structure whose re-ranking a caller defers (``rerank=False`` in
+``TieredStore``) by ``deferred``: while it is set no stamp is trusted. ``victim``'s
+own re-rank of one tier resets the stamp (the unit's other tiers were not re-ranked).
 """
 
 from __future__ import annotations
@@ -103,6 +120,15 @@ class EvictionQueue:
         # The tiers in each tier mask, ascending: the tier-bytes walk reads a node's mask
         # through this table instead of a bit loop (a handful of tiers: 2^n entries).
         self._tiers_of = [tuple(bits(mask)) for mask in range(1 << num_tiers)]
+        # Stamps (NOTE 4): the epoch, the global inputs it was last seen with, and
+        # whether a caller deferred re-ranking after a change of structure.
+        self.epoch = 0
+        self._basis: tuple[object, ...] | None = None
+        self.deferred = False
+
+    # Tests set this: ``victim`` then re-ranks a stamped top anyway and asserts that
+    # the stamp told the truth (NOTE 4), over every test's sequence of operations.
+    verify_stamps = False
 
     # ----------------------------------------------------------------- ranking
     @property
@@ -209,8 +235,32 @@ class EvictionQueue:
         freed = (snap.snap_bytes if snap is not None else 0) + sum(n.kv_bytes for n in chain)
         return self._score(anchor, freed, self.tau, len(self.heaps) - 1)
 
+    def _epoch_now(self) -> int:
+        """The epoch of the global inputs of every rank as they are now (NOTE 4): a new
+        one whenever one of them differs from the last call. Counters, not values, for
+        the estimates that drift (a value that drifts back is not the same input)."""
+        positions = self.positions
+        basis = (
+            self.tau,
+            self.reaccess.samples,
+            self.hit_model.end_probability,
+            self.hit_model.samples,
+            -1 if positions is None else positions.samples,
+            self.attention_tokens,
+            self.token_bytes,
+            self.recency_tiers,
+        )
+        if basis != self._basis:
+            self._basis = basis
+            self.epoch += 1
+        return self.epoch
+
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
+        self._update(anchor, self._epoch_now())
+
+    def _update(self, anchor: Node, epoch: int) -> None:
+        """``update`` with the epoch already read (one read per ``update_around``)."""
         kind = unit_kind(anchor)
         if anchor.depth < 0 or kind is None or anchor.parent is None:
             self.remove(anchor)
@@ -222,6 +272,7 @@ class EvictionQueue:
         # where it has bytes ranks by cost.
         cost = self.cost_bytes(anchor, top) if any(freed[first:]) else 0.0
         t, tie = anchor.access, -anchor.depth
+        anchor.rank_epoch, anchor.rank_access = epoch, t
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
             if m > 0:
@@ -243,16 +294,18 @@ class EvictionQueue:
         have changed, and a tail segment running through the parent grows or shrinks
         when the parent gains or loses a branch.
         """
-        self.update(node)
+        epoch = self._epoch_now()
+        update = self._update
+        update(node, epoch)
         parent = node.parent
         start = parent if parent is not None and parent.depth >= 0 else node
         if start is not node:
-            self.update(start)
+            update(start, epoch)
         above = start.parent
         while above is not None and above.depth >= 0 and not above.snap_tiers:
             above = above.parent
         if above is not None and above.depth >= 0:
-            self.update(above)
+            update(above, epoch)
         stack = list(start.children.values()) if start.children else []
         while stack:
             q = stack.pop()
@@ -261,7 +314,7 @@ class EvictionQueue:
                 self.remove(q)
                 continue
             if q.snap_tiers or not q.kv_children:
-                self.update(q)
+                update(q, epoch)
             # Below ``node`` itself too: its own snapshot bounds the tails under it.
             if q.children and (not q.snap_tiers or q is node):
                 stack.extend(q.children.values())
@@ -303,19 +356,27 @@ class EvictionQueue:
         heap = self.heaps[tier]
         skipped: list[tuple[Node, float]] = []
         found: tuple[Node, float] | None = None
+        # No stamp is trusted while a re-ranking is deferred (NOTE 4).
+        epoch = -2 if self.deferred else self._epoch_now()
         while (top := heap.peek()) is not None:
             anchor, pri = top
             if below is not None and pri >= below:
                 break
-            # Queued ranks are lower bounds after lazy refreshes (NOTE 1): re-rank the
-            # top until it is current. Terminates: a re-ranked entry is current.
-            fresh = self.rank(anchor, tier)
-            if fresh is None:
-                heap.discard(anchor)
-                continue
-            if fresh > pri + 1e-9:
-                heap.set(anchor, fresh, -anchor.depth)
-                continue
+            if anchor.rank_epoch == epoch and anchor.rank_access == anchor.access:
+                # Nothing its rank reads changed since it was queued (NOTE 4).
+                if self.verify_stamps:
+                    self._verify_stamp(anchor, tier, pri)
+            else:
+                # Queued ranks are lower bounds after lazy refreshes (NOTE 1): re-rank
+                # the top until it is current. Terminates: a re-ranked entry is current.
+                fresh = self.rank(anchor, tier)
+                if fresh is None:
+                    heap.discard(anchor)
+                    continue
+                if fresh > pri + 1e-9:
+                    anchor.rank_epoch = -1  # this tier only: not the whole unit
+                    heap.set(anchor, fresh, -anchor.depth)
+                    continue
             if self.pinned(anchor, tier):
                 heap.discard(anchor)
                 skipped.append((anchor, pri))
@@ -325,6 +386,13 @@ class EvictionQueue:
         for anchor, pri in skipped:
             heap.set(anchor, pri, -anchor.depth)
         return found
+
+    def _verify_stamp(self, anchor: Node, tier: int, queued: float) -> None:
+        """``verify_stamps``: a stamped top's fresh rank is the queued one (NOTE 4)."""
+        fresh = self.rank(anchor, tier)
+        assert fresh is not None, f"stamped {anchor} frees nothing in tier {tier}"
+        tol = 1e-9 * max(1.0, abs(fresh))
+        assert abs(fresh - queued) <= tol, f"stamped {anchor}: queued {queued} ≠ {fresh}"
 
     def check(self, exact: bool = False) -> None:
         """Every unit is queued in exactly the tiers where it frees bytes (O(n); tests).

@@ -16,6 +16,10 @@ Invariants (checked by ``check()``; the property tests run it after every operat
     through the node, P_s the session's context length: the density of internal hits;
     ``passes`` = the number of those sessions (the end hits that can resume from the
     node once everything below it is gone; ``units.expected_recompute``).
+  * Whatever changes a node's ``weight``, ``passes`` or ``ends`` resets ``rank_epoch``
+    on the whole session path it changes (``set_session``, ``drop_session``): the
+    eviction queue does not re-rank for it, and must not trust those ranks
+    (``eviction`` NOTE 4). ``prune`` moves ends without a reset: see there.
   * Empty nodes (no KV, no snapshot, no children) are pruned; a session whose node is
     pruned moves to the parent, so a session's node is its deepest live node.
 
@@ -54,6 +58,8 @@ class Node:
         "parent",
         "passes",
         "pins",
+        "rank_access",
+        "rank_epoch",
         "seg_offset",
         "snap_bytes",
         "snap_since",
@@ -81,6 +87,10 @@ class Node:
         # Where its snapshot sits in its segment, in (0, 1] (1 = the segment's end);
         # -1 = not known (``hit_positions``, ``units.expected_recompute``).
         self.seg_offset = -1.0
+        # What its queued ranks were computed from (``eviction`` NOTE 4): the queue's
+        # epoch (-1: none, or no longer trusted) and its ``access`` then.
+        self.rank_epoch = -1
+        self.rank_access = 0.0
 
     def __repr__(self) -> str:
         return (
@@ -267,6 +277,10 @@ class PrefixIndex:
             parent = node.parent
             assert parent is not None
             if node.ends:
+                # No ``rank_epoch`` reset: an end counts in the zone of the nearest
+                # snapshot at or above it (``units.expected_recompute``) by its session's
+                # ``end_tokens`` alone, and ``node`` (without KV, so without a snapshot)
+                # and ``parent`` lie in the same zone; at the root they lay in none.
                 for session in node.ends:
                     session.node = parent
                 if parent is not self.root:
@@ -327,6 +341,11 @@ class PrefixIndex:
         while node is not None and node.depth >= 0:
             node.weight = max(0.0, node.weight + delta)
             node.passes += count
+            # The queue is not re-ranked for this (O(depth) units): their ranks are no
+            # longer trusted as current (``eviction`` NOTE 4). The units whose ``C``
+            # reads this node's ``weight``, ``passes`` or ``ends`` are snapshots on
+            # this path, so resetting the path resets all of them.
+            node.rank_epoch = -1
             node = node.parent
 
     # ---------------------------------------------------------------- checking

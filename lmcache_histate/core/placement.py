@@ -107,6 +107,8 @@ class TieredStore:
         self.listener.stored(node, KV, tier)
         if rerank:
             self.queue.update_around(node)
+        else:
+            self.queue.deferred = True  # until the caller's re-ranking (eviction NOTE 4)
         return True
 
     def store_snapshot(self, node: Node, nbytes: int, now: float, *, final: bool) -> bool:
@@ -170,6 +172,8 @@ class TieredStore:
         self._relocate(node, part, (mask & -mask).bit_length() - 1, tier)
         if rerank:
             self.queue.update_around(node)
+        else:
+            self.queue.deferred = True  # until the caller's re-ranking (eviction NOTE 4)
         return True
 
     def _place(self, tier: int, nbytes: int, now: float, protect: Node) -> int | None:

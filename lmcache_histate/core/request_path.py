@@ -211,6 +211,7 @@ class RequestPath:
             self.queue.update_around(nodes[start])
             for node in nodes[start:stored_kv]:
                 self.queue.update(node)
+            self.queue.deferred = False  # every unit the stores changed is re-ranked
         self._retire(old_end, nodes[stored_kv - 1] if stored_kv else None, now)
         return stored_kv - start, snaps
 
@@ -252,6 +253,7 @@ class RequestPath:
                 if node.snap_tiers or not node.kv_children:
                     queue.update(node)
             queue.update_around(moved[-1])
+            queue.deferred = False  # every unit the moves changed is re-ranked
         return nbytes
 
     def release(self, handle: RequestHandle) -> None:
