@@ -56,13 +56,15 @@ own re-rank of one tier resets the stamp (the unit's other tiers were not re-ran
 from __future__ import annotations
 
 import math
+from math import log
 
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
-from .score import ReaccessScale, score
+from .score import MIN_RATIO, ReaccessScale, score
 from .tiers import bits
 from .units import (
+    KIND_BUNDLE,
     KIND_DEAD,
     KIND_SNAPSHOT,
     HitModel,
@@ -124,6 +126,7 @@ class EvictionQueue:
         # whether a caller deferred re-ranking after a change of structure.
         self.epoch = 0
         self._basis: tuple[object, ...] | None = None
+        self._tau, self._first = 0.0, num_tiers
         self.deferred = False
 
     # Tests set this: ``victim`` then re-ranks a stamped top anyway and asserts that
@@ -210,12 +213,20 @@ class EvictionQueue:
             return out, anchor
         # A snapshot unit's KV does not leave the last tier with it (it goes alone).
         kv_mask = ~(1 << last) if kind is KIND_SNAPSHOT else -1
+        # Bytes are summed per run of nodes on the same tiers (a segment mostly sits on
+        # one tier) and added to ``out`` once per run: integers, so any order is exact.
         node = anchor
+        mask, run = node.kv_tiers & kv_mask, 0
         while True:
-            for t in tiers_of[node.kv_tiers & kv_mask]:
-                out[t] += node.kv_bytes
+            if node.kv_tiers & kv_mask != mask:
+                for t in tiers_of[mask]:
+                    out[t] += run
+                mask, run = node.kv_tiers & kv_mask, 0
+            run += node.kv_bytes
             parent = node.parent
             if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
+                for t in tiers_of[mask]:
+                    out[t] += run
                 return out, node
             node = parent
 
@@ -240,8 +251,9 @@ class EvictionQueue:
         one whenever one of them differs from the last call. Counters, not values, for
         the estimates that drift (a value that drifts back is not the same input)."""
         positions = self.positions
+        tau = self.tau
         basis = (
-            self.tau,
+            tau,
             self.reaccess.samples,
             self.hit_model.end_probability,
             self.hit_model.samples,
@@ -253,6 +265,8 @@ class EvictionQueue:
         if basis != self._basis:
             self._basis = basis
             self.epoch += 1
+            # What ``_update`` reads of them, read here once per epoch.
+            self._tau, self._first = tau, self._first_cost_tier(tau)
         return self.epoch
 
     def update(self, anchor: Node) -> None:
@@ -260,26 +274,47 @@ class EvictionQueue:
         self._update(anchor, self._epoch_now())
 
     def _update(self, anchor: Node, epoch: int) -> None:
-        """``update`` with the epoch already read (one read per ``update_around``)."""
-        kind = unit_kind(anchor)
-        if anchor.depth < 0 or kind is None or anchor.parent is None:
-            self.remove(anchor)
+        """``update`` with the epoch just read (one read per ``update_around``): nothing
+        has changed since, so ``τ`` is still the one ``_epoch_now`` saw."""
+        # ``unit_kind`` inline: this runs for every node ``update_around`` visits.
+        snap = anchor.snap_tiers
+        if anchor.kv_tiers and not anchor.kv_children:
+            kind = KIND_BUNDLE if snap else KIND_DEAD
+        elif snap:
+            kind = KIND_SNAPSHOT
+        else:
+            kind = None
+        if kind is None or anchor.depth < 0 or anchor.parent is None:
+            for heap in self.heaps:
+                heap.discard(anchor)
             return
         freed, top = self._walk(anchor, kind)
-        tau = self.tau
-        first = self._first_cost_tier(tau)
+        tau, first = self._tau, self._first
         # C does not depend on the tier: one zone walk per unit, and none if no tier
-        # where it has bytes ranks by cost.
-        cost = self.cost_bytes(anchor, top) if any(freed[first:]) else 0.0
+        # where it has bytes ranks by cost (``cost_bytes`` inline: 0 without a snapshot).
+        cost = 0.0
+        if snap and any(freed[first:]):
+            cost = self.token_bytes * expected_recompute(
+                anchor,
+                self.index.chunk_tokens,
+                self.hit_model.end_probability,
+                self.attention_tokens,
+                self.positions,
+                top,
+            )
         t, tie = anchor.access, -anchor.depth
         anchor.rank_epoch, anchor.rank_access = epoch, t
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
-            if m > 0:
-                # ``_score`` inline (this runs for every re-ranked unit in every tier).
-                heap.set(anchor, score(t, cost, m, tau) if tier >= first else t, tie)
-            else:
+            if m <= 0:
                 heap.discard(anchor)
+            elif tier < first:
+                heap.set(anchor, t, tie)
+            else:
+                # ``score.score`` inline, the same operations in the same order (this
+                # runs for every re-ranked unit in every tier): τ > 0 here, and m > 0.
+                ratio = cost / m
+                heap.set(anchor, t + tau * log(ratio if ratio > MIN_RATIO else MIN_RATIO), tie)
 
     def remove(self, anchor: Node) -> None:
         for heap in self.heaps:

@@ -132,7 +132,7 @@ def is_kv_leaf(node: Node) -> bool:
 
 def unit_kind(node: Node) -> UnitKind | None:
     """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
-    if is_kv_leaf(node):
+    if node.kv_tiers and not node.kv_children:  # ``is_kv_leaf`` inline: hot
         return KIND_BUNDLE if node.snap_tiers else KIND_DEAD
     if node.snap_tiers:
         return KIND_SNAPSHOT
@@ -222,22 +222,33 @@ def expected_recompute(
     if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
-    prev = snapshot_ancestor(node if above is None else above)
-    delta = p - (0 if prev is None else (prev.depth + 1) * chunk_tokens)
+    # ``snapshot_ancestor`` inline (this runs for every re-ranked snapshot).
+    prev = (node if above is None else above).parent
+    while prev is not None and prev.depth >= 0 and not prev.snap_tiers:
+        prev = prev.parent
+    delta = p - (0 if prev is None or prev.depth < 0 else (prev.depth + 1) * chunk_tokens)
     lo = node.seg_offset
     measured = positions is not None and lo >= 0.0
     if lo >= 1.0:
         lo = 0.0
     to_end = positions.zone_factor(lo, 1.0) if measured else 1.0  # type: ignore[union-attr]
     internal = 0.0
-    stack = [node]
-    while stack:
-        q = stack.pop()
+    stack: list[Node] = []
+    q: Node | None = node
+    while True:
+        # Depth first, the last child without a snapshot next (not through the stack:
+        # a zone is mostly a chain), the others stacked: the order, and so the sum's
+        # rounding, of a plain stack walk.
+        if q is None:
+            if not stack:
+                break
+            q = stack.pop()
         ends, children = q.ends, q.children  # each read once: this runs per re-rank
         if ends:
             for session in ends:
                 if session.end_tokens > p:
                     internal += to_end * (session.end_tokens - p) / session.end_tokens
+        q = None
         if children:
             for child in children.values():
                 if child.snap_tiers:
@@ -247,6 +258,8 @@ def expected_recompute(
                         mass *= positions.zone_factor(lo, hi)  # type: ignore[union-attr]
                     internal += mass
                 else:
-                    stack.append(child)
+                    if q is not None:
+                        stack.append(q)
+                    q = child
     mass = (1.0 - end_probability) * internal + end_probability * node.passes
     return delta * mass * (1.0 + (2 * p - delta) / (2.0 * attention_tokens))
