@@ -290,20 +290,9 @@ class EvictionQueue:
             return
         freed, top = self._walk(anchor, kind)
         tau, first = self._tau, self._first
-        # C does not depend on the tier: one zone walk per unit, and none if no tier
-        # where it has bytes ranks by cost (``cost_bytes`` inline: 0 without a snapshot).
-        cost = 0.0
-        if snap and any(freed[first:]):
-            cost = self.token_bytes * expected_recompute(
-                anchor,
-                self.index.chunk_tokens,
-                self.hit_model.end_probability,
-                self.attention_tokens,
-                self.positions,
-                top,
-            )
         t, tie = anchor.access, -anchor.depth
         anchor.rank_epoch, anchor.rank_access = epoch, t
+        cost: float | None = None
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
             if m <= 0:
@@ -311,6 +300,19 @@ class EvictionQueue:
             elif tier < first:
                 heap.set(anchor, t, tie)
             else:
+                if cost is None:
+                    # C does not depend on the tier: one zone walk per unit, at the
+                    # first tier that ranks by it (``cost_bytes`` inline).
+                    cost = 0.0
+                    if snap:
+                        cost = self.token_bytes * expected_recompute(
+                            anchor,
+                            self.index.chunk_tokens,
+                            self.hit_model.end_probability,
+                            self.attention_tokens,
+                            self.positions,
+                            top,
+                        )
                 # ``score.score`` inline, the same operations in the same order (this
                 # runs for every re-ranked unit in every tier): τ > 0 here, and m > 0.
                 ratio = cost / m
