@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from math import log
 
+from .eviction_checks import check_queue, verify_stamp
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
@@ -68,8 +69,9 @@ from .units import (
     KIND_DEAD,
     KIND_SNAPSHOT,
     HitModel,
-    UnitKind,
     expected_recompute,
+    freed_in,
+    tier_bytes,
     unit_kind,
     unit_nodes,
     unit_parts,
@@ -119,8 +121,8 @@ class EvictionQueue:
         self.positions = positions
         self.recency_tiers = recency_tiers
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
-        # The tiers in each tier mask, ascending: the tier-bytes walk reads a node's mask
-        # through this table instead of a bit loop (a handful of tiers: 2^n entries).
+        # The tiers in each tier mask, ascending (``units.tier_bytes``: a handful of tiers,
+        # 2^n entries).
         self._tiers_of = [tuple(bits(mask)) for mask in range(1 << num_tiers)]
         # Stamps (NOTE 4): the epoch, the global inputs it was last seen with, and
         # whether a caller deferred re-ranking after a change of structure.
@@ -160,7 +162,8 @@ class EvictionQueue:
     def _first_cost_tier(self, tau: float) -> int:
         """The first tier ranked by ``H``; the tiers above it rank by ``t`` alone (LRU):
         the engine's own pool (NOTE 2, ``score`` NOTE 3), and every tier when ``τ = 0``.
-        The one statement of that rule (``_score``, ``update`` and ``check`` read it)."""
+        The one statement of that rule (``_score``, ``_epoch_now`` for ``update``, and
+        ``check`` read it)."""
         return self.recency_tiers if tau else len(self.heaps)
 
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
@@ -178,57 +181,15 @@ class EvictionQueue:
         return anchor.access, self.cost_bytes(anchor), freed
 
     def _freed_in(self, anchor: Node, tier: int) -> int:
-        """Bytes the unit at ``anchor`` frees in ``tier``: its ``units.unit_parts`` there
-        (alone out of the last tier). 0 where no unit is anchored."""
-        snap, chain = unit_parts(anchor, alone=tier >= len(self.heaps) - 1)
-        bit = 1 << tier
-        freed = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
-        for node in chain:  # a loop, not sum(<generator>): this runs for every victim
-            if node.kv_tiers & bit:
-                freed += node.kv_bytes
-        return freed
+        """Bytes the unit at ``anchor`` frees in ``tier`` (``units.freed_in``)."""
+        return freed_in(anchor, tier, alone=tier >= len(self.heaps) - 1)
 
     def _tier_bytes(self, anchor: Node) -> list[int]:
-        """Bytes the unit at ``anchor`` frees in each tier (``units.unit_parts``)."""
-        kind = unit_kind(anchor)
-        return [0] * len(self.heaps) if kind is None else self._walk(anchor, kind)[0]
-
-    def _walk(self, anchor: Node, kind: UnitKind) -> tuple[list[int], Node]:
-        """``(bytes freed in each tier, top of the KV walk)`` of the unit at ``anchor``.
-
-        Every tier but the last demotes (a snapshot unit carries its KV segment); the
-        last drops (a snapshot unit goes alone). Objects sit on one tier each, except
-        final snapshots with a write-through copy. The KV walk is ``units.tail_chain``
-        inlined (this runs for every re-ranked unit); its top (``anchor`` when it is not
-        walked) has no snapshot between it and ``anchor``, so ``update`` starts the cost's
-        search for the previous snapshot there instead of walking the segment again.
-        """
-        last = len(self.heaps) - 1
-        out = [0] * (last + 1)
-        tiers_of = self._tiers_of
-        if kind is not KIND_DEAD:
-            for t in tiers_of[anchor.snap_tiers]:
-                out[t] += anchor.snap_bytes
-        if kind is KIND_SNAPSHOT and last == 0:
-            return out, anchor
-        # A snapshot unit's KV does not leave the last tier with it (it goes alone).
-        kv_mask = ~(1 << last) if kind is KIND_SNAPSHOT else -1
-        # Bytes are summed per run of nodes on the same tiers (a segment mostly sits on
-        # one tier) and added to ``out`` once per run: integers, so any order is exact.
-        node = anchor
-        mask, run = node.kv_tiers & kv_mask, 0
-        while True:
-            if node.kv_tiers & kv_mask != mask:
-                for t in tiers_of[mask]:
-                    out[t] += run
-                mask, run = node.kv_tiers & kv_mask, 0
-            run += node.kv_bytes
-            parent = node.parent
-            if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
-                for t in tiers_of[mask]:
-                    out[t] += run
-                return out, node
-            node = parent
+        """Bytes the unit at ``anchor`` frees in each tier (``units.tier_bytes``)."""
+        kind, last = unit_kind(anchor), len(self.heaps) - 1
+        if kind is None:
+            return [0] * (last + 1)
+        return tier_bytes(anchor, kind, last, self._tiers_of)[0]
 
     def rank(self, anchor: Node, tier: int) -> float | None:
         """``H`` of the unit at ``anchor`` for ``tier``; None if it frees nothing there."""
@@ -288,7 +249,7 @@ class EvictionQueue:
             for heap in self.heaps:
                 heap.discard(anchor)
             return
-        freed, top = self._walk(anchor, kind)
+        freed, top = tier_bytes(anchor, kind, len(self.heaps) - 1, self._tiers_of)
         tau, first = self._tau, self._first
         t, tie = anchor.access, -anchor.depth
         anchor.rank_epoch, anchor.rank_access = epoch, t
@@ -426,36 +387,9 @@ class EvictionQueue:
 
     def _verify_stamp(self, anchor: Node, tier: int, queued: float) -> None:
         """``verify_stamps``: a stamped top's fresh rank is the queued one (NOTE 4)."""
-        fresh = self.rank(anchor, tier)
-        assert fresh is not None, f"stamped {anchor} frees nothing in tier {tier}"
-        tol = 1e-9 * max(1.0, abs(fresh))
-        assert abs(fresh - queued) <= tol, f"stamped {anchor}: queued {queued} ≠ {fresh}"
+        verify_stamp(self, anchor, tier, queued)
 
     def check(self, exact: bool = False) -> None:
-        """Every unit is queued in exactly the tiers where it frees bytes (O(n); tests).
-
-        And at a rank consistent with a fresh ``rank()``: in the tiers ranked by ``t``
-        alone (every tier when ``τ = 0``) a queued rank is never above the fresh one
-        (accesses only raise ``t``, NOTE 1). On the cost-ranked tier ``τ`` and ``p_end``
-        drift both ways, so there only ``exact`` checks: every queued rank *equals* the
-        fresh one, which holds whenever no access and no sample happened since the last
-        structural change (a test's quiescent point).
-        """
-        live = set(self.index.nodes.values())
-        for heap in self.heaps:
-            for anchor in heap:
-                assert anchor in live, f"queued node {anchor} is not in the index"
-        first = self._first_cost_tier(self.tau)
-        for node in live:
-            freed = self._tier_bytes(node)
-            for tier, heap in enumerate(self.heaps):
-                assert (freed[tier] > 0) == (node in heap), (node, tier, freed)
-                if node not in heap:
-                    continue
-                queued, fresh = heap.priority(node), self.rank(node, tier)
-                assert fresh is not None
-                tol = 1e-9 * max(1.0, abs(fresh))
-                if exact:
-                    assert abs(queued - fresh) <= tol, f"stale rank {queued} ≠ {fresh}: {node}"
-                elif tier < first:
-                    assert queued <= fresh + tol, f"rank {queued} above fresh {fresh}: {node}"
+        """``eviction_checks.check_queue``: every unit queued in exactly the tiers where it
+        frees bytes, at a rank consistent with a fresh ``rank()`` (O(n); tests)."""
+        check_queue(self, exact)

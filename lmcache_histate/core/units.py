@@ -72,7 +72,7 @@ keeps the uniform mass: its offsets are not one interval of one segment.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from enum import Enum
 
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR
@@ -86,8 +86,10 @@ __all__ = [
     "HitModel",
     "UnitKind",
     "expected_recompute",
+    "freed_in",
     "snapshot_ancestor",
     "tail_chain",
+    "tier_bytes",
     "unit_kind",
     "unit_nodes",
     "unit_parts",
@@ -169,6 +171,59 @@ def unit_parts(anchor: Node, *, alone: bool) -> tuple[Node | None, Iterable[Node
     if kind is KIND_SNAPSHOT:
         return anchor, () if alone else tail_chain(anchor)
     return (anchor if kind is KIND_BUNDLE else None), tail_chain(anchor)
+
+
+def freed_in(anchor: Node, tier: int, *, alone: bool) -> int:
+    """Bytes the unit at ``anchor`` frees in ``tier``: its ``unit_parts`` there (``alone``
+    out of the last tier). 0 where no unit is anchored."""
+    snap, chain = unit_parts(anchor, alone=alone)
+    bit = 1 << tier
+    freed = snap.snap_bytes if snap is not None and snap.snap_tiers & bit else 0
+    for node in chain:  # a loop, not sum(<generator>): this runs for every victim
+        if node.kv_tiers & bit:
+            freed += node.kv_bytes
+    return freed
+
+
+def tier_bytes(
+    anchor: Node, kind: UnitKind, last: int, tiers_of: Sequence[tuple[int, ...]]
+) -> tuple[list[int], Node]:
+    """``(bytes freed in each tier 0 … last, top of the KV walk)`` of the unit at
+    ``anchor``, of ``kind`` (``unit_kind``); ``tiers_of[mask]`` lists the tiers in ``mask``
+    (a table: this runs for every re-ranked unit).
+
+    Every tier but the last demotes (a snapshot unit carries its KV segment); the
+    last drops (a snapshot unit goes alone): ``unit_parts`` in every tier at once.
+    Objects sit on one tier each, except final snapshots with a write-through copy. The
+    KV walk is ``tail_chain`` inlined (this runs for every re-ranked unit); its top
+    (``anchor`` when it is not walked) has no snapshot between it and ``anchor``, so the
+    queue starts the cost's search for the previous snapshot there
+    (``expected_recompute``'s ``above``) instead of walking the segment again.
+    """
+    out = [0] * (last + 1)
+    if kind is not KIND_DEAD:
+        for t in tiers_of[anchor.snap_tiers]:
+            out[t] += anchor.snap_bytes
+    if kind is KIND_SNAPSHOT and last == 0:
+        return out, anchor
+    # A snapshot unit's KV does not leave the last tier with it (it goes alone).
+    kv_mask = ~(1 << last) if kind is KIND_SNAPSHOT else -1
+    # Bytes are summed per run of nodes on the same tiers (a segment mostly sits on one
+    # tier) and added to ``out`` once per run: integers, so any order is exact.
+    node = anchor
+    mask, run = node.kv_tiers & kv_mask, 0
+    while True:
+        if node.kv_tiers & kv_mask != mask:
+            for t in tiers_of[mask]:
+                out[t] += run
+            mask, run = node.kv_tiers & kv_mask, 0
+        run += node.kv_bytes
+        parent = node.parent
+        if parent is None or parent.depth < 0 or parent.snap_tiers or parent.kv_children != 1:
+            for t in tiers_of[mask]:
+                out[t] += run
+            return out, node
+        node = parent
 
 
 def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list[Node]]:
