@@ -36,9 +36,9 @@ so a cold prefix leaves a tier from its tail: what stays is still a prefix. (Ins
 order, the heap's default, would take the head first: it was stored earliest.)
 
 NOTE 4 (stamps: a top whose inputs did not change is not re-ranked). Re-ranking the top
-in ``victim`` (NOTE 1) was one of the three zone walks of an eviction
-(``benchmarks/core_ops.py``), and between requests it only confirms ranks that nothing
-has touched since they were queued. ``update`` stamps the unit's node
+in ``victim`` (NOTE 1) was one of the three zone walks of an eviction, and between
+requests it only confirms ranks that nothing has touched since they were queued
+(``benchmarks/README.md`` "core_ops" round 8: evict ×0.93). ``update`` stamps the node
 with the queue's ``epoch`` and the ``access`` it ranked with, and ``victim`` takes a
 top as current, without re-ranking it, only if both still match: the inputs of its
 rank are then those it was queued with, so a fresh rank would equal the queued one.
@@ -51,6 +51,9 @@ the index, which resets the stamps on the path they change (``index`` invariants
 and a change of structure whose re-ranking a caller defers (``rerank=False`` in
 ``TieredStore``) by ``deferred``: while it is set no stamp is trusted. ``victim``'s
 own re-rank of one tier resets the stamp (the unit's other tiers were not re-ranked).
+A returning session's ``begin`` samples ``p_end`` and ``τ``: under a stream of requests a
+stamp lasts until the next one. The tests re-rank every top a stamp vouches for and
+assert that it was current (``verify_stamps``).
 """
 
 from __future__ import annotations
@@ -252,7 +255,7 @@ class EvictionQueue:
         freed, top = tier_bytes(anchor, kind, len(self.heaps) - 1, self._tiers_of)
         tau, first = self._tau, self._first
         t, tie = anchor.access, -anchor.depth
-        anchor.rank_epoch, anchor.rank_access = epoch, t
+        anchor.rank_stamp = (epoch, t)
         cost: float | None = None
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
@@ -360,7 +363,7 @@ class EvictionQueue:
             anchor, pri = top
             if below is not None and pri >= below:
                 break
-            if anchor.rank_epoch == epoch and anchor.rank_access == anchor.access:
+            if anchor.rank_stamp == (epoch, anchor.access):
                 # Nothing its rank reads changed since it was queued (NOTE 4).
                 if self.verify_stamps:
                     self._verify_stamp(anchor, tier, pri)
@@ -372,7 +375,7 @@ class EvictionQueue:
                     heap.discard(anchor)
                     continue
                 if fresh > pri + 1e-9:
-                    anchor.rank_epoch = -1  # this tier only: not the whole unit
+                    anchor.rank_stamp = None  # this tier only: not the whole unit
                     heap.set(anchor, fresh, -anchor.depth)
                     continue
             if self.pinned(anchor, tier):

@@ -62,7 +62,7 @@ def test_a_top_accessed_since_it_was_queued_is_re_ranked(
     assert q.heaps[0].priority(n[8]) == pytest.approx(92.767342, abs=1e-5)
     assert calls == [n[8]]  # the bundle's stamp still held: t = 100 (not on 8's path)
     # Re-ranked in this tier only: the stamp no longer speaks for the whole unit.
-    assert n[8].rank_epoch == -1
+    assert n[8].rank_stamp is None
 
 
 def test_a_drift_of_tau_re_ranks_the_top() -> None:
