@@ -22,7 +22,9 @@ totals it prints the median of the per-batch ratios, which a load spike during a
 batches does not move.
 
 Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``,
-``python benchmarks/core_ops.py --against main [--sizes 1000000] [--ops 6000 --batches 120]``.
+``python benchmarks/core_ops.py --against main [--sizes 1000000] [--ops 6000 --batches 120]``;
+``--phases evict --clock process`` times only the evictions, by the process's CPU time
+(a job on the other core then costs less of the comparison: it still shares the caches).
 """
 
 from __future__ import annotations
@@ -148,7 +150,13 @@ def run(objects: int) -> dict[str, float]:
     return row
 
 
-def against(ref: str, objects: int, batches: int = 40) -> None:
+def against(
+    ref: str,
+    objects: int,
+    batches: int = 40,
+    phases: tuple[str, ...] = PHASES,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
     """Both cores side by side, batches alternated (module docstring). The ratio is of
     the totals; the median of the per-batch ratios (each pair ran back to back) is the
     one a load swing during a few batches does not move."""
@@ -157,7 +165,7 @@ def against(ref: str, objects: int, batches: int = 40) -> None:
     print(f"{objects:,} objects; µs per operation, mean of {batches} alternated batches\n")
     print(f"| operation | {names[0]} | {names[1]} | ratio | median batch ratio |")
     print("|---|---:|---:|---:|---:|")
-    for phase in PHASES:
+    for phase in phases:
         fns = {name: side.op(phase) for name, side in sides.items()}
         per = count(phase) // batches
         spent = dict.fromkeys(names, 0.0)
@@ -166,10 +174,10 @@ def against(ref: str, objects: int, batches: int = 40) -> None:
             took = {}
             for name in names if k % 2 == 0 else reversed(names):
                 fn = fns[name]
-                start = time.perf_counter()
+                start = clock()
                 for i in range(k * per, (k + 1) * per):
                     fn(i)
-                took[name] = time.perf_counter() - start
+                took[name] = clock() - start
                 spent[name] += took[name]
             ratios.append(took[names[0]] / took[names[1]])
         us = {name: spent[name] / (per * batches) * 1e6 for name in names}
@@ -189,11 +197,19 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=OPS, help=f"operations of each kind (default "
                     f"{OPS}; half as many evictions)")
     ap.add_argument("--batches", type=int, default=40, help="alternated batches with --against")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help="with --against: the operations to time, in this order")
+    ap.add_argument("--clock", choices=("wall", "process"), default="wall",
+                    help="with --against: wall time (default) or the process's CPU time")
     args = ap.parse_args()
     OPS = args.ops
     if args.against:
+        phases = tuple(args.phases.split(","))
+        if not set(phases) <= set(PHASES):
+            ap.error(f"--phases: choose among {','.join(PHASES)}")
+        clock = time.process_time if args.clock == "process" else time.perf_counter
         for size in (args.sizes or "1000000").split(","):
-            against(args.against, int(size), args.batches)
+            against(args.against, int(size), args.batches, phases, clock)
         return
     rows = [run(int(s)) for s in (args.sizes or "10000,100000,1000000").split(",")]
     print(
