@@ -38,6 +38,24 @@ def test_a_pinned_top_is_skipped_and_put_back_as_it_was() -> None:
     q.check(exact=True)
 
 
+def test_a_demoting_tier_skips_a_unit_whose_kv_segment_is_pinned() -> None:
+    """Two tiers, everything on tier 0 (a demoting tier), τ = 0, accesses as in
+    ``lru_tree``. Out of tier 0 S4's unit is its snapshot *and* its KV segment (4 and 3,
+    down to S2), so pinning chunk 3 alone (a request reading the prefix 1–3) pins S4's
+    unit there: ``victim(0)`` skips S4 (5, deeper) and returns S2 (5), whose segment
+    (2, 1) is not pinned. Out of the last tier S4's snapshot would go alone and chunk 3's
+    pin would not hold it (``pinned`` with ``tier=None``)."""
+    index, n = tree()
+    for key, t in ((2, 5.0), (4, 5.0), (6, 7.0), (8, 9.0)):
+        n[key].access = t
+    q = queue(index, 2, tau=0.0)
+    n[3].pins += 1
+    assert q.pinned(n[4], 0) and not q.pinned(n[4])
+    assert q.victim(0) == (n[2], 5.0)
+    n[3].pins -= 1
+    assert q.victim(0) == (n[4], 5.0)
+
+
 def test_pinned_units_skipped_before_the_bound_stops_the_search_are_put_back() -> None:
     # S4 and S2 (5) pinned, the bundle (7) is not below 6: no victim, both still queued.
     q, n = lru_tree()
