@@ -35,14 +35,25 @@ def no_rank(q: EvictionQueue, monkeypatch: pytest.MonkeyPatch) -> list[Node]:
     return calls
 
 
-def test_a_top_nothing_touched_is_returned_as_queued_without_a_re_rank(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def dead_tail_first(
+    monkeypatch: pytest.MonkeyPatch, *, deferred: bool = False
+) -> tuple[list[Node], tuple[Node, float]]:
+    """The tree's queue at τ = 10 (``deferred`` as given): ``victim(0)``'s answer, the
+    dead tail 8 (every unit's t = 100, and its ``ln(C/M)`` is the floor), and the
+    ``rank`` calls it made."""
     index, n = tree()
     q = queue(index, 1, tau=10.0)
     calls = no_rank(q, monkeypatch)
+    q.deferred = deferred
     found = q.victim(0)
     assert found is not None and found[0] is n[8]
+    return calls, found
+
+
+def test_a_top_nothing_touched_is_returned_as_queued_without_a_re_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls, found = dead_tail_first(monkeypatch)
     assert found[1] == pytest.approx(100.0 + 10.0 * LN_1E9, abs=1e-5)  # −107.232658
     assert calls == []
 
@@ -107,13 +118,9 @@ def test_a_session_through_a_snapshot_re_ranks_it() -> None:
 def test_no_stamp_is_trusted_while_a_re_ranking_is_deferred(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    index, n = tree()
-    q = queue(index, 1, tau=10.0)
-    calls = no_rank(q, monkeypatch)
-    q.deferred = True  # as ``TieredStore.store_kv(rerank=False)`` leaves it
-    found = q.victim(0)
-    assert found is not None and found[0] is n[8]
-    assert calls == [n[8]]
+    # As ``TieredStore.store_kv(rerank=False)`` leaves it: the same top is re-ranked.
+    calls, found = dead_tail_first(monkeypatch, deferred=True)
+    assert calls == [found[0]]
 
 
 def test_the_tests_stamp_verification_catches_an_input_changed_behind_the_queue() -> None:
