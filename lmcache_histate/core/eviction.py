@@ -366,7 +366,7 @@ class EvictionQueue:
             if anchor.rank_stamp == (epoch, anchor.access):
                 # Nothing its rank reads changed since it was queued (NOTE 4).
                 if self.verify_stamps:
-                    self._verify_stamp(anchor, tier, pri)
+                    verify_stamp(self, anchor, tier, pri)
             else:
                 # Queued ranks are lower bounds after lazy refreshes (NOTE 1): re-rank
                 # the top until it is current. Terminates: a re-ranked entry is current.
@@ -387,10 +387,6 @@ class EvictionQueue:
         for anchor, pri in skipped:
             heap.set(anchor, pri, -anchor.depth)
         return found
-
-    def _verify_stamp(self, anchor: Node, tier: int, queued: float) -> None:
-        """``verify_stamps``: a stamped top's fresh rank is the queued one (NOTE 4)."""
-        verify_stamp(self, anchor, tier, queued)
 
     def check(self, exact: bool = False) -> None:
         """``eviction_checks.check_queue``: every unit queued in exactly the tiers where it

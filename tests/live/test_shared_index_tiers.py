@@ -79,11 +79,15 @@ def test_degraded_servers_write_within_their_share(tmp_path: Path,
         b.close()
 
 
+def index_entries(client: redis.Redis) -> dict[str, dict[str, str]]:
+    """Every object entry of the namespace (id -> fields), read straight from Redis."""
+    return {KEYS.id_of(n): client.hgetall(n) for n in client.scan_iter(match=KEYS.object_pattern)}
+
+
 def state_of(folder: Path, client: redis.Redis) -> tuple[dict[str, str], dict[str, int], int]:
     """(state per entry id, files on disk, the deployment's used bytes)."""
-    entries = {KEYS.id_of(n): client.hget(n, "state")
-               for n in client.scan_iter(match=KEYS.object_pattern)}
-    return entries, files(folder), int(client.get(KEYS.used) or 0)
+    states = {i: e["state"] for i, e in index_entries(client).items()}
+    return states, files(folder), int(client.get(KEYS.used) or 0)
 
 
 def test_a_failed_write_gives_its_reservation_back_at_once(
@@ -210,8 +214,7 @@ def test_a_server_killed_while_loading_blocks_nothing_past_its_leases(
         assert now() >= min(expiry)
         assert not client.exists(KEYS.entry(ids[0]))  # object 1 claimed and dropped
         assert client.hget(KEYS.entry(ids[1]), "state") == "stored"
-        entries = {KEYS.id_of(n): client.hgetall(n)
-                   for n in client.scan_iter(match=KEYS.object_pattern)}
+        entries = index_entries(client)
         on_disk = files(folder)
         assert sorted(e["path"] for e in entries.values()) == sorted(on_disk)
         assert {e["state"] for e in entries.values()} == {"stored"}

@@ -143,7 +143,7 @@ class DiskWriter:
                 continue
             try:
                 outcome, nbytes, path = self._write_one(key, buffers[i], key in reserved)
-            except BaseException as exc:  # _write_one released its reservation
+            except BaseException as exc:  # its local reservation released; unreserved below
                 self.not_persisted(key, exc)
                 failed.append(key)
                 continue
