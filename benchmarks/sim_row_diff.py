@@ -11,7 +11,12 @@ row A, row B and the two rows that define the reuse-sensitive set, then splits A
    < half of the unlimited hit) while B kept them (≥ 90 %), the reverse, and those both
    lost, each with the tokens at stake and the idle time (the capped think time) before
    the request — recency decides a point when these idle times are far above ``τ``;
-3. the idle times of all requests and A's calibrated ``τ`` (``RunResult.stats``).
+3. by whether a request *rewrites* (``rewrite_stats``: it keeps only part of its
+   predecessor's prompt, so it resumes from a snapshot inside the context, or from
+   nothing): the mean TTFT and missed tokens of both rows over the rewriting requests
+   and over all others, and, among the reuse-sensitive requests one row hit more of,
+   how many rewrite, how many tokens more, and the idle time before them;
+4. the idle times of all requests and A's calibrated ``τ`` (``RunResult.stats``).
 
 Usage: ``python benchmarks/sim_row_diff.py --trace ../shared/traces/weka-cc
 --config configs/sim-paper.yaml --factor 0.25 [--rows histate,file-lru]
@@ -27,7 +32,10 @@ from sim_eviction import GIB, run_point
 
 from lmcache_histate.sim.config import load_setup
 from lmcache_histate.sim.report import OFFLOAD, REFERENCE, reuse_sensitive
+from lmcache_histate.sim.rewrite_stats import common_prefix
 from lmcache_histate.sim.runner import load_sim_trace
+from lmcache_histate.sim.server import RequestResult
+from lmcache_histate.sim.trace_model import Trace
 
 
 def quantiles(values: Iterable[float]) -> str:
@@ -35,6 +43,46 @@ def quantiles(values: Iterable[float]) -> str:
     if not xs:
         return "–"
     return " / ".join(f"{xs[min(len(xs) - 1, int(q * len(xs)))]:.0f}" for q in (0.5, 0.9, 0.99))
+
+
+Key = tuple[str, int]
+Row = tuple[str, dict[Key, RequestResult]]
+
+
+def print_rewrites(trace: Trace, sensitive: set[Key], row_a: Row, row_b: Row,
+                         idle: dict[Key, float]) -> None:
+    """Among the reuse-sensitive requests where one row hit more: how much more, whether
+    the request continues its predecessor's whole prompt (an end hit) or rewrites it
+    (it needs a snapshot inside the context), and how long its session was idle."""
+    (a, ra), (b, rb) = row_a, row_b
+    rewrites: set[Key] = set()
+    for s in trace.sessions:
+        for prev, req in zip(s.requests, s.requests[1:], strict=False):
+            # ``rewrite_stats``' definition of a rewrite (resets included).
+            if common_prefix(prev.chunk_hashes, req.chunk_hashes) < len(prev.chunk_hashes):
+                rewrites.add((req.session_id, req.index))
+    print(f"\nrewriting requests: {len(rewrites & sensitive)} of "
+          f"{len(sensitive)} reuse-sensitive, {len(rewrites)} of {len(ra)} in all\n")
+    print(f"| requests | count | {a} mean TTFT (s) | {b} mean TTFT (s) | {a} missed tokens (M) "
+          f"| {b} missed tokens (M) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, keys in (("rewriting", [k for k in ra if k in rewrites]),
+                        ("all others", [k for k in ra if k not in rewrites])):
+        n = max(1, len(keys))
+        print(f"| {label} | {len(keys)} | {sum(ra[k].ttft for k in keys) / n:.3f} "
+              f"| {sum(rb[k].ttft for k in keys) / n:.3f} "
+              f"| {sum(ra[k].input_tokens - ra[k].hit_tokens for k in keys) / 1e6:.1f} "
+              f"| {sum(rb[k].input_tokens - rb[k].hit_tokens for k in keys) / 1e6:.1f} |")
+    print("\n| reuse-sensitive, who hit more | requests | of them rewriting | extra hit tokens (M) "
+          "| extra per request p50 / p90 / p99 (tokens) "
+          "| idle before, p50 / p90 / p99 (s) |")
+    print("|---|---:|---:|---:|---|---|")
+    for more, less, label in ((rb, ra, f"{b} more"), (ra, rb, f"{a} more")):
+        keys = [k for k in sensitive if more[k].hit_tokens > less[k].hit_tokens]
+        extra = [more[k].hit_tokens - less[k].hit_tokens for k in keys]
+        print(f"| {label} | {len(keys)} | {sum(k in rewrites for k in keys)} | "
+              f"{sum(extra) / 1e6:.2f} | {quantiles(extra)} | "
+              f"{quantiles(idle[k] for k in keys)} |")
 
 
 def main() -> None:
@@ -93,6 +141,7 @@ def main() -> None:
     for label, keys in sorted(groups.items()):
         print(f"| {label} | {len(keys)} | {sum(ru[k].hit_tokens for k in keys) / 1e6:.1f} "
               f"| {quantiles(idle[k] for k in keys)} |")
+    print_rewrites(trace, sensitive, (a, ra), (b, rb), idle)
     tau = runs[a].stats.get("tau")
     print(f"\nidle before a request, all requests, p50 / p90 / p99 (s): "
           f"{quantiles(idle[k] for k in ra)}; {a}'s calibrated τ at the end: "
