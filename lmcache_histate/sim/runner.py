@@ -121,6 +121,8 @@ def _call_registry(
         "cpu_bytes": setup.cpu_bytes,
         "disk_bytes": setup.disk_bytes,
         "seed": setup.seed,
+        "max_interval_chunks": setup.max_interval_chunks,
+        "ema_alpha": setup.ema_alpha,
     }
     if same_memory:
         fields["same_memory"] = True

@@ -606,6 +606,32 @@ def test_lru_rows_share_the_histate_rows_object_model(refresh_all: bool) -> None
     assert ours.promote_tier == ref.promote_tier
 
 
+def test_the_ablation_rows_take_the_set_ups_interval_control() -> None:
+    """With ``histate.max_interval_chunks`` 8 and ``ema_alpha`` 0.2 (not the defaults 64 and
+    0.05), ``lru`` and ``lru-refresh-all`` are the ``histate`` core with ``tau = 0``, and
+    ``file-lru`` plans with the same intervals and EMA weight (baselines NOTE 1)."""
+    from lmcache_histate.sim.config import GIB, SimSetup
+    from lmcache_histate.sim.runner import policy_factories
+    from lmcache_histate.sim.variants import histate_policy
+
+    setup = SimSetup.paper(gpu_bytes=2 * GIB, cpu_bytes=3 * GIB, disk_bytes=5 * GIB).with_(
+        max_interval_chunks=8, ema_alpha=0.2
+    )
+    rows = policy_factories(setup)
+    eight = (528, 1056, 1584, 2112, 2640, 3168, 3696, 4224)  # 1..8 chunks of 528 tokens
+    for name, refresh_all in (("lru", False), ("lru-refresh-all", True)):
+        ours = rows[name]()
+        assert isinstance(ours, HiStatePolicy)
+        assert ours.cache.config.supported_intervals == eight, name
+        assert ours.cache.config.ema_alpha == 0.2, name
+        assert ours.cache.config == histate_policy(
+            setup, "ref", tau=0.0, refresh_all=refresh_all
+        ).cache.config, name
+    file_lru = rows["file-lru"]()
+    assert file_lru.interval.supported == eight
+    assert file_lru.interval.residence.alpha == 0.2
+
+
 def test_every_row_at_most_unlimited_on_the_weka_sample() -> None:
     """Driven one request at a time over the embedded Weka sample at a tight capacity:
     no row hits more than the unlimited reference on any request, tier names are the

@@ -39,12 +39,21 @@ pool) and one adapter (``end_state``). Every row reports ``load_bytes`` per tier
 (``gpu``/``cpu``/``disk``) for hits and the bytes written per tier name on completion.
 None of them is randomised; ``seed`` is accepted so that callers can treat every row
 alike.
+
+NOTE 1 (the ablation rows share the set-up's interval control). ``lru``,
+``lru-refresh-all`` and ``file-lru`` must differ from ``histate`` in eviction only, so
+they take the set-up's ``histate.max_interval_chunks`` (the supported snapshot intervals)
+and ``ema_alpha`` (the residence-time EMAs behind the pressure factor), as the
+``histate`` row does (``variants.histate_policy``); left at the core's defaults they
+would place snapshots differently from ``histate`` under any other configuration.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
+from ...core.interval import supported_intervals
 from ..policy import Policy
 from ..variants import three_tier_policy
 from .file_lru import file_lru_policy
@@ -81,12 +90,16 @@ def baseline_policies(
     flops: FlopModel = DEFAULT_FLOPS,
     host_kv_fraction: float | None = None,
     same_memory: bool = False,
+    max_interval_chunks: int = MAX_INTERVAL_CHUNKS,
+    ema_alpha: float = EMA_ALPHA,
 ) -> dict[str, Callable[[], Policy]]:
     """Row name → factory of a fresh policy, in report order (``BASELINES``).
 
     ``flops``: Marconi's FLOP model (only the linear : attention ratio matters);
     ``host_kv_fraction``: SGLang's host KV share (None: in proportion to its device
-    pools); ``same_memory``: every row gets GPU + CPU + disk bytes in all (module doc).
+    pools); ``same_memory``: every row gets GPU + CPU + disk bytes in all (module doc);
+    ``max_interval_chunks``, ``ema_alpha``: the interval control of the rows that keep
+    HiState's (NOTE 1).
     """
     del seed  # no baseline is randomised
     geo = {
@@ -95,6 +108,10 @@ def baseline_policies(
         "snapshot_bytes": snapshot_bytes,
     }
     caps = {"gpu_bytes": gpu_bytes, "cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes}
+    interval = {
+        "supported_intervals": supported_intervals(chunk_tokens, max_interval_chunks),
+        "ema_alpha": ema_alpha,
+    }
     total = gpu_bytes + cpu_bytes + disk_bytes
     # The slowest tier of each row: as configured, or grown to the common total.
     gpu_only = total if same_memory else gpu_bytes
@@ -120,9 +137,14 @@ def baseline_policies(
             "sglang-hicache-l3", **sglang, cpu_bytes=cpu_bytes, disk_bytes=disk_bytes
         ),
         # The HiState core with plain-recency eviction (tau = 0): no second implementation.
-        "lru": lambda: three_tier_policy("lru", tau=0.0, refresh_all=False, **geo, **caps),
-        "lru-refresh-all": lambda: three_tier_policy(
-            "lru-refresh-all", tau=0.0, refresh_all=True, **geo, **caps
+        "lru": lambda: three_tier_policy(
+            "lru", tau=0.0, refresh_all=False, **geo, **caps, **interval
         ),
-        "file-lru": lambda: file_lru_policy("file-lru", [gpu, cpu, disk], **geo),
+        "lru-refresh-all": lambda: three_tier_policy(
+            "lru-refresh-all", tau=0.0, refresh_all=True, **geo, **caps, **interval
+        ),
+        "file-lru": lambda: file_lru_policy(
+            "file-lru", [gpu, cpu, disk], **geo,
+            max_interval_chunks=max_interval_chunks, ema_alpha=ema_alpha,
+        ),
     }

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.defaults import MAX_INTERVAL_CHUNKS
+from ...core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
 from ...core.index import Node, PrefixIndex
 from ...core.interval import IntervalController, ResidenceTracker, supported_intervals
 from ..capture import Capture
@@ -136,16 +136,21 @@ class FileLRUPolicy(EndStatePolicy):
 
 
 def file_lru_policy(
-    name: str, tiers: Sequence[tuple[str, int]], **geometry: int
+    name: str,
+    tiers: Sequence[tuple[str, int]],
+    *,
+    chunk_tokens: int,
+    kv_bytes_per_token: int,
+    snapshot_bytes: int,
+    max_interval_chunks: int = MAX_INTERVAL_CHUNKS,
+    ema_alpha: float = EMA_ALPHA,
 ) -> FileLRUPolicy:
     """File-level LRU over ``tiers`` = [(name, capacity bytes), ...], fastest first (the
-    last one is the snapshot tier), with HiState's interval control. ``geometry``:
-    ``chunk_tokens``, ``kv_bytes_per_token``, ``snapshot_bytes`` (what every row gets)
-    and optionally ``max_interval_chunks`` (``core.defaults.MAX_INTERVAL_CHUNKS``)."""
-    chunk = geometry["chunk_tokens"]
-    per_token = geometry["kv_bytes_per_token"]
-    snapshot = geometry["snapshot_bytes"]
-    residence = ResidenceTracker()
+    last one is the snapshot tier), with HiState's interval control: the supported
+    intervals up to ``max_interval_chunks`` chunks and residence-time EMAs of weight
+    ``ema_alpha``, as the ``histate`` row's (``baselines`` NOTE 1)."""
+    chunk, per_token, snapshot = chunk_tokens, kv_bytes_per_token, snapshot_bytes
+    residence = ResidenceTracker(ema_alpha)
     engine = FileLRU(
         (chunk, chunk * per_token, snapshot),
         [PoolSpec(tier, capacity) for tier, capacity in tiers],
@@ -154,7 +159,7 @@ def file_lru_policy(
     interval = IntervalController(
         chunk,
         snapshot / per_token,
-        supported_intervals(chunk, geometry.get("max_interval_chunks", MAX_INTERVAL_CHUNKS)),
+        supported_intervals(chunk, max_interval_chunks),
         residence,
     )
     return FileLRUPolicy(name, engine, interval)
