@@ -16,11 +16,17 @@ row A, row B and the two rows that define the reuse-sensitive set, then splits A
    nothing): the mean TTFT and missed tokens of both rows over the rewriting requests
    and over all others, and, among the reuse-sensitive requests one row hit more of,
    how many rewrite, how many tokens more, and the idle time before them;
-4. the idle times of all requests and A's calibrated ``τ`` (``RunResult.stats``).
+4. the idle times of all requests and A's calibrated ``τ`` (``RunResult.stats``), and
+   before the tables each row's drops (units, and intermediate snapshots dropped alone)
+   and its interval control's pressure factor at the end.
+
+``--fixed-interval-chunks K`` gives both rows (rows on the HiState core only) one fixed
+snapshot interval, so that where snapshots are placed (the interval control reads each
+row's own residence times) cannot differ between them: what differs is then eviction.
 
 Usage: ``python benchmarks/sim_row_diff.py --trace ../shared/traces/weka-cc
 --config configs/sim-paper.yaml --factor 0.25 [--rows histate,file-lru]
-[--session-gap-s S]``
+[--session-gap-s S] [--fixed-interval-chunks K]``
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from collections.abc import Iterable
 
 from sim_eviction import GIB, run_point
 
-from lmcache_histate.sim.config import load_setup
+from lmcache_histate.sim.config import SimSetup, load_setup
+from lmcache_histate.sim.policy import Policy
 from lmcache_histate.sim.report import OFFLOAD, REFERENCE, reuse_sensitive
 from lmcache_histate.sim.rewrite_stats import common_prefix
 from lmcache_histate.sim.runner import load_sim_trace
-from lmcache_histate.sim.server import RequestResult
+from lmcache_histate.sim.server import RequestResult, simulate
 from lmcache_histate.sim.trace_model import Trace
+from lmcache_histate.sim.variants import VARIANTS, histate_policy
 
 
 def quantiles(values: Iterable[float]) -> str:
@@ -43,6 +51,28 @@ def quantiles(values: Iterable[float]) -> str:
     if not xs:
         return "–"
     return " / ".join(f"{xs[min(len(xs) - 1, int(q * len(xs)))]:.0f}" for q in (0.5, 0.9, 0.99))
+
+
+# What each row's ``RunResult.stats`` says of its drops and its interval control.
+DROPS = (("dropped_units", "dropped units"),
+         ("snapshots_dropped_alone", "of them intermediate snapshots alone"),
+         ("pressure_factor", "pressure factor at the end"))
+# The rows built on the HiState core, as ``histate_policy`` knobs (``baselines``: ``lru`` and
+# ``lru-refresh-all`` are that core with ``tau = 0``).
+CORE_ROWS: dict[str, dict[str, object]] = {
+    "lru": {"tau": 0.0, "refresh_all": False},
+    "lru-refresh-all": {"tau": 0.0, "refresh_all": True},
+    **{n: k for n, k in VARIANTS.items()
+       if not {"fixed_interval", "fixed_interval_chunks"} & k.keys()},
+}
+
+
+def fixed_interval_row(setup: SimSetup, name: str, chunks: int) -> Policy:
+    """Row ``name`` with a snapshot every ``chunks`` chunks (``--fixed-interval-chunks``)."""
+    if name not in CORE_ROWS:
+        raise SystemExit(f"--fixed-interval-chunks: {name!r} is not a row on the HiState core "
+                         f"whose interval can be fixed; rows: {', '.join(CORE_ROWS)}")
+    return histate_policy(setup, name, fixed_interval_chunks=chunks, **dict(CORE_ROWS[name]))
 
 
 Key = tuple[str, int]
@@ -92,6 +122,10 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=0.25)
     ap.add_argument("--rows", default="histate,file-lru")
     ap.add_argument("--session-gap-s", type=float, default=None)
+    ap.add_argument("--fixed-interval-chunks", type=int, default=None,
+                    help="both rows place a snapshot every K chunks (rows on the HiState "
+                         "core only): separates where snapshots are placed from what is "
+                         "evicted")
     args = ap.parse_args()
     a, b = args.rows.split(",")
     base = load_setup(args.config)
@@ -100,7 +134,13 @@ def main() -> None:
     setup = base.with_(cpu_bytes=int(base.cpu_bytes * args.factor),
                        disk_bytes=int(base.disk_bytes * args.factor))
     trace = load_sim_trace(args.trace, base, None)
-    runs = run_point(trace, setup, list(dict.fromkeys([a, b, REFERENCE, OFFLOAD])))
+    if args.fixed_interval_chunks is None:
+        runs = run_point(trace, setup, list(dict.fromkeys([a, b, REFERENCE, OFFLOAD])))
+    else:
+        runs = run_point(trace, setup, [REFERENCE, OFFLOAD])
+        for name in dict.fromkeys([a, b]):
+            runs[name] = simulate(trace, fixed_interval_row(setup, name,
+                                                            args.fixed_interval_chunks), setup)
     # The reuse-sensitive set is defined against row A (``reuse_sensitive``'s "histate").
     sensitive = reuse_sensitive(runs, histate=a) or set()
     ra, rb, ru = ({r.key: r for r in runs[n].results} for n in (a, b, REFERENCE))
@@ -108,9 +148,15 @@ def main() -> None:
             for s in trace.sessions for r in s.requests}
 
     memory = {n: runs[n].capacity_bytes / GIB for n in (a, b)}
-    print(f"{trace.name} at {args.factor:g}x CPU+disk, {a} − {b}, "
+    fixed = ("" if args.fixed_interval_chunks is None
+             else f", both rows with a snapshot every {args.fixed_interval_chunks} chunks")
+    print(f"{trace.name} at {args.factor:g}x CPU+disk{fixed}, {a} − {b}, "
           f"{len(sensitive)} reuse-sensitive requests; memory (GPU + CPU + disk): "
           f"{a} {memory[a]:.1f} GiB, {b} {memory[b]:.1f} GiB\n")
+    for n in (a, b):
+        st = runs[n].stats
+        print(f"{n}: " + ", ".join(f"{label} {st[key]:g}" for key, label in DROPS if key in st))
+    print()
     print("| who hit more | requests | Σ ΔTTFT (s) | Δ queue (s) | Δ recompute (s) | Δ load (s) |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, pick in (("same", lambda x, y: x == y), (f"{b} more", lambda x, y: y > x),

@@ -48,13 +48,17 @@ class Policy(Protocol):
 
 
 class TierCounter:
-    """Placement listener that counts bytes written to / dropped from each tier."""
+    """Placement listener that counts bytes written to / dropped from each tier, and the
+    snapshots dropped: all of them, and those that leave *alone*, their KV staying cached
+    below them (an intermediate snapshot leaving the last tier; a bundle's snapshot
+    leaves with its KV leaf)."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
         self.written_bytes: Counter[str] = Counter()
         self.dropped_bytes: Counter[str] = Counter()
         self.snapshots_dropped = 0
+        self.snapshots_dropped_alone = 0
 
     def _nbytes(self, node: Node, part: str) -> int:
         return node.snap_bytes if part == SNAPSHOT else node.kv_bytes
@@ -71,6 +75,9 @@ class TierCounter:
                 self.dropped_bytes[name] += self._nbytes(node, part)
         if part == SNAPSHOT:
             self.snapshots_dropped += 1
+            # Reported before the index forgets it: KV below means KV that stays.
+            if node.kv_children:
+                self.snapshots_dropped_alone += 1
 
 
 def _fastest(mask: int) -> int:
@@ -169,6 +176,7 @@ class HiStatePolicy:
             "reaccess_samples": float(core.reaccess_samples),
             "dropped_units": float(core.dropped_units),
             "snapshots_dropped": float(self.counter.snapshots_dropped),
+            "snapshots_dropped_alone": float(self.counter.snapshots_dropped_alone),
             "promoted_bytes": float(self.promoted_bytes),
         }
         for name, used in zip(self.tier_names, core.used_bytes, strict=True):
