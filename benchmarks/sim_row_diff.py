@@ -80,10 +80,11 @@ Row = tuple[str, dict[Key, RequestResult]]
 
 
 def print_rewrites(trace: Trace, sensitive: set[Key], row_a: Row, row_b: Row,
-                         idle: dict[Key, float]) -> None:
-    """Among the reuse-sensitive requests where one row hit more: how much more, whether
-    the request continues its predecessor's whole prompt (an end hit) or rewrites it
-    (it needs a snapshot inside the context), and how long its session was idle."""
+                   idle: dict[Key, float]) -> None:
+    """Both rows over the requests that rewrite their predecessor's prompt (they need a
+    snapshot inside the context) and over all others; then, among the reuse-sensitive
+    requests where one row hit more, how many rewrite, how much more, and how long their
+    sessions were idle."""
     (a, ra), (b, rb) = row_a, row_b
     rewrites: set[Key] = set()
     for s in trace.sessions:
