@@ -87,7 +87,6 @@ __all__ = [
     "UnitKind",
     "expected_recompute",
     "freed_in",
-    "snapshot_ancestor",
     "tail_chain",
     "tier_bytes",
     "unit_kind",
@@ -128,13 +127,9 @@ class HitModel:
         self.samples += 1
 
 
-def is_kv_leaf(node: Node) -> bool:
-    return node.kv_tiers != 0 and node.kv_children == 0
-
-
 def unit_kind(node: Node) -> UnitKind | None:
     """The kind of unit anchored at ``node``, or None if no unit is anchored there."""
-    if node.kv_tiers and not node.kv_children:  # ``is_kv_leaf`` inline: hot
+    if node.kv_tiers and not node.kv_children:  # a KV leaf: KV, and no child with KV
         return KIND_BUNDLE if node.snap_tiers else KIND_DEAD
     if node.snap_tiers:
         return KIND_SNAPSHOT
@@ -232,15 +227,6 @@ def unit_nodes(anchor: Node, *, demote: bool = False) -> tuple[Node | None, list
     return snap, list(chain)
 
 
-def snapshot_ancestor(node: Node) -> Node | None:
-    parent = node.parent
-    while parent is not None and parent.depth >= 0:
-        if parent.snap_tiers:
-            return parent
-        parent = parent.parent
-    return None
-
-
 def expected_recompute(
     node: Node,
     chunk_tokens: int,
@@ -277,7 +263,7 @@ def expected_recompute(
     if not node.snap_tiers:
         return 0.0
     p = (node.depth + 1) * chunk_tokens
-    # ``snapshot_ancestor`` inline (this runs for every re-ranked snapshot).
+    # The nearest snapshot above the search's start (or the root): a walk up.
     prev = (node if above is None else above).parent
     while prev is not None and prev.depth >= 0 and not prev.snap_tiers:
         prev = prev.parent
