@@ -36,10 +36,11 @@ from collections.abc import Iterable
 
 from sim_eviction import GIB, run_point
 
+from lmcache_histate.sim.baselines import LRU_ROWS
 from lmcache_histate.sim.config import SimSetup, load_setup
 from lmcache_histate.sim.policy import Policy
 from lmcache_histate.sim.report import OFFLOAD, REFERENCE, reuse_sensitive
-from lmcache_histate.sim.rewrite_stats import common_prefix
+from lmcache_histate.sim.rewrite_stats import rewriting_requests
 from lmcache_histate.sim.runner import load_sim_trace
 from lmcache_histate.sim.server import RequestResult, simulate
 from lmcache_histate.sim.trace_model import Trace
@@ -57,11 +58,9 @@ def quantiles(values: Iterable[float]) -> str:
 DROPS = (("dropped_units", "dropped units"),
          ("snapshots_dropped_alone", "of them intermediate snapshots alone"),
          ("pressure_factor", "pressure factor at the end"))
-# The rows built on the HiState core, as ``histate_policy`` knobs (``baselines``: ``lru`` and
-# ``lru-refresh-all`` are that core with ``tau = 0``).
+# The rows built on the HiState core, as ``histate_policy`` knobs.
 CORE_ROWS: dict[str, dict[str, object]] = {
-    "lru": {"tau": 0.0, "refresh_all": False},
-    "lru-refresh-all": {"tau": 0.0, "refresh_all": True},
+    **LRU_ROWS,
     **{n: k for n, k in VARIANTS.items()
        if not {"fixed_interval", "fixed_interval_chunks"} & k.keys()},
 }
@@ -86,12 +85,7 @@ def print_rewrites(trace: Trace, sensitive: set[Key], row_a: Row, row_b: Row,
     requests where one row hit more, how many rewrite, how much more, and how long their
     sessions were idle."""
     (a, ra), (b, rb) = row_a, row_b
-    rewrites: set[Key] = set()
-    for s in trace.sessions:
-        for prev, req in zip(s.requests, s.requests[1:], strict=False):
-            # ``rewrite_stats``' definition of a rewrite (resets included).
-            if common_prefix(prev.chunk_hashes, req.chunk_hashes) < len(prev.chunk_hashes):
-                rewrites.add((req.session_id, req.index))
+    rewrites = rewriting_requests(trace)
     print(f"\nrewriting requests: {len(rewrites & sensitive)} of "
           f"{len(sensitive)} reuse-sensitive, {len(rewrites)} of {len(ra)} in all\n")
     print(f"| requests | count | {a} mean TTFT (s) | {b} mean TTFT (s) | {a} missed tokens (M) "

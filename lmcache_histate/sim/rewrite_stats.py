@@ -23,12 +23,12 @@ to measure at its native block size.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .traces import Trace
+from .traces import Request, Session, Trace
 
-__all__ = ["RewriteStats", "common_prefix", "rewrite_stats"]
+__all__ = ["RewriteStats", "common_prefix", "rewrite_stats", "rewriting_requests"]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,17 +56,39 @@ class RewriteStats:
         return self.turns_back[0] / self.rewrites if self.rewrites else 0.0
 
 
+def _appended(session: Session) -> Iterator[tuple[Request, int, bool]]:
+    """Each request of ``session`` with ``s_k`` (the start of the span it appended) and
+    whether it rewrites (``s_k < n_{k−1}``; module docstring)."""
+    prev: tuple[int, ...] | None = None
+    for request in session.requests:
+        chain = request.chunk_hashes
+        if prev is None:
+            yield request, 0, False
+        else:
+            start = common_prefix(prev, chain)
+            yield request, start, start < len(prev)
+        prev = chain
+
+
+def rewriting_requests(trace: Trace) -> set[tuple[str, int]]:
+    """``(session id, index)`` of every request ``rewrite_stats`` counts as a rewrite
+    (resets included)."""
+    return {
+        (request.session_id, request.index)
+        for session in trace.sessions
+        for request, _, rewrites in _appended(session)
+        if rewrites
+    }
+
+
 def rewrite_stats(trace: Trace) -> RewriteStats:
     """Measure where the requests of ``trace`` rewrite their predecessors' context."""
     out = RewriteStats()
     for session in trace.sessions:
         spans: list[tuple[int, int]] = []  # (s_j, n_j) per request so far
-        prev: tuple[int, ...] = ()
-        for request in session.requests:
-            chain = request.chunk_hashes
+        for request, start, rewrites in _appended(session):
             out.requests += 1
-            start = common_prefix(prev, chain) if spans else 0
-            if spans and start < len(prev):
+            if rewrites:
                 out.rewrites += 1
                 if start == 0:
                     out.resets += 1
@@ -79,6 +101,5 @@ def rewrite_stats(trace: Trace) -> RewriteStats:
                     out.turns_back[back] += 1
                     if back == 0:
                         out.last_turn_offsets.append((start - lo) / (hi - lo))
-            spans.append((start, len(chain)))
-            prev = chain
+            spans.append((start, len(request.chunk_hashes)))
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_histate.sim.rewrite_stats import rewrite_stats
+from lmcache_histate.sim.rewrite_stats import rewrite_stats, rewriting_requests
 from lmcache_histate.sim.traces import Request, Session, Trace
 
 
@@ -30,6 +30,8 @@ def test_cuts_are_located_in_the_turn_that_appended_them() -> None:
     assert dict(st.turns_back) == {0: 1, 3: 1}
     assert st.last_turn_offsets == [0.5]
     assert st.last_turn_share == pytest.approx(1 / 3)
+    # The same three, by key: A's r2 (the cut at 4), r4 (the cut at 1), r5 (the reset).
+    assert rewriting_requests(Trace("t", 64, (a, b))) == {("a", 2), ("a", 4), ("a", 5)}
 
 
 def test_a_shorter_prompt_that_keeps_a_prefix_is_a_rewrite() -> None:

@@ -63,7 +63,7 @@ from .sglang import sglang_hicache_policy
 from .unlimited import UnlimitedPolicy
 from .vllm import vllm_align_policy
 
-__all__ = ["BASELINES", "baseline_policies"]
+__all__ = ["BASELINES", "LRU_ROWS", "baseline_policies"]
 
 BASELINES: tuple[str, ...] = (
     "unlimited",
@@ -77,6 +77,13 @@ BASELINES: tuple[str, ...] = (
     "lru-refresh-all",
     "file-lru",
 )
+
+# The rows that are HiState's own core with plain-recency eviction (tau = 0), and the knobs
+# that make them so (``variants.histate_policy`` takes the same): no second implementation.
+LRU_ROWS: dict[str, dict[str, float | bool]] = {
+    "lru": {"tau": 0.0, "refresh_all": False},
+    "lru-refresh-all": {"tau": 0.0, "refresh_all": True},
+}
 
 def baseline_policies(
     chunk_tokens: int,
@@ -136,12 +143,9 @@ def baseline_policies(
         "sglang-hicache-l3": lambda: sglang_hicache_policy(
             "sglang-hicache-l3", **sglang, cpu_bytes=cpu_bytes, disk_bytes=disk_bytes
         ),
-        # The HiState core with plain-recency eviction (tau = 0): no second implementation.
-        "lru": lambda: three_tier_policy(
-            "lru", tau=0.0, refresh_all=False, **geo, **caps, **interval
-        ),
+        "lru": lambda: three_tier_policy("lru", **LRU_ROWS["lru"], **geo, **caps, **interval),
         "lru-refresh-all": lambda: three_tier_policy(
-            "lru-refresh-all", tau=0.0, refresh_all=True, **geo, **caps, **interval
+            "lru-refresh-all", **LRU_ROWS["lru-refresh-all"], **geo, **caps, **interval
         ),
         "file-lru": lambda: file_lru_policy(
             "file-lru", [gpu, cpu, disk], **geo,
