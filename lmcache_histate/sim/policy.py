@@ -75,7 +75,8 @@ class TierCounter:
                 self.dropped_bytes[name] += self._nbytes(node, part)
         if part == SNAPSHOT:
             self.snapshots_dropped += 1
-            # Reported before the index forgets it: KV below means KV that stays.
+            # KV cached below the snapshot stays: the snapshot leaves alone (a bundle's
+            # snapshot sits on a KV leaf, whose KV leaves with it).
             if node.kv_children:
                 self.snapshots_dropped_alone += 1
 
