@@ -2,7 +2,7 @@
 
 ``EvictionQueue.check`` and the stamp verification behind ``EvictionQueue.verify_stamps``
 (``eviction`` NOTE 4) live here, apart from the queue's hot paths: they only read the
-queue (its heaps, ``rank`` and the tier bytes of each unit) and assert.
+queue (its heaps, ``rank`` and the bytes each unit frees per tier) and assert.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def check_queue(queue: EvictionQueue, exact: bool = False) -> None:
             assert anchor in live, f"queued node {anchor} is not in the index"
     first = queue._first_cost_tier(queue.tau)
     for node in live:
-        freed = queue._tier_bytes(node)
+        # Per tier through ``units.unit_parts``: the hot path's ``tier_bytes`` computes
+        # all tiers in one walk, so this also checks that walk against the definition.
+        freed = [queue._freed_in(node, tier) for tier in range(len(queue.heaps))]
         for tier, heap in enumerate(queue.heaps):
             assert (freed[tier] > 0) == (node in heap), (node, tier, freed)
             if node not in heap:

@@ -233,6 +233,15 @@ class TieredStore:
 
     def drop(self, anchor: Node, now: float) -> None:
         """Remove the unit at ``anchor`` from every tier."""
+        if anchor.snap_tiers and anchor.kv_children:
+            # An intermediate snapshot goes alone (``units.unit_parts``), the common
+            # victim: ``_forget_snapshot`` re-ranks around it, which covers every unit it
+            # changed (the snapshot above, the tails and snapshots below); its parent's
+            # KV and branches are unchanged.
+            self.dropped_units += 1
+            self.residence.observe_snapshot(now - anchor.snap_since)
+            self._forget_snapshot(anchor)
+            return
         snap, chain = unit_nodes(anchor)
         self.dropped_units += 1
         if snap is not None:
@@ -246,9 +255,6 @@ class TieredStore:
             self.index.clear_kv(node)
             self.queue.remove(node)
         if not chain:
-            # A snapshot dropped alone: ``_forget_snapshot`` re-ranked around it, which
-            # covers every unit it changed (the snapshot above, the tails and
-            # snapshots below); its parent's KV and branches are unchanged.
             return
         top = chain[-1]
         parent = top.parent
@@ -264,7 +270,7 @@ class TieredStore:
             self.used[tier] -= node.snap_bytes
         self.listener.dropped(node, SNAPSHOT, node.snap_tiers)
         self.index.clear_snapshot(node)
-        self.queue.update_around(node)
+        self.queue.update_around(node, snapshot_only=True)
 
     def _release_snapshot_copy(self, node: Node, tier: int) -> None:
         node.snap_tiers &= ~(1 << tier)
