@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from test_cost_and_rank import SNAP, queue, tree
+from test_rank_stamps import no_rank
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node, PrefixIndex
@@ -83,3 +84,75 @@ def test_the_same_queue_as_update_around(dropped: int, extra_snapshot: bool) -> 
         q.check(exact=True)
         queues.append(live(q))
     assert queues[0] == queues[1]
+
+
+def test_a_snapshot_at_the_first_chunk_is_the_one_above() -> None:
+    """Chain 1[S] ─ 2[S] ─ 3, session a ends at 3 (30 tokens, density 1/30). S1 (p = 10,
+    δ = 10, passed by a) first bounds its zone at S2 (mass (20 − 10)/30 = 1/3): C =
+    10·(0.1/3 + 0.9) = 9.333333, H = 100 + 10·ln(37.333333 / 200) = 83.215692. With S2
+    gone its zone reaches a's end (internal (30 − 10)/30 = 2/3): C = 10·(0.1·2/3 + 0.9) =
+    9.666667, H = 100 + 10·ln(38.666667 / 200) = 83.566605 (a snapshot at depth 0 is a
+    snapshot above like any other)."""
+    index = PrefixIndex(10)
+    n = index.insert_chain([1, 2, 3])
+    for node in n:
+        index.set_kv(node, 1, 40, 0.0)
+    for node in n[:2]:
+        index.set_snapshot(node, 1, SNAP, 0.0)
+    index.set_session("a", n[2], 30)
+    for node in n:
+        node.access = 100.0
+    q = queue(index, 1, tau=10.0)
+    assert q.heaps[0].priority(n[0]) == pytest.approx(83.215692, abs=1e-5)
+    drop_alone(index, q, n[1], generic=False)
+    assert q.heaps[0].priority(n[0]) == pytest.approx(83.566605, abs=1e-5)
+    q.check(exact=True)
+
+
+@pytest.mark.parametrize("extra_snapshot", [False, True])
+def test_every_unit_it_re_ranks_is_stamped(
+    extra_snapshot: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-ranked units carry a current stamp (NOTE 4), so ``victim`` takes each as
+    queued, without a re-rank: the dead tail 8 (below), then the snapshot above (S2; S3,
+    the parent, with a snapshot at 3), each the top once the others are set aside."""
+    index, n = tree()
+    if extra_snapshot:
+        index.set_snapshot(n[3], 1, SNAP, 0.0)
+    q = queue(index, 1, tau=10.0)
+    for node in n.values():
+        node.rank_stamp = None  # only what the drop re-ranks is stamped now
+    drop_alone(index, q, n[4], generic=False)
+    calls = no_rank(q, monkeypatch)
+    found = q.victim(0)
+    assert found is not None and found[0] is n[8]
+    q.remove(n[8])
+    q.remove(n[6])
+    if extra_snapshot:
+        q.remove(n[2])
+    found = q.victim(0)
+    assert found is not None and found[0] is n[3 if extra_snapshot else 2]
+    assert calls == []
+
+
+def test_a_change_at_the_first_chunk_stays_inside_its_own_prefix() -> None:
+    """Two prompts that share nothing: 1[S] ─ 2 and 11[S] ─ 12. A change at chunk 1 (the
+    root's child) re-ranks what lies under 1 and nothing under 11: the root is not a
+    parent whose branches the change reaches (every prefix hangs from it). Both re-ranked
+    units, ``node`` itself included, carry a current stamp."""
+    index = PrefixIndex(10)
+    a = index.insert_chain([1, 2])
+    b = index.insert_chain([11, 12])
+    for node in (*a, *b):
+        index.set_kv(node, 1, 40, 0.0)
+        node.access = 100.0
+    for node in (a[0], b[0]):
+        index.set_snapshot(node, 1, SNAP, 0.0)
+    q = queue(index, 1, tau=10.0)
+    for node in (*a, *b):
+        node.rank_stamp = None
+    for only in (False, True):
+        q.update_around(a[0], snapshot_only=only)
+        # Stamped with the epoch and the access they were ranked with (NOTE 4).
+        stamps = [node.rank_stamp for node in (*a, *b)]
+        assert stamps == [(q.epoch, 100.0), (q.epoch, 100.0), None, None]

@@ -335,3 +335,29 @@ def test_promote_takes_the_nearest_lower_copy() -> None:
     assert n1.kv_tiers == 0b101
     assert store.used == [10, 0, 10]
     check(index, queue, store)
+
+
+def test_an_intermediate_snapshot_dropped_alone_is_counted_and_sampled() -> None:
+    """Chain 1 ─ 2 ─ 3, KV stored on the CPU at t = 0, snapshots at 1 and 2 on the disk
+    (the default rules) at t = 4: each has KV below (intermediate). Dropping S1 at t = 10
+    drops one unit, samples a snapshot residence of 10 − 4 = 6 s (seeds the EMA), reports
+    the snapshot only and frees its 20 B of disk; the KV stays. Dropping S2 at t = 20
+    makes two units and two samples."""
+    index, queue, store, log = make(1000, 1000)
+    n = index.insert_chain([1, 2, 3])
+    for node in n:
+        assert store.store_kv(node, KVB, 0.0)
+    for node in n[:2]:
+        assert store.store_snapshot(node, SNAPB, 4.0, final=False)
+    assert store.used == [30, 40]
+    log.take()
+    store.drop(n[0], 10.0)
+    assert log.take() == [("dropped", 1, SNAPSHOT, 1 << DISK)]
+    assert store.dropped_units == 1
+    assert (store.residence.snapshot_ema, store.residence.snapshot_samples) == (6.0, 1)
+    assert store.used == [30, 20] and [node.kv_tiers for node in n] == [1, 1, 1]
+    check(index, queue, store)
+    store.drop(n[1], 20.0)
+    assert store.dropped_units == 2 and store.residence.snapshot_samples == 2
+    assert store.used == [30, 0]
+    check(index, queue, store)
