@@ -55,10 +55,11 @@ A returning session's ``begin`` samples ``p_end`` and ``τ``: under a stream of 
 stamp lasts until the next one. The tests re-rank every top a stamp vouches for and
 assert that it was current (``verify_stamps``).
 
-NOTE 5 (a snapshot dropped alone, the common eviction). Its parent keeps its KV and its
-children, so unless it holds a snapshot (whose zone grew) it is still no unit and holds
-no entry: ``update_around(snapshot_only=True)`` skips its re-rank, one of the four in
-such an eviction (``benchmarks/README.md`` "core_ops" round 10). Everything else is
+NOTE 5 (a snapshot dropped alone, the common eviction). When only a node's snapshot
+comes or goes, the node's parent keeps its KV and its children, so unless the parent
+holds a snapshot (whose zone changed) it is still no unit and holds no entry:
+``update_around(snapshot_only=True)`` skips its re-rank, one of the four in such an
+eviction (``benchmarks/README.md`` "core_ops" round 10). Everything else is
 re-ranked as after any change, the parent's other branches included, although their
 ranks do not read ``node``: a re-rank also refreshes a rank that drifted since it was
 queued (``τ``, ``p_end``, session densities: NOTE 1's lower bounds are approximate
