@@ -18,7 +18,9 @@ row A, row B and the two rows that define the reuse-sensitive set, then splits A
    how many rewrite, how many tokens more, and the idle time before them;
 4. the idle times of all requests and A's calibrated ``τ`` (``RunResult.stats``), and
    before the tables each row's drops (units, and intermediate snapshots dropped alone)
-   and its interval control's pressure factor at the end.
+   and its interval control's pressure factor at the end;
+5. the p99 TTFT over all requests and the requests that make it (at or above their
+   row's p99 in either row), split as in 1.
 
 ``--fixed-interval-chunks K`` gives both rows (rows on the HiState core only) one fixed
 snapshot interval, so that where snapshots are placed (the interval control reads each
@@ -39,7 +41,7 @@ from sim_eviction import GIB, run_point
 from lmcache_histate.sim.baselines import LRU_ROWS
 from lmcache_histate.sim.config import SimSetup, load_setup
 from lmcache_histate.sim.policy import Policy
-from lmcache_histate.sim.report import OFFLOAD, REFERENCE, reuse_sensitive
+from lmcache_histate.sim.report import OFFLOAD, REFERENCE, percentile, reuse_sensitive
 from lmcache_histate.sim.rewrite_stats import rewriting_requests
 from lmcache_histate.sim.runner import load_sim_trace
 from lmcache_histate.sim.server import RequestResult, simulate
@@ -110,6 +112,39 @@ def print_rewrites(trace: Trace, sensitive: set[Key], row_a: Row, row_b: Row,
               f"{quantiles(idle[k] for k in keys)} |")
 
 
+def print_split(keys: Iterable[Key], row_a: Row, row_b: Row, title: str) -> None:
+    """``keys`` by who hit more tokens: A − B TTFT summed, and cut into queueing,
+    recompute and load."""
+    (a, ra), (b, rb) = row_a, row_b
+    keys = list(keys)
+    print(f"| {title}, who hit more | requests | Σ ΔTTFT (s) | Δ queue (s) | Δ recompute (s) "
+          "| Δ load (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, pick in (("same", lambda x, y: x == y), (f"{b} more", lambda x, y: y > x),
+                        (f"{a} more", lambda x, y: x > y)):
+        d = [(ra[k], rb[k]) for k in keys if pick(ra[k].hit_tokens, rb[k].hit_tokens)]
+        print(f"| {label} | {len(d)} | {sum(x.ttft - y.ttft for x, y in d):.0f} "
+              f"| {sum(x.queue_s - y.queue_s for x, y in d):.0f} "
+              f"| {sum(x.recompute_s - y.recompute_s for x, y in d):.0f} "
+              f"| {sum(x.load_s - y.load_s for x, y in d):.0f} |")
+
+
+def print_tail(rewrites: set[Key], row_a: Row, row_b: Row) -> None:
+    """The p99 TTFT over all requests (``report.percentile``, as the results tables) and
+    the requests that make it: those at or above their row's p99 in either row, split
+    as the reuse-sensitive ones (which of them one row hit more of, and what the TTFT
+    difference is made of)."""
+    (a, ra), (b, rb) = row_a, row_b
+    p99 = {n: percentile(sorted(r.ttft for r in rows.values()), 99.0)
+           for n, rows in ((a, ra), (b, rb))}
+    tail = {n: {k for k, r in rows.items() if r.ttft >= p99[n]} for n, rows in ((a, ra), (b, rb))}
+    union = tail[a] | tail[b]
+    print(f"\np99 TTFT, all requests: {a} {p99[a]:.3f} s, {b} {p99[b]:.3f} s; at or above "
+          f"it: {a} {len(tail[a])}, {b} {len(tail[b])} requests, {len(tail[a] & tail[b])} "
+          f"in both; of the {len(union)} in either, {len(union & rewrites)} rewrite\n")
+    print_split(union, row_a, row_b, "p99 tail")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="weka-sample")
@@ -152,16 +187,7 @@ def main() -> None:
         st = runs[n].stats
         print(f"{n}: " + ", ".join(f"{label} {st[key]:g}" for key, label in DROPS if key in st))
     print()
-    print("| who hit more | requests | Σ ΔTTFT (s) | Δ queue (s) | Δ recompute (s) | Δ load (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for label, pick in (("same", lambda x, y: x == y), (f"{b} more", lambda x, y: y > x),
-                        (f"{a} more", lambda x, y: x > y)):
-        keys = [k for k in sensitive if pick(ra[k].hit_tokens, rb[k].hit_tokens)]
-        d = [(ra[k], rb[k]) for k in keys]
-        print(f"| {label} | {len(keys)} | {sum(x.ttft - y.ttft for x, y in d):.0f} "
-              f"| {sum(x.queue_s - y.queue_s for x, y in d):.0f} "
-              f"| {sum(x.recompute_s - y.recompute_s for x, y in d):.0f} "
-              f"| {sum(x.load_s - y.load_s for x, y in d):.0f} |")
+    print_split(sensitive, (a, ra), (b, rb), "reuse-sensitive")
     miss = {n: sum(r.input_tokens - r.hit_tokens for r in runs[n].results) for n in (a, b)}
     print(f"\nmissed tokens, all requests: {a} {miss[a] / 1e6:.1f} M, {b} {miss[b] / 1e6:.1f} M\n")
 
@@ -183,6 +209,7 @@ def main() -> None:
         print(f"| {label} | {len(keys)} | {sum(ru[k].hit_tokens for k in keys) / 1e6:.1f} "
               f"| {quantiles(idle[k] for k in keys)} |")
     print_rewrites(trace, sensitive, (a, ra), (b, rb), idle)
+    print_tail(rewriting_requests(trace), (a, ra), (b, rb))
     tau = runs[a].stats.get("tau")
     print(f"\nidle before a request, all requests, p50 / p90 / p99 (s): "
           f"{quantiles(idle[k] for k in ra)}; {a}'s calibrated τ at the end: "
