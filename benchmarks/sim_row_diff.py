@@ -45,7 +45,6 @@ from lmcache_histate.sim.report import OFFLOAD, REFERENCE, percentile, reuse_sen
 from lmcache_histate.sim.rewrite_stats import rewriting_requests
 from lmcache_histate.sim.runner import load_sim_trace
 from lmcache_histate.sim.server import RequestResult, simulate
-from lmcache_histate.sim.trace_model import Trace
 from lmcache_histate.sim.variants import VARIANTS, histate_policy
 
 
@@ -80,14 +79,13 @@ Key = tuple[str, int]
 Row = tuple[str, dict[Key, RequestResult]]
 
 
-def print_rewrites(trace: Trace, sensitive: set[Key], row_a: Row, row_b: Row,
+def print_rewrites(rewrites: set[Key], sensitive: set[Key], row_a: Row, row_b: Row,
                    idle: dict[Key, float]) -> None:
-    """Both rows over the requests that rewrite their predecessor's prompt (they need a
-    snapshot inside the context) and over all others; then, among the reuse-sensitive
+    """Both rows over the requests that rewrite their predecessor's prompt (``rewrites``:
+    they need a snapshot inside the context) and over all others; then, among the reuse-sensitive
     requests where one row hit more, how many rewrite, how much more, and how long their
     sessions were idle."""
     (a, ra), (b, rb) = row_a, row_b
-    rewrites = rewriting_requests(trace)
     print(f"\nrewriting requests: {len(rewrites & sensitive)} of "
           f"{len(sensitive)} reuse-sensitive, {len(rewrites)} of {len(ra)} in all\n")
     print(f"| requests | count | {a} mean TTFT (s) | {b} mean TTFT (s) | {a} missed tokens (M) "
@@ -208,8 +206,9 @@ def main() -> None:
     for label, keys in sorted(groups.items()):
         print(f"| {label} | {len(keys)} | {sum(ru[k].hit_tokens for k in keys) / 1e6:.1f} "
               f"| {quantiles(idle[k] for k in keys)} |")
-    print_rewrites(trace, sensitive, (a, ra), (b, rb), idle)
-    print_tail(rewriting_requests(trace), (a, ra), (b, rb))
+    rewrites = rewriting_requests(trace)
+    print_rewrites(rewrites, sensitive, (a, ra), (b, rb), idle)
+    print_tail(rewrites, (a, ra), (b, rb))
     tau = runs[a].stats.get("tau")
     print(f"\nidle before a request, all requests, p50 / p90 / p99 (s): "
           f"{quantiles(idle[k] for k in ra)}; {a}'s calibrated τ at the end: "

@@ -85,6 +85,7 @@ LRU_ROWS: dict[str, dict[str, float | bool]] = {
     "lru-refresh-all": {"tau": 0.0, "refresh_all": True},
 }
 
+
 def baseline_policies(
     chunk_tokens: int,
     kv_bytes_per_token: int,
