@@ -53,14 +53,14 @@ def test_equal_priorities_go_by_tie_then_insertion() -> None:
 
 
 def test_moved_entries_are_compacted_and_the_order_survives() -> None:
-    # Three keys re-set 1,000 times each leave 2,997 stale entries behind; the list is
-    # rebuilt whenever it exceeds 2·max(live, 64) = 128 entries, so it never holds more
-    # than 129, and the last priorities (a 3.0, b 1.0, c 2.0) decide the order.
+    # Three keys re-set 1,000 times each leave 2,997 stale entries behind; the heap is
+    # rebuilt whenever it holds over 2·max(live, 64) = 128 entries, so never more than
+    # 129, and the last priorities (a 3.0, b 1.0, c 2.0) decide the order.
     heap: IndexedHeap[str] = IndexedHeap()
     for i in range(1000):
         for key, base in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
             heap.set(key, base + (999 - i))
-            assert len(heap._heap) <= 129
+            assert heap._entries <= 129
     assert len(heap) == 3
     assert [heap.pop() for _ in range(3)] == [("b", 1.0), ("c", 2.0), ("a", 3.0)]
     assert heap.peek() is None
@@ -111,23 +111,23 @@ def test_set_moves_a_key_whenever_priority_or_tie_changes() -> None:
 
 def at_the_floor(live: int) -> IndexedHeap[int]:
     """``live`` keys at 0.0, then re-set in turn (the i-th re-set gives key ``i % live``
-    priority ``i + 1``) until the list holds 128 = 2·COMPACT_MIN entries, none rebuilt:
+    priority ``i + 1``) until the heap holds 128 = 2·COMPACT_MIN entries, none rebuilt:
     128 is not above the floor."""
     heap: IndexedHeap[int] = IndexedHeap()
     for k in range(live):
         heap.set(k, 0.0)
     for i in range(128 - live):
         heap.set(i % live, float(i + 1))
-    assert len(heap._heap) == 128
+    assert heap._entries == 128
     return heap
 
 
 def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
-    """The rebuild waits until the list exceeds 2·max(live, COMPACT_MIN = 64) entries.
+    """The rebuild waits until the heap holds over 2·max(live, COMPACT_MIN = 64) entries.
 
-    200 keys, then each re-set once: after the i-th re-set the list holds 200 + i entries
+    200 keys, then each re-set once: after the i-th re-set the heap holds 200 + i entries
     (i stale), at most 400 = 2·200 after the 200th, so none compacts; one more re-set makes
-    401 > 400 and the list is rebuilt from the 200 live entries. With 10 keys the floor
+    401 > 400 and the heap is rebuilt from the 200 live entries. With 10 keys the floor
     decides: 10 + 118 re-sets reach 128 = 2·64 entries without a rebuild, the next one
     (129) rebuilds to 10.
     """
@@ -137,21 +137,21 @@ def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
     sizes = []
     for k in range(200):
         heap.set(k, 1000.0 + k)
-        sizes.append(len(heap._heap))
+        sizes.append(heap._entries)
     assert sizes == list(range(201, 401))
     heap.set(0, 5000.0)
-    assert len(heap._heap) == 200
+    assert heap._entries == 200
 
     small = at_the_floor(10)  # 118 re-sets: the i-th gives key i % 10 priority i + 1
     small.set(0, 999.0)
-    assert len(small._heap) == 10
+    assert small._entries == 10
     # Last priorities: key k < 8 from i = 110 + k (111..117 for 1..7), 8 and 9 from
     # i = 108, 109 (109, 110), key 0 now 999: the rebuilt heap keeps that order.
     assert [small.pop()[0] for _ in range(10)] == [8, 9, 1, 2, 3, 4, 5, 6, 7, 0]
 
 
 def test_discard_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
-    """150 keys discarded one by one: after the j-th discard the list still holds 150
+    """150 keys discarded one by one: after the j-th discard the heap still holds 150
     entries for 150 − j live keys; 150 > 2·(150 − j) first at j = 76 (74 live), where it
     is rebuilt to 74. Below the floor nothing compacts: 40 keys re-set to 128 = 2·64
     entries, then one discard (39 live, 128 not > 128) keeps all 128."""
@@ -161,10 +161,90 @@ def test_discard_compacts_exactly_when_stale_entries_outnumber_live_ones() -> No
     sizes = []
     for k in range(76):
         heap.discard(k)
-        sizes.append(len(heap._heap))
+        sizes.append(heap._entries)
     assert sizes == [150] * 75 + [74]
     assert heap.pop() == (76, 76.0)
 
     small = at_the_floor(40)
     small.discard(0)
-    assert len(small._heap) == 128
+    assert small._entries == 128
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["set", "set", "discard", "pop"]),
+            st.integers(0, 29),
+            st.sampled_from([-1.0, -0.0, 0.0, 2.5, 7.0]),
+            st.integers(-2, 0),
+        ),
+        max_size=600,
+    )
+)
+def test_equal_priorities_match_a_model_of_the_whole_order(
+    ops: list[tuple[str, int, float, int]],
+) -> None:
+    """Few distinct priorities, so entries share buckets and stale ones sit inside them,
+    and enough re-sets to compact (over 128 entries): every pop is the model's minimum
+    by ``(priority, tie, insertion)``, where a moved key keeps its insertion number and
+    a discarded one gets a new one when it is set again (NOTE 2)."""
+    heap: IndexedHeap[int] = IndexedHeap()
+    model: dict[int, tuple[float, int, int]] = {}
+    inserted = 0
+    for op, key, pri, tie in ops:
+        if op == "set":
+            inserted += 1
+            order = model[key][2] if key in model else inserted
+            heap.set(key, pri, tie)
+            model[key] = (pri, tie, order)
+        elif op == "discard":
+            assert heap.discard(key) == (key in model)
+            model.pop(key, None)
+        elif model:
+            want = min(model, key=lambda k: model[k])
+            assert heap.pop() == (want, model.pop(want)[0])
+        assert len(heap) == len(model)
+        top = heap.peek()
+        if model:
+            want = min(model, key=lambda k: model[k])
+            assert top == (want, model[want][0])
+        else:
+            assert top is None
+    assert [heap.pop()[0] for _ in range(len(model))] == sorted(model, key=lambda k: model[k])
+
+
+def test_a_stale_entry_inside_a_shared_priority_is_skipped() -> None:
+    """a, b, c at 1.0 share a bucket (insertion order a, b, c). b moves to 0.5: its old
+    entry stays in the 1.0 bucket, stale. Pops: b (0.5), then a and c; the stale b is
+    never returned. After a re-set to 1.0 with tie −1, a goes before c."""
+    heap: IndexedHeap[str] = IndexedHeap()
+    for key in "abc":
+        heap.set(key, 1.0)
+    heap.set("b", 0.5)
+    assert heap._entries == 4
+    assert heap.pop() == ("b", 0.5)
+    heap.set("c", 1.0, -1)
+    assert [heap.pop() for _ in range(2)] == [("c", 1.0), ("a", 1.0)]
+    assert heap.peek() is None
+    assert heap._entries == 0
+
+
+def test_a_rebuild_keeps_equal_priorities_in_tie_then_insertion_order() -> None:
+    """70 keys at 7.0 with tie −(k mod 3), then key 0 re-set 80 times, to 2.0 and 1.0 in
+    turn: after the i-th re-set (from 0) the heap holds 71 + i entries, 140 = 2·70 at
+    i = 69 without a rebuild; i = 70 makes 141 and rebuilds to the 70 live ones, and the
+    9 re-sets left make 79. Key 0 pops first (1.0, from i = 79), then the 69 keys at
+    7.0: tie −2 (k = 2, 5, …, 68), then −1 (1, 4, …, 67), then 0 (3, 6, …, 69), each
+    group in insertion order."""
+    heap: IndexedHeap[int] = IndexedHeap()
+    for k in range(70):
+        heap.set(k, 7.0, -(k % 3))
+    sizes = []
+    for i in range(80):
+        heap.set(0, 1.0 if i % 2 else 2.0)
+        sizes.append(heap._entries)
+    assert sizes[69:72] == [140, 70, 71]
+    assert sizes[-1] == 79
+    assert heap.pop() == (0, 1.0)
+    rest = [heap.pop()[0] for _ in range(69)]
+    assert rest == list(range(2, 70, 3)) + list(range(1, 70, 3)) + list(range(3, 70, 3))
