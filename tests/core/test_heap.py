@@ -248,3 +248,24 @@ def test_a_rebuild_keeps_equal_priorities_in_tie_then_insertion_order() -> None:
     assert heap.pop() == (0, 1.0)
     rest = [heap.pop()[0] for _ in range(69)]
     assert rest == list(range(2, 70, 3)) + list(range(1, 70, 3)) + list(range(3, 70, 3))
+
+
+def test_a_stale_entry_alone_at_its_priority_leaves_the_count() -> None:
+    """a at 1.0, b at 2.0, then a moved to 3.0: 3 entries, a's old one alone at 1.0.
+    The next peek drops it (2 entries left) and returns b."""
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("a", 1.0)
+    heap.set("b", 2.0)
+    heap.set("a", 3.0)
+    assert heap._entries == 3
+    assert heap.peek() == ("b", 2.0)
+    assert heap._entries == 2
+
+
+def test_the_default_tie_is_zero() -> None:
+    """x set without a tie, then y with tie 0, both at 5.0: equal ties, so x (inserted
+    first) goes first."""
+    heap: IndexedHeap[str] = IndexedHeap()
+    heap.set("x", 5.0)
+    heap.set("y", 5.0, 0)
+    assert [heap.pop()[0] for _ in range(2)] == ["x", "y"]
