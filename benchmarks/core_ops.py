@@ -30,6 +30,7 @@ Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``,
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import random
 import resource
@@ -137,8 +138,19 @@ def count(phase: str) -> int:
     return OPS // 2 if phase.startswith("evict") else OPS
 
 
+def settle() -> None:
+    """Collect, then move every object built so far out of the cyclic GC's reach
+    (``gc.freeze``). A full collection walks every object of the process: its cost grows
+    with the cache, not with the operation, and where it lands depends on the allocations
+    before it. Unfrozen, one landed in the 100K insert window (51 ms, +25 µs per insert,
+    ``benchmarks/README.md`` "core_ops" round 11)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(objects: int) -> dict[str, float]:
     side = Side(load_core(None), objects)
+    settle()
     row = {"objects": side.objects, "build_s": side.build_s}
     for phase in PHASES:
         fn, n = side.op(phase), count(phase)
@@ -161,6 +173,7 @@ def against(
     the totals; the median of the per-batch ratios (each pair ran back to back) is the
     one a load swing during a few batches does not move."""
     sides = {"this checkout": Side(load_core(None), objects), ref: Side(load_core(ref), objects)}
+    settle()
     names = list(sides)
     print(f"{objects:,} objects; µs per operation, mean of {batches} alternated batches\n")
     print(f"| operation | {names[0]} | {names[1]} | ratio | median batch ratio |")

@@ -7,36 +7,39 @@ order, so the order is deterministic for a given sequence of operations.
 
 **Algorithm: a heap of priorities over buckets of entries, with lazy deletion.** An
 entry is ``(tie, order, version, key, priority)``; ``_live[key]`` is the key's current
-entry. Entries of equal priority share a *bucket* (``_buckets[priority]``, a ``heapq``
-heap ordered by ``(tie, order, version)``), and ``_heap`` is a ``heapq`` heap of the
-buckets' priorities: plain floats. ``set`` adds a new entry to its priority's bucket
-(pushing the priority when the bucket is new) and makes it current: the previous one
-goes stale in place. ``discard`` forgets the current entry. ``peek`` and ``pop`` first
-discard stale entries from the top bucket, and empty buckets from the top of ``_heap``
-(an entry is stale when it is not ``_live[key]``). When stale entries outnumber live
-ones everything is rebuilt from the live entries (O(n), paid once per n stale
-entries: O(1) amortised). Every operation is therefore a ``heapq`` push or pop,
-O(log n) in C.
+entry. Entries of equal priority share a *bucket* (``_buckets[priority]``: the entry
+itself when it is alone, else a ``heapq`` list ordered by ``(tie, order, version)``),
+and ``_heap`` is a ``heapq`` heap of the buckets' priorities: plain floats. ``set``
+adds a new entry to its priority's bucket (pushing the priority when the bucket is new)
+and makes it current; ``discard`` forgets the current entry. An entry that stops being
+current leaves its bucket at once if it was alone there (its priority stays in
+``_heap``, stale, until it reaches the top), and stays in a shared bucket, stale, until
+that bucket reaches the top (an entry is stale when it is not ``_live[key]``). ``peek``
+and ``pop`` discard stale entries and priorities from the top. When stale priorities
+or entries outnumber the live keys they are rebuilt from what is live (O(n), paid once
+per n stale ones: O(1) amortised). Every operation is therefore a ``heapq`` push or
+pop, O(log n) in C, and a dict lookup or two.
 
 Invariants:
   * ``_live[key]`` is in ``_buckets[_live[key][4]]`` for every live key; ``len(self)``
     counts live keys;
-  * a bucket is one entry (a tuple) or a ``heapq`` list of two or more, never empty,
-    and its priority is in ``_heap`` (a priority may also be there once more per bucket
-    it had before: such a copy finds no bucket, or the current one, when it reaches the
-    top, and is popped with it);
+  * a bucket is one live entry (a tuple) or a ``heapq`` list of two or more entries,
+    live or stale, never empty; its priority is in ``_heap`` (a priority may also be
+    there once more per bucket it had before: such a copy finds no bucket, or the
+    current one, when it reaches the top, and is popped with it);
   * ``_entries`` counts the entries in all buckets; at most ``max(len(_live),
-    COMPACT_MIN)`` of them are stale.
+    COMPACT_MIN)`` of them are stale, and at most as many priorities in ``_heap``.
 
 NOTE 1 (why a heap of floats). Until round 11 the heap was one ``heapq`` list of entry
 tuples ``(priority, tie, order, version, key)``. Comparing two tuples costs an equality
 and an order comparison of their first items, behind a pointer to each tuple, and the
 pops of a heap of 10⁵–10⁶ entries are bound by those reads: a pop of 372K tuples took
-2.7–3.1 µs, a pop of 372K floats 0.7 µs, and the victim search of an eviction pops
-about three times (``benchmarks/README.md`` "core_ops" round 11). Where ranks are ``H``
-(sums of floats) equal priorities are rare, so a bucket is the entry itself (no list)
-and costs one dict lookup per operation; where they tie (``t`` alone, refresh-all
-gives a prefix one ``t``) a bucket is a small ``heapq`` list of tuples, the old cost.
+about 3 µs, a pop of 372K floats 0.7–0.9 µs (``benchmarks/heap_pops.py``), and the
+victim search of an eviction pops about three times (``benchmarks/README.md``
+"core_ops" round 11). Where ranks are ``H`` (sums of floats) equal priorities are rare,
+so a bucket is the entry itself (no list) and costs a dict lookup; where they tie (``t``
+alone: refresh-all gives a prefix one ``t``) a bucket is a small ``heapq`` list of
+tuples, the old cost.
 
 NOTE 2 (the order). It is the one of whole entries ``(priority, tie, order, version)``:
 ``version`` is unique, so a comparison never reaches the key (keys need not be
@@ -45,11 +48,13 @@ equal ``(priority, tie)`` go by insertion as in a heap updated in place; a key
 discarded and set again is inserted anew. Priorities are compared as floats (``-0.0``
 and ``0.0`` share a bucket, as they compared equal in a tuple) and must not be NaN.
 
-NOTE 3 (the rebuild's pause). A rebuild hashes every live priority into a new dict:
-about 0.2–0.3 µs per live entry (0.11 s for 400K, against 0.04 s for the ``heapify`` of
-tuples it replaced). Amortised over the stale entries that trigger it that is well under
-a pop saved, but it is paid at once: at 1M objects (about 200K units per tier's heap)
-a heap pauses for about 0.05 s once per 200K re-ranks.
+NOTE 3 (an entry alone leaves at once). Most stale entries were alone at their
+priority, and taking them out of the dict when they go stale (one lookup) keeps the
+common rebuild to the floats: ``list(_buckets)`` and a ``heapify``, 0.04 s for 400K
+live keys, as the ``heapify`` of 400K entry tuples before round 11 (a rebuild of the
+buckets themselves hashes every live priority anew: 0.11 s; it runs only when stale
+entries of shared buckets pile up). It also means that a bucket of one entry is live,
+which ``peek`` takes without a lookup.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ class IndexedHeap(Generic[K]):
 
     def set(self, key: K, priority: float, tie: int = 0) -> None:
         """Insert ``key`` or move it to ``(priority, tie)``."""
-        live = self._live
+        live, buckets = self._live, self._buckets
         old = live.get(key)
         self._seq += 1
         if old is None:
@@ -110,9 +115,12 @@ class IndexedHeap(Generic[K]):
             return
         else:
             order = old[1]
+            if buckets.get(old[4]) is old:
+                # Alone at its priority: the bucket goes now, its float stays (NOTE 3).
+                del buckets[old[4]]
+                self._entries -= 1
         entry = (tie, order, self._seq, key, priority)
         live[key] = entry
-        buckets = self._buckets
         bucket = buckets.get(priority)
         if bucket is None:
             buckets[priority] = entry
@@ -123,16 +131,25 @@ class IndexedHeap(Generic[K]):
             buckets[priority] = [bucket, entry] if bucket < entry else [entry, bucket]
         self._entries += 1
         # ``_compact``'s condition, inline: this runs for every re-rank.
-        n = self._entries
-        if old is not None and n > 2 * len(live) and n > 2 * COMPACT_MIN:
-            self._compact()
+        if old is not None:
+            n, e = len(self._heap), self._entries
+            if e > n:
+                n = e
+            if n > 2 * len(live) and n > 2 * COMPACT_MIN:
+                self._compact()
 
     def discard(self, key: K) -> bool:
         """Remove ``key`` if present; returns whether it was."""
-        live = self._live
-        if live.pop(key, None) is None:
+        live, buckets = self._live, self._buckets
+        old = live.pop(key, None)
+        if old is None:
             return False
-        n = self._entries
+        if buckets.get(old[4]) is old:
+            del buckets[old[4]]
+            self._entries -= 1
+        n, e = len(self._heap), self._entries
+        if e > n:
+            n = e
         if n > 2 * len(live) and n > 2 * COMPACT_MIN:
             self._compact()
         return True
@@ -143,11 +160,9 @@ class IndexedHeap(Generic[K]):
             priority = heap[0]
             bucket = buckets.get(priority)
             if type(bucket) is tuple:
-                if live.get(bucket[3]) is bucket:
-                    return bucket[3], bucket[4]
-                self._entries -= 1
-                del buckets[priority]
-            elif bucket is not None:
+                # A bucket of one entry is live: a stale one leaves at once (NOTE 3).
+                return bucket[3], bucket[4]
+            if bucket is not None:
                 while bucket:
                     top = bucket[0]
                     if live.get(top[3]) is top:
@@ -175,9 +190,15 @@ class IndexedHeap(Generic[K]):
         return top
 
     def _compact(self) -> None:
-        """Rebuild from the live entries; callers do so once stale entries outnumber live
-        ones (and ``COMPACT_MIN``): ``_entries > 2 · max(len(_live), COMPACT_MIN)``."""
+        """Drop stale priorities and entries; callers do so once either outnumbers the live
+        keys (and ``COMPACT_MIN``): ``max(len(_heap), _entries) > 2 · max(len(_live),
+        COMPACT_MIN)``. Stale entries sit only in shared buckets (NOTE 3): while they are
+        within that bound only the floats are rebuilt, from the buckets' priorities."""
         live = self._live
+        if self._entries <= 2 * max(len(live), COMPACT_MIN):
+            self._heap = list(self._buckets)
+            heapq.heapify(self._heap)
+            return
         # One entry per priority, the common case, in one pass; then the equal ones.
         buckets: dict[float, _Bucket[K]] = {entry[4]: entry for entry in live.values()}
         if len(buckets) < len(live):

@@ -60,7 +60,7 @@ def test_moved_entries_are_compacted_and_the_order_survives() -> None:
     for i in range(1000):
         for key, base in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
             heap.set(key, base + (999 - i))
-            assert heap._entries <= 129
+            assert len(heap._heap) <= 129
     assert len(heap) == 3
     assert [heap.pop() for _ in range(3)] == [("b", 1.0), ("c", 2.0), ("a", 3.0)]
     assert heap.peek() is None
@@ -110,24 +110,26 @@ def test_set_moves_a_key_whenever_priority_or_tie_changes() -> None:
 
 
 def at_the_floor(live: int) -> IndexedHeap[int]:
-    """``live`` keys at 0.0, then re-set in turn (the i-th re-set gives key ``i % live``
-    priority ``i + 1``) until the heap holds 128 = 2·COMPACT_MIN entries, none rebuilt:
-    128 is not above the floor."""
+    """``live`` keys at distinct priorities −1 … −live, then re-set in turn (the i-th
+    re-set gives key ``i % live`` priority ``i + 1``) until the heap holds 128 =
+    2·COMPACT_MIN priorities, none rebuilt: 128 is not above the floor. Each key is alone
+    at its priority, so a re-set drops its old entry at once (NOTE 3): ``live`` entries."""
     heap: IndexedHeap[int] = IndexedHeap()
     for k in range(live):
-        heap.set(k, 0.0)
+        heap.set(k, -1.0 - k)
     for i in range(128 - live):
         heap.set(i % live, float(i + 1))
-    assert heap._entries == 128
+    assert (len(heap._heap), heap._entries) == (128, live)
     return heap
 
 
 def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
-    """The rebuild waits until the heap holds over 2·max(live, COMPACT_MIN = 64) entries.
+    """The rebuild waits until the heap holds over 2·max(live, COMPACT_MIN = 64) priorities.
 
-    200 keys, then each re-set once: after the i-th re-set the heap holds 200 + i entries
-    (i stale), at most 400 = 2·200 after the 200th, so none compacts; one more re-set makes
-    401 > 400 and the heap is rebuilt from the 200 live entries. With 10 keys the floor
+    200 keys at distinct priorities, then each re-set once: after the i-th re-set the heap
+    holds 200 + i priorities (i stale), at most 400 = 2·200 after the 200th, so none
+    compacts; one more re-set makes 401 > 400 and the heap is rebuilt from the 200 live
+    ones. With 10 keys the floor
     decides: 10 + 118 re-sets reach 128 = 2·64 entries without a rebuild, the next one
     (129) rebuilds to 10.
     """
@@ -137,14 +139,14 @@ def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
     sizes = []
     for k in range(200):
         heap.set(k, 1000.0 + k)
-        sizes.append(heap._entries)
+        sizes.append(len(heap._heap))
     assert sizes == list(range(201, 401))
     heap.set(0, 5000.0)
-    assert heap._entries == 200
+    assert len(heap._heap) == 200
 
     small = at_the_floor(10)  # 118 re-sets: the i-th gives key i % 10 priority i + 1
     small.set(0, 999.0)
-    assert small._entries == 10
+    assert len(small._heap) == 10
     # Last priorities: key k < 8 from i = 110 + k (111..117 for 1..7), 8 and 9 from
     # i = 108, 109 (109, 110), key 0 now 999: the rebuilt heap keeps that order.
     assert [small.pop()[0] for _ in range(10)] == [8, 9, 1, 2, 3, 4, 5, 6, 7, 0]
@@ -152,7 +154,7 @@ def test_set_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
 
 def test_discard_compacts_exactly_when_stale_entries_outnumber_live_ones() -> None:
     """150 keys discarded one by one: after the j-th discard the heap still holds 150
-    entries for 150 − j live keys; 150 > 2·(150 − j) first at j = 76 (74 live), where it
+    priorities for 150 − j live keys; 150 > 2·(150 − j) first at j = 76 (74 live), where it
     is rebuilt to 74. Below the floor nothing compacts: 40 keys re-set to 128 = 2·64
     entries, then one discard (39 live, 128 not > 128) keeps all 128."""
     heap: IndexedHeap[int] = IndexedHeap()
@@ -161,13 +163,13 @@ def test_discard_compacts_exactly_when_stale_entries_outnumber_live_ones() -> No
     sizes = []
     for k in range(76):
         heap.discard(k)
-        sizes.append(heap._entries)
+        sizes.append(len(heap._heap))
     assert sizes == [150] * 75 + [74]
     assert heap.pop() == (76, 76.0)
 
     small = at_the_floor(40)
     small.discard(0)
-    assert small._entries == 128
+    assert len(small._heap) == 128
 
 
 @given(
@@ -230,36 +232,70 @@ def test_a_stale_entry_inside_a_shared_priority_is_skipped() -> None:
 
 
 def test_a_rebuild_keeps_equal_priorities_in_tie_then_insertion_order() -> None:
-    """70 keys at 7.0 with tie −(k mod 3), then key 0 re-set 80 times, to 2.0 and 1.0 in
-    turn: after the i-th re-set (from 0) the heap holds 71 + i entries, 140 = 2·70 at
-    i = 69 without a rebuild; i = 70 makes 141 and rebuilds to the 70 live ones, and the
-    9 re-sets left make 79. Key 0 pops first (1.0, from i = 79), then the 69 keys at
-    7.0: tie −2 (k = 2, 5, …, 68), then −1 (1, 4, …, 67), then 0 (3, 6, …, 69), each
-    group in insertion order."""
+    """70 keys at 7.0 with tie −(k mod 3) share one bucket (70 entries). Each key in turn
+    moves to 3.0 with its tie: its old entry stays in the 7.0 bucket, stale, so after the
+    j-th move there are 70 + j entries, 140 = 2·70 after the 70th, and no rebuild. Key 0
+    moved back to 7.0 makes 141 and rebuilds from the 70 live entries. The 69 keys at 3.0
+    pop first, tie −2 (k = 2, 5, …, 68), then −1 (1, 4, …, 67), then 0 (3, 6, …, 69), each
+    group in insertion order (a move keeps it), then key 0."""
     heap: IndexedHeap[int] = IndexedHeap()
     for k in range(70):
         heap.set(k, 7.0, -(k % 3))
     sizes = []
-    for i in range(80):
-        heap.set(0, 1.0 if i % 2 else 2.0)
+    for k in range(70):
+        heap.set(k, 3.0, -(k % 3))
         sizes.append(heap._entries)
-    assert sizes[69:72] == [140, 70, 71]
-    assert sizes[-1] == 79
-    assert heap.pop() == (0, 1.0)
+    assert sizes == list(range(71, 141))
+    heap.set(0, 7.0)
+    assert (heap._entries, len(heap._heap)) == (70, 2)
     rest = [heap.pop()[0] for _ in range(69)]
     assert rest == list(range(2, 70, 3)) + list(range(1, 70, 3)) + list(range(3, 70, 3))
+    assert heap.pop() == (0, 7.0)
 
 
-def test_a_stale_entry_alone_at_its_priority_leaves_the_count() -> None:
-    """a at 1.0, b at 2.0, then a moved to 3.0: 3 entries, a's old one alone at 1.0.
-    The next peek drops it (2 entries left) and returns b."""
+def test_a_key_alone_at_its_priority_leaves_it_at_once() -> None:
+    """a at 1.0, b at 2.0, c at 4.0, then a moved to 3.0: a's old entry goes at once (3
+    entries), its priority 1.0 stays in the heap (4 priorities) until it reaches the
+    top: the next peek drops it (3 left) and returns b. Discarding b drops its entry at
+    once (2), not its priority; the next pop drops 2.0 on its way to a (3.0)."""
     heap: IndexedHeap[str] = IndexedHeap()
     heap.set("a", 1.0)
     heap.set("b", 2.0)
+    heap.set("c", 4.0)
     heap.set("a", 3.0)
-    assert heap._entries == 3
+    assert (heap._entries, len(heap._heap)) == (3, 4)
     assert heap.peek() == ("b", 2.0)
-    assert heap._entries == 2
+    assert (heap._entries, len(heap._heap)) == (3, 3)
+    heap.discard("b")
+    assert (heap._entries, len(heap._heap)) == (2, 3)
+    assert heap.pop() == ("a", 3.0)
+    assert (heap._entries, len(heap._heap)) == (1, 1)
+    assert heap.pop() == ("c", 4.0)
+    assert (heap._entries, len(heap._heap)) == (0, 0)
+
+
+def test_a_rebuild_of_the_priorities_alone_keeps_shared_buckets() -> None:
+    """64 keys at 5.0 share one bucket; each moves to 100 + k, leaving a stale entry
+    there: 128 entries (64 stale, not above 2·64), 65 priorities. Key 0 is then re-set to
+    200, 201, …: its old entry, alone, goes each time (128 entries stay), and a priority
+    is added: 65 + r after r re-sets. At r = 64 the heap holds 129 > 128 priorities and is
+    rebuilt; the entries are within the bound, so only the priorities are: one per bucket,
+    65 (the 5.0 bucket, all stale, and 64 singles). The next peek drops the 64 stale
+    entries and returns key 1; the order is keys 1 … 63, then 0 (263.0)."""
+    heap: IndexedHeap[int] = IndexedHeap()
+    for k in range(64):
+        heap.set(k, 5.0)
+    for k in range(64):
+        heap.set(k, 100.0 + k)
+    assert (heap._entries, len(heap._heap)) == (128, 65)
+    for r in range(64):
+        heap.set(0, 200.0 + r)
+        if r == 62:
+            assert (heap._entries, len(heap._heap)) == (128, 128)
+    assert (heap._entries, len(heap._heap)) == (128, 65)
+    assert heap.peek() == (1, 101.0)
+    assert (heap._entries, len(heap._heap)) == (64, 64)
+    assert [heap.pop()[0] for _ in range(64)] == [*range(1, 64), 0]
 
 
 def test_the_default_tie_is_zero() -> None:
