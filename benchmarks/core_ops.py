@@ -12,6 +12,8 @@ one snapshot every 4 chunks, Qwen3.5-9B sizes), full to capacity, then times:
 * evict after access — the same eviction after the accesses: it also re-ranks the
             refreshed units that reach the top of the heap (the work an access defers).
 
+Each cache, once built, is collected and frozen out of the cyclic GC (``settle``): a full
+collection's cost grows with every object of the process, not with the operation timed.
 All sizes run side by side in one process, so the ratios between rows are what to read
 on a shared machine. ``--against REF`` compares this checkout's core with the core of git
 revision ``REF`` instead: both are imported into one process (REF's ``lmcache_histate/core``
