@@ -12,8 +12,8 @@ one snapshot every 4 chunks, Qwen3.5-9B sizes), full to capacity, then times:
 * evict after access — the same eviction after the accesses: it also re-ranks the
             refreshed units that reach the top of the heap (the work an access defers).
 
-Each cache, once built, is collected and frozen out of the cyclic GC (``settle``): a full
-collection's cost grows with every object of the process, not with the operation timed.
+While the operations run, the caches built are frozen out of the cyclic GC (``frozen``): a
+full collection's cost grows with every object of the process, not with the operation timed.
 All sizes run side by side in one process, so the ratios between rows are what to read
 on a shared machine. ``--against REF`` compares this checkout's core with the core of git
 revision ``REF`` instead: both are imported into one process (REF's ``lmcache_histate/core``
@@ -42,7 +42,8 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -140,26 +141,34 @@ def count(phase: str) -> int:
     return OPS // 2 if phase.startswith("evict") else OPS
 
 
-def settle() -> None:
-    """Collect, then move every object built so far out of the cyclic GC's reach
-    (``gc.freeze``). A full collection walks every object of the process: its cost grows
-    with the cache, not with the operation, and where it lands depends on the allocations
-    before it. Unfrozen, one landed in the 100K insert window (51 ms, +25 µs per insert,
-    ``benchmarks/README.md`` "core_ops" round 11)."""
+@contextmanager
+def frozen() -> Iterator[None]:
+    """Collect, then keep every object built so far out of the cyclic GC's reach while the
+    operations run (``gc.freeze``), and give them back to it afterwards. A full collection
+    walks every object of the process: its cost grows with the cache, not with the
+    operation, and where it lands depends on the allocations before it. Unfrozen, one
+    landed in the 100K insert window (51 ms, +25 µs per insert, ``benchmarks/README.md``
+    "core_ops" round 11). Given back, a finished size's cache (its nodes reference each
+    other) is collected before the next one is built, as it was without the freeze."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def run(objects: int) -> dict[str, float]:
+    gc.collect()  # the previous size's cache
     side = Side(load_core(None), objects)
-    settle()
     row = {"objects": side.objects, "build_s": side.build_s}
-    for phase in PHASES:
-        fn, n = side.op(phase), count(phase)
-        start = time.perf_counter()
-        for i in range(n):
-            fn(i)
-        row[phase] = (time.perf_counter() - start) / n * 1e6
+    with frozen():
+        for phase in PHASES:
+            fn, n = side.op(phase), count(phase)
+            start = time.perf_counter()
+            for i in range(n):
+                fn(i)
+            row[phase] = (time.perf_counter() - start) / n * 1e6
     row["mem_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
 
@@ -174,30 +183,31 @@ def against(
     """Both cores side by side, batches alternated (module docstring). The ratio is of
     the totals; the median of the per-batch ratios (each pair ran back to back) is the
     one a load swing during a few batches does not move."""
+    gc.collect()  # the previous size's caches
     sides = {"this checkout": Side(load_core(None), objects), ref: Side(load_core(ref), objects)}
-    settle()
     names = list(sides)
     print(f"{objects:,} objects; µs per operation, mean of {batches} alternated batches\n")
     print(f"| operation | {names[0]} | {names[1]} | ratio | median batch ratio |")
     print("|---|---:|---:|---:|---:|")
-    for phase in phases:
-        fns = {name: side.op(phase) for name, side in sides.items()}
-        per = count(phase) // batches
-        spent = dict.fromkeys(names, 0.0)
-        ratios = []
-        for k in range(batches):
-            took = {}
-            for name in names if k % 2 == 0 else reversed(names):
-                fn = fns[name]
-                start = clock()
-                for i in range(k * per, (k + 1) * per):
-                    fn(i)
-                took[name] = clock() - start
-                spent[name] += took[name]
-            ratios.append(took[names[0]] / took[names[1]])
-        us = {name: spent[name] / (per * batches) * 1e6 for name in names}
-        print(f"| {phase.replace('_', ' ')} | {us[names[0]]:.1f} | {us[names[1]]:.1f} "
-              f"| {us[names[0]] / us[names[1]]:.2f} | {statistics.median(ratios):.2f} |")
+    with frozen():
+        for phase in phases:
+            fns = {name: side.op(phase) for name, side in sides.items()}
+            per = count(phase) // batches
+            spent = dict.fromkeys(names, 0.0)
+            ratios = []
+            for k in range(batches):
+                took = {}
+                for name in names if k % 2 == 0 else reversed(names):
+                    fn = fns[name]
+                    start = clock()
+                    for i in range(k * per, (k + 1) * per):
+                        fn(i)
+                    took[name] = clock() - start
+                    spent[name] += took[name]
+                ratios.append(took[names[0]] / took[names[1]])
+            us = {name: spent[name] / (per * batches) * 1e6 for name in names}
+            print(f"| {phase.replace('_', ' ')} | {us[names[0]]:.1f} | {us[names[1]]:.1f} "
+                  f"| {us[names[0]] / us[names[1]]:.2f} | {statistics.median(ratios):.2f} |")
     same = sides[names[0]].victims == sides[names[1]].victims
     print(f"\nSame {len(sides[names[0]].victims):,} victims in the same order: {same}")
 
