@@ -15,7 +15,11 @@ and appear with a ``_total`` suffix, e.g.::
     histate_kv_chunks_{stored,evicted}_total{tier}, histate_kv_chunks_demoted_total
     histate_hits_total{kind="end"|"internal"}     lookups resuming at a session's end /
                                                   inside a context
-    histate_recompute_tokens_avoided_total        tokens of those hits
+    histate_recompute_tokens_avoided_total        tokens of those hits (what the server
+                                                  found; vLLM may hold some already)
+    histate_loaded_tokens_total                   tokens written into vLLM's blocks by
+                                                  RETRIEVE (docs/reliability.md compares
+                                                  it with vLLM's external-hit counter)
     histate_snapshot_interval_tokens              interval chosen for the latest segment
     histate_pressure_factor                       T_KV / T_state
     histate_tier_used_bytes{tier}, histate_tier_capacity_bytes{tier}
@@ -72,6 +76,7 @@ def _series(runtime: HiStateRuntime) -> dict[str, Callable[[], list[tuple[float,
         "histate_kv_chunks_demoted": single("kv_demoted"),
         "histate_hits": counter("hits", "kind", ("end", "internal")),
         "histate_recompute_tokens_avoided": single("hit_tokens"),
+        "histate_loaded_tokens": single("loaded_tokens"),
         "histate_lookups": single("lookups"),
         "histate_objects_rejected": counter(
             "objects_rejected", "reason", ("gap", "unknown_chain")

@@ -5,12 +5,13 @@ handlers (``v1/multiprocess/ext_server_module.py``). It:
 
 * hands the server context to the HiState runtime (storage manager, layout registry with
   each object group's kind, token hasher, chunk size);
-* observes the requests the policy core must see, by wrapping three handlers of the
+* observes the requests the policy core must see, by wrapping four handlers of the
   built-in module *instances* it is given (``ExtServerModuleBuildContext.modules``): the
   wrapper calls the runtime, then the original handler, with the same signature, so the
   request server validates and binds it like the original —
   ``LMCacheDrivenTransferModule.store`` (the STORE's ordered chunk-hash chain, recorded
-  before its objects are committed), ``LookupModule.lookup`` (refresh-all, pins, hit
+  before its objects are committed), ``LMCacheDrivenTransferModule.retrieve`` (the tokens
+  vLLM loads, ``loaded_tokens``), ``LookupModule.lookup`` (refresh-all, pins, hit
   counters) and ``LookupModule.end_session`` (unpin). A failure inside HiState is logged
   and counted, never propagated into the request;
 * reports the runtime's state in ``GET /status`` (key ``histate``) and as Prometheus
@@ -144,6 +145,19 @@ def _guarded(runtime: HiStateRuntime, what: str, fn: Any, *args: Any) -> None:
         logger.exception("HiState %s hook failed (request served without it)", what)
 
 
+def _count_loaded(runtime: HiStateRuntime, key: Any, *args: Any, **kwargs: Any) -> None:
+    """Tokens vLLM loads from this server (what a RETRIEVE writes into its blocks), unlike
+    ``hit_tokens`` (what lookups found, including tokens vLLM already had). One worker's
+    retrieves only, so tensor-parallel ranks are not counted once each."""
+    if getattr(key, "worker_id", 0) not in (0, None):
+        return
+    try:
+        skip = kwargs.get("skip_first_n_tokens", args[3] if len(args) > 3 else 0)
+        runtime.stats["loaded_tokens"] += max(0, int(key.end) - int(key.start) - int(skip or 0))
+    except (AttributeError, TypeError, ValueError):  # a key LMCache will refuse itself
+        runtime.stats["errors.retrieve"] += 1
+
+
 def _wrap(module: Any, name: str, before: Any) -> None:
     original = getattr(module, name)
 
@@ -175,7 +189,8 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
                 module, "store",
                 lambda key, *a, **k: _guarded(runtime, "store", runtime.note_store, key),
             )
-            wrapped.append("store")
+            _wrap(module, "retrieve", functools.partial(_count_loaded, runtime))
+            wrapped += ["store", "retrieve"]
         elif isinstance(module, LookupModule):
             _wrap(
                 module, "lookup",

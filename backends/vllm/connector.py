@@ -23,8 +23,9 @@ is unchanged. What it adds:
   chunk's recurrent block ids become the null block, which LMCache's STORE skips. A chosen
   boundary's state block is the one vLLM handed over for exactly that boundary
   (``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``), never a position in
-  the block table; the connector holds a reference on it until the request's stores finish,
-  because align mode frees interior state blocks while the request is still running.
+  the block table; the connector holds a reference on it until the STORE that carries it has
+  its data (NOTE 2), because align mode frees interior state blocks while the request is
+  still running.
   Needs vLLM with prefix caching, ``mamba_cache_mode="align"``, a ``max_num_batched_tokens``
   whose steps end on every chunk boundary and dense ``prefix_cache_retention_interval``
   (checked at start: ``interval_saves.check_vllm_settings``). Extra config keys:
@@ -39,6 +40,25 @@ is unchanged. What it adds:
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs ``upstream.install_vllm_cpu_inprocess_fix()``
   called before it is built (``demo.engine_proc`` does); ``histate serve`` / ``vllm serve`` do not.
 
+NOTE 1 (why pins must be short): vLLM's KV pool is shared by every running request; a state
+block held for a whole request is a block no other request (nor this one after a preemption)
+can get. Held until the request finished, the pins of a 28K-token prompt at a state per
+chunk exceeded a 32 MiB pool, so a preempted request could never be re-admitted and the
+scheduler polled it forever (LMCache logging ``<resume-load> ... load=0`` each step).
+
+NOTE 2 (when a store has its data): the worker submits a step's STOREs in ``wait_for_save``
+and, in the same step, ``get_finished`` drops every store future that completed (LMCache's
+``LMCacheMPWorkerAdapter.get_finished`` walks all of ``store_futures``, not only finished
+requests'). What is left are the requests with a store in flight; the worker reports them
+with the step number (``StoreReport``, through vLLM's ``kv_connector_worker_meta``). A request
+missing from the report of step ``s`` has every store planned up to ``s`` done: LMCache keeps
+one future per request, the latest, and frees a finished request's blocks on the same
+reading (``finished_sending``), so this relies on nothing stock LMCache does not.
+
+NOTE 3 (watchdog): a request whose connector state does not move for ``histate.stall_polls``
+scheduler polls (default 2000) is logged once with its state; if it is waiting for a load
+that never lands, the connector bypasses LMCache for it so vLLM recomputes.
+
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
 """
@@ -48,6 +68,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.backends.vllm import cpu_support
@@ -61,6 +82,8 @@ from lmcache_histate.backends.vllm.interval_saves import (
     sanitize_plan,
 )
 from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PlanClient
+from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
 )
@@ -90,6 +113,28 @@ PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
 AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
 """The server's shared-secret file (the launcher prints its path, never the secret)."""
 REPORT_PARAM = "histate_saves"
+STALL_POLLS_KEY = "histate.stall_polls"
+STEP_ATTR = "histate_step"
+"""Attribute carrying the scheduler step on the connector metadata sent to the worker."""
+
+
+@dataclass(frozen=True)
+class StoreReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, each step: which requests still have a STORE in flight (NOTE 2)."""
+
+    step: int
+    busy: frozenset[str]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, StoreReport)
+        return StoreReport(min(self.step, other.step), self.busy | other.busy)
+
+
+LMCACHE_CONNECTOR_LOGGER = "lmcache.integration.vllm.lmcache_mp_connector"
+
+
+def role_is_scheduler(role: Any) -> bool:
+    return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
 
 
 def _truthy(value: Any) -> bool:
@@ -140,7 +185,11 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._saves: dict[str, RequestSaves] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
+        self._step = 0
         self.histate_stats: dict[str, int] = {}
+        self._watchdog = StallWatchdog(int(extra.get(STALL_POLLS_KEY, 2000)))
+        if role_is_scheduler(role):
+            logging.getLogger(LMCACHE_CONNECTOR_LOGGER).addFilter(RepeatFilter("<resume-load>"))
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         if role == KVConnectorRole.SCHEDULER and self._saves_enabled and self._can_store:
@@ -161,6 +210,17 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 ", ".join(f"{s.shm_name} ({s.storage_nbytes} B)" for s in segments),
             )
         super().register_kv_caches(kv_caches)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Report the requests with a STORE still in flight after this step (NOTE 2)."""
+        base = super().build_connector_worker_meta()
+        adapter = getattr(self, "worker_adapter", None)
+        if base is not None or adapter is None or getattr(self, "lazy_offload", False):
+            return base
+        step = getattr(getattr(self, "_connector_metadata", None), STEP_ATTR, None)
+        if step is None:
+            return None
+        return StoreReport(int(step), frozenset(getattr(adapter, "store_futures", {})))
 
     # ============================================================ scheduler side
 
@@ -282,10 +342,10 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 if group_id not in recurrent or boundary not in chosen:
                     continue
                 if saves.offer(group_id, block_id, boundary):
-                    self._pin(saves, block_id)
+                    self._pin(saves, block_id, boundary)
 
-    def _pin(self, saves: RequestSaves, block_id: int) -> None:
-        """Hold a reference on a state block until the request's stores are done.
+    def _pin(self, saves: RequestSaves, block_id: int, boundary: int) -> None:
+        """Hold a reference on a state block until the store carrying it has its data.
 
         Align mode frees a request's interior state blocks two steps after computing them;
         the server copies a STORE asynchronously, so without the reference another request
@@ -297,18 +357,19 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 self._count("states_unpinned")
             return
         pool.touch([pool.blocks[block_id]])
-        saves.pinned.append(block_id)
+        saves.pin(block_id, boundary)
         self._count("states_pinned")
+
+    def _unpin(self, block_ids: list[int]) -> None:
+        pool = self._histate_block_pool
+        if pool is not None and block_ids:
+            pool.free_blocks([pool.blocks[b] for b in block_ids])
 
     def _release(self, request_id: str) -> None:
         with self._saves_lock:
             saves = self._saves.pop(request_id, None)
-        if saves is None or not saves.pinned:
-            return
-        pool = self._histate_block_pool
-        if pool is not None:
-            pool.free_blocks([pool.blocks[b] for b in saves.pinned])
-        saves.pinned.clear()
+        if saves is not None:
+            self._unpin(saves.release_all())
 
     def _apply_plan(self, request_meta: Any) -> None:
         saves = self._ensure_plan(request_meta.request_id)
@@ -326,6 +387,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             offered=saves.offered,
         )
         op.block_ids = new_ids
+        self._unpin(saves.planned(kept, op.end, self._step))
         saves.kept += kept
         saves.dropped += dropped
         saves.missing += missing
@@ -340,10 +402,20 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._step += 1
+        self._watchdog.scheduled(scheduler_output)
         if not self._saves_active:
-            return super().build_connector_meta(scheduler_output)
+            metadata = super().build_connector_meta(scheduler_output)
+            setattr(metadata, STEP_ATTR, self._step)
+            return metadata
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            saves = self._saves.get(request_id)
+            if saves is not None:
+                self._unpin(saves.preempted())
+                self._count("preemptions_seen")
         self._take_offers(scheduler_output)
         metadata = super().build_connector_meta(scheduler_output)
+        setattr(metadata, STEP_ATTR, self._step)
         for request_meta in getattr(metadata, "requests", ()):
             if request_meta.direction == "STORE":
                 self._apply_plan(request_meta)
@@ -351,9 +423,37 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
-        if self._saves_active:
-            for request_id in connector_output.finished_sending or ():
-                self._release(request_id)
+        if not self._saves_active:
+            return
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, StoreReport):
+            for request_id, saves in list(self._saves.items()):
+                if saves.pins and request_id not in report.busy:
+                    self._unpin(saves.stores_done(report.step))
+        for request_id in connector_output.finished_sending or ():
+            self._release(request_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracker = self.request_trackers.get(request.request_id)
+        if tracker is not None and self._watchdog.stalled(request, tracker):
+            # NOTE 3: recompute instead of waiting on a load that does not come, the way
+            # LMCache itself bypasses a failed async load (BYPASS_LMCACHE).
+            from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
+
+            self._count("watchdog_bypasses")
+            self.scheduler_adapter.cleanup_lookup_result(request.request_id)
+            tracker.num_lmcache_hit_tokens = 0
+            tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._watchdog.progressed(request.request_id)
+        self._count("external_hit_tokens", int(num_external_tokens))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -371,6 +471,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 "dropped": saves.dropped,
                 "missing": list(saves.missing),
             }
+        self._watchdog.progressed(request.request_id)
         if self._saves_active and not delay:
             self._release(request.request_id)
         return delay, out

@@ -45,6 +45,7 @@ __all__ = [
     "LocalPlanner",
     "RequestSaves",
     "SettingsError",
+    "StatePin",
     "allowed_batched_tokens",
     "check_server_geometry",
     "check_vllm_settings",
@@ -228,6 +229,22 @@ class LocalPlanner:
 
 
 @dataclass
+class StatePin:
+    """One reference the connector holds on a boundary-state block of vLLM's pool.
+
+    Invariant: a pin lives from the step vLLM offered the block until the STORE that carries
+    it has its data (``RequestSaves.stores_done``), or until it is known that no store will
+    carry it (``planned`` passed it, ``preempted``, the request finished). It never outlives
+    that: a held block is a block vLLM cannot give to another request.
+    """
+
+    block_id: int
+    boundary: int
+    stored_step: int | None = None
+    """Scheduler step whose STORE carries this block; None while no store was planned."""
+
+
+@dataclass
 class RequestSaves:
     """What the connector knows about one request's recurrent-state saves."""
 
@@ -238,14 +255,63 @@ class RequestSaves:
     segment: tuple[int, int] = (0, 0)
     offered: dict[int, dict[int, int]] = field(default_factory=dict)
     """``boundary_tokens -> {vLLM group id: block id}`` from vLLM's boundary-state hand-offs."""
-    pinned: list[int] = field(default_factory=list)
-    """Block ids this connector holds a reference on until the request's stores finished."""
+    pins: list[StatePin] = field(default_factory=list)
+    """State blocks this connector holds a reference on (see :class:`StatePin`)."""
     kept: list[int] = field(default_factory=list)
     """Chunk ends whose recurrent object was sent to LMCache."""
     dropped: int = 0
     """Chunks stored without their recurrent object (not chosen)."""
     missing: list[int] = field(default_factory=list)
     """Chosen chunk ends for which vLLM offered no state block (stored without it)."""
+
+    @property
+    def pinned(self) -> list[int]:
+        """Block ids held now (one entry per reference taken)."""
+        return [pin.block_id for pin in self.pins]
+
+    def pin(self, block_id: int, boundary_tokens: int) -> None:
+        self.pins.append(StatePin(int(block_id), int(boundary_tokens)))
+
+    def _take(self, leaving: list[StatePin]) -> list[int]:
+        if leaving:
+            gone = {id(pin) for pin in leaving}
+            self.pins = [pin for pin in self.pins if id(pin) not in gone]
+        return [pin.block_id for pin in leaving]
+
+    def planned(self, kept: Iterable[int], store_end: int, step: int) -> list[int]:
+        """A STORE up to ``store_end`` was planned in scheduler step ``step``.
+
+        Pins at a kept boundary now wait for that store (``stored_step = step``); pins at a
+        boundary the store passed without keeping it will never be stored (stores of a
+        request are planned in token order) and are returned for release now.
+        """
+        kept = set(kept)
+        leaving = []
+        for pin in self.pins:
+            if pin.stored_step is not None:
+                continue
+            if pin.boundary in kept:
+                pin.stored_step = step
+            elif pin.boundary <= store_end:
+                leaving.append(pin)
+        return self._take(leaving)
+
+    def stores_done(self, step: int) -> list[int]:
+        """The worker reported, at the end of step ``step``, no store of this request in
+        flight: every store planned at or before ``step`` has its data (NOTE 2 of the
+        connector); their pins are returned for release."""
+        return self._take([p for p in self.pins
+                           if p.stored_step is not None and p.stored_step <= step])
+
+    def preempted(self) -> list[int]:
+        """vLLM preempted the request and freed its blocks: pins whose store was not planned
+        yet are returned for release, and every offered block is forgotten (after the
+        resume vLLM offers fresh ones; a stale id could name a reused block)."""
+        self.offered.clear()
+        return self._take([p for p in self.pins if p.stored_step is None])
+
+    def release_all(self) -> list[int]:
+        return self._take(list(self.pins))
 
     def offer(self, group_id: int, block_id: int, boundary_tokens: int) -> bool:
         """Record a hand-off; True if it is new (the caller then pins the block)."""
