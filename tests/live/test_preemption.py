@@ -127,7 +127,8 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
         server_metrics = so.get(f"http://127.0.0.1:{http_port}/metrics")
     log = vllm_log.read_text()
     assert results == [("ok", 4)] * (SESSIONS * TURNS), results
-    assert so.metric(metrics, "vllm:num_preemptions_total") >= 1, "no preemption: test moot"
+    if stack == "histate":  # stock LMCache pins no state block: vLLM may not need to preempt
+        assert so.metric(metrics, "vllm:num_preemptions_total") >= 1, "no preemption: moot"
     resumes = Counter(re.findall(r"<resume-load> req=(\S+)", log))
     assert max(resumes.values(), default=0) <= 3, resumes
     assert "HiState watchdog" not in log
