@@ -17,9 +17,12 @@ and appear with a ``_total`` suffix, e.g.::
                                                   inside a context
     histate_recompute_tokens_avoided_total        tokens of those hits (what the server
                                                   found; vLLM may hold some already)
-    histate_loaded_tokens_total                   tokens written into vLLM's blocks by
-                                                  RETRIEVE (docs/reliability.md compares
-                                                  it with vLLM's external-hit counter)
+    histate_loaded_tokens_total                   tokens written into vLLM's blocks by a
+                                                  request's first RETRIEVE: what vLLM's
+                                                  external_prefix_cache_hits counts
+    histate_loaded_tokens_resumed_total           tokens RETRIEVE wrote again for requests
+                                                  resumed after a preemption (vLLM does
+                                                  not export these)
     histate_snapshot_interval_tokens              interval chosen for the latest segment
     histate_pressure_factor                       T_KV / T_state
     histate_tier_used_bytes{tier}, histate_tier_capacity_bytes{tier}
@@ -77,6 +80,7 @@ def _series(runtime: HiStateRuntime) -> dict[str, Callable[[], list[tuple[float,
         "histate_hits": counter("hits", "kind", ("end", "internal")),
         "histate_recompute_tokens_avoided": single("hit_tokens"),
         "histate_loaded_tokens": single("loaded_tokens"),
+        "histate_loaded_tokens_resumed": single("loaded_tokens_resumed"),
         "histate_lookups": single("lookups"),
         "histate_objects_rejected": counter(
             "objects_rejected", "reason", ("gap", "unknown_chain")

@@ -11,7 +11,7 @@ handlers (``v1/multiprocess/ext_server_module.py``). It:
   request server validates and binds it like the original —
   ``LMCacheDrivenTransferModule.store`` (the STORE's ordered chunk-hash chain, recorded
   before its objects are committed), ``LMCacheDrivenTransferModule.retrieve`` (the tokens
-  vLLM loads, ``loaded_tokens``), ``LookupModule.lookup`` (refresh-all, pins, hit
+  vLLM loads: :class:`LoadCounter`), ``LookupModule.lookup`` (refresh-all, pins, hit
   counters) and ``LookupModule.end_session`` (unpin). A failure inside HiState is logged
   and counted, never propagated into the request;
 * reports the runtime's state in ``GET /status`` (key ``histate``) and as Prometheus
@@ -42,6 +42,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
 )
 
 from lmcache_histate.exposure import read_secret
+from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 
 from . import registry
 from .access import check_rpc_token
@@ -116,14 +117,14 @@ class HiStateServerModule:
         check_rpc_token(request, self.secret)
         return request
 
-    @server_module_handler("histate.status")
+    @server_module_handler(STATUS_METHOD)
     def status_rpc(self, payload: bytes) -> bytes:
-        self._checked(payload, "histate.status")
+        self._checked(payload, STATUS_METHOD)
         return json.dumps(self.report_status()["histate"]).encode()
 
-    @server_module_handler("histate.plan")
+    @server_module_handler(PLAN_METHOD)
     def plan_rpc(self, payload: bytes) -> bytes:
-        request = self._checked(payload, "histate.plan")
+        request = self._checked(payload, PLAN_METHOD)
         if self.runtime is None:
             return json.dumps({"boundaries": []}).encode()
         start, end = parse_plan_request(request, self.runtime.cfg.max_model_tokens)
@@ -145,17 +146,38 @@ def _guarded(runtime: HiStateRuntime, what: str, fn: Any, *args: Any) -> None:
         logger.exception("HiState %s hook failed (request served without it)", what)
 
 
-def _count_loaded(runtime: HiStateRuntime, key: Any, *args: Any, **kwargs: Any) -> None:
-    """Tokens vLLM loads from this server (what a RETRIEVE writes into its blocks), unlike
-    ``hit_tokens`` (what lookups found, including tokens vLLM already had). One worker's
-    retrieves only, so tensor-parallel ranks are not counted once each."""
-    if getattr(key, "worker_id", 0) not in (0, None):
-        return
-    try:
-        skip = kwargs.get("skip_first_n_tokens", args[3] if len(args) > 3 else 0)
-        runtime.stats["loaded_tokens"] += max(0, int(key.end) - int(key.start) - int(skip or 0))
-    except (AttributeError, TypeError, ValueError):  # a key LMCache will refuse itself
-        runtime.stats["errors.retrieve"] += 1
+class LoadCounter:
+    """Tokens vLLM loads from this server, split as vLLM's own counters split them.
+
+    vLLM counts a request's external hits when it is scheduled for the first time; the hits
+    of a request re-admitted after a preemption go to ``preempted_hits``, which its
+    Prometheus logger does not export (vllm 0.32.0 ``v1/metrics/stats.py:
+    PrefixCacheStats.record``; ``v1/core/sched/scheduler.py`` passes ``preempted =
+    request.num_preemptions > 0``). Such a request may load more than once, or for the first
+    time (a prompt stored while it ran, then preempted). The connector marks it
+    (``protocol.RESUMED_CONFIG`` in the key's request configs), so a RETRIEVE adds to
+    ``loaded_tokens`` (comparable with ``vllm:external_prefix_cache_hits_total``) or, for a
+    marked request, to ``loaded_tokens_resumed``. The tokens are the retrieve range less
+    ``skip_first_n_tokens`` (the blocks vLLM's own prefix cache already holds).
+
+    Invariant: only worker 0's retrieves count (tensor-parallel ranks each send one).
+    """
+
+    def __init__(self, stats: Any) -> None:
+        self._stats = stats
+
+    def __call__(self, key: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(key, "worker_id", 0) not in (0, None):
+            return
+        try:
+            skip = kwargs.get("skip_first_n_tokens", args[3] if len(args) > 3 else 0)
+            tokens = max(0, int(key.end) - int(key.start) - int(skip or 0))
+        except (AttributeError, TypeError, ValueError):  # a key LMCache will refuse itself
+            self._stats["errors.retrieve"] += 1
+            return
+        configs = getattr(key, "request_configs", None) or {}
+        resumed = isinstance(configs, dict) and bool(configs.get(RESUMED_CONFIG))
+        self._stats["loaded_tokens_resumed" if resumed else "loaded_tokens"] += tokens
 
 
 def _wrap(module: Any, name: str, before: Any) -> None:
@@ -189,7 +211,7 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
                 module, "store",
                 lambda key, *a, **k: _guarded(runtime, "store", runtime.note_store, key),
             )
-            _wrap(module, "retrieve", functools.partial(_count_loaded, runtime))
+            _wrap(module, "retrieve", LoadCounter(runtime.stats))
             wrapped += ["store", "retrieve"]
         elif isinstance(module, LookupModule):
             _wrap(

@@ -89,6 +89,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
 )
 
 from lmcache_histate.exposure import read_secret
+from lmcache_histate.protocol import RESUMED_CONFIG
 
 if TYPE_CHECKING:
     import torch
@@ -454,6 +455,12 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._watchdog.progressed(request.request_id)
         self._count("external_hit_tokens", int(num_external_tokens))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if request.num_preemptions > 0 and num_external_tokens > 0:
+            # The server counts this request's loads apart, as vLLM does (protocol.py).
+            tracker = self.request_trackers.get(request.request_id)
+            if tracker is not None:
+                tracker.request_configs = {**(tracker.request_configs or {}),
+                                           RESUMED_CONFIG: True}
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -20,10 +20,9 @@ from typing import Any
 
 __all__ = ["PLAN_METHOD", "STATUS_METHOD", "PlanClient"]
 
-logger = logging.getLogger("lmcache_histate.connector")
+from lmcache_histate.protocol import PLAN_METHOD, STATUS_METHOD
 
-STATUS_METHOD = "histate.status"
-PLAN_METHOD = "histate.plan"
+logger = logging.getLogger("lmcache_histate.connector")
 
 
 class PlanClient:

@@ -15,7 +15,8 @@ preempted session ever finished.
 
 Expected by hand: 9 requests, 9 answers, 0 errors; tokens loaded from the server > 0 (each
 session's later turns extend a prefix the server stored), and with HiState the server's
-``histate_loaded_tokens_total`` at least vLLM's external-hit counter; at least
+``histate_loaded_tokens_total`` within 1 % of vLLM's external-hit counter (both count a
+request's first load only; a resumed request's loads are ``..._resumed``); at least
 one preemption (else the test tests nothing); LMCache's ``<resume-load>`` line at most 3
 times per request (``stall_watchdog.RepeatFilter``) and no watchdog report (nothing stalls).
 """
@@ -135,5 +136,10 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
     external = so.metric(metrics, "vllm:external_prefix_cache_hits_total")
     assert external > 0, "the preempted prompts' prefixes come back from the server"
     if stack == "histate":
-        # The server counts the tokens it wrote into vLLM's blocks (RETRIEVE).
-        assert so.metric(server_metrics, "histate_loaded_tokens_total") >= external
+        # The server counts the tokens its first RETRIEVE per request wrote into vLLM's
+        # blocks, as vLLM counts external hits; loads of resumed requests are apart.
+        loaded = so.metric(server_metrics, "histate_loaded_tokens_total")
+        resumed = so.metric(server_metrics, "histate_loaded_tokens_resumed_total")
+        print(f"\nexternal hits {external:.0f}, loaded {loaded:.0f}, resumed {resumed:.0f}, "
+              f"preemptions {so.metric(metrics, 'vllm:num_preemptions_total'):.0f}")
+        assert abs(loaded - external) <= 0.01 * external, (loaded, external, resumed)
