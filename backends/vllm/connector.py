@@ -46,14 +46,12 @@ can get. Held until the request finished, the pins of a 28K-token prompt at a st
 chunk exceeded a 32 MiB pool, so a preempted request could never be re-admitted and the
 scheduler polled it forever (LMCache logging ``<resume-load> ... load=0`` each step).
 
-NOTE 2 (when a store has its data): the worker submits a step's STOREs in ``wait_for_save``
-and, in the same step, ``get_finished`` drops every store future that completed (LMCache's
-``LMCacheMPWorkerAdapter.get_finished`` walks all of ``store_futures``, not only finished
-requests'). What is left are the requests with a store in flight; the worker reports them
-with the step number (``StoreReport``, through vLLM's ``kv_connector_worker_meta``). A request
-missing from the report of step ``s`` has every store planned up to ``s`` done: LMCache keeps
-one future per request, the latest, and frees a finished request's blocks on the same
-reading (``finished_sending``), so this relies on nothing stock LMCache does not.
+NOTE 2 (when a store has its data): the worker submits a step's STOREs in ``wait_for_save``;
+LMCache keeps one future per request, the latest. The worker records each new future with
+the scheduler step that planned its store and reports, per request, the oldest step whose
+store is still in flight (``store_progress``: ``StoreSteps``, ``StoreReport``, through
+vLLM's ``kv_connector_worker_meta``); pins of stores planned before it are released. So a
+pin lives about as long as one store, not as long as the request's prefill.
 
 NOTE 3 (watchdog): a request whose connector state does not move for ``histate.stall_polls``
 scheduler polls (default 2000) is logged once with its state; if it is waiting for a load
@@ -68,7 +66,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.backends.vllm import cpu_support
@@ -83,6 +80,7 @@ from lmcache_histate.backends.vllm.interval_saves import (
 )
 from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PlanClient
 from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
+from lmcache_histate.backends.vllm.store_progress import StoreReport, StoreSteps
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
@@ -117,18 +115,6 @@ REPORT_PARAM = "histate_saves"
 STALL_POLLS_KEY = "histate.stall_polls"
 STEP_ATTR = "histate_step"
 """Attribute carrying the scheduler step on the connector metadata sent to the worker."""
-
-
-@dataclass(frozen=True)
-class StoreReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler, each step: which requests still have a STORE in flight (NOTE 2)."""
-
-    step: int
-    busy: frozenset[str]
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, StoreReport)
-        return StoreReport(min(self.step, other.step), self.busy | other.busy)
 
 
 LMCACHE_CONNECTOR_LOGGER = "lmcache.integration.vllm.lmcache_mp_connector"
@@ -187,6 +173,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._saves_lock = threading.Lock()
         self._saves_active = False
         self._step = 0
+        self._store_steps = StoreSteps()  # worker side: which stores have their data
         self.histate_stats: dict[str, int] = {}
         self._watchdog = StallWatchdog(int(extra.get(STALL_POLLS_KEY, 2000)))
         if role_is_scheduler(role):
@@ -212,8 +199,16 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             )
         super().register_kv_caches(kv_caches)
 
+    def wait_for_save(self) -> None:
+        """LMCache submits the step's STOREs; record their futures with the step (NOTE 2)."""
+        super().wait_for_save()
+        adapter = getattr(self, "worker_adapter", None)
+        step = getattr(getattr(self, "_connector_metadata", None), STEP_ATTR, None)
+        if adapter is not None and step is not None:
+            self._store_steps.submitted(int(step), getattr(adapter, "store_futures", {}))
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """Report the requests with a STORE still in flight after this step (NOTE 2)."""
+        """Report, per request, the oldest step whose STORE is still in flight (NOTE 2)."""
         base = super().build_connector_worker_meta()
         adapter = getattr(self, "worker_adapter", None)
         if base is not None or adapter is None or getattr(self, "lazy_offload", False):
@@ -221,7 +216,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         step = getattr(getattr(self, "_connector_metadata", None), STEP_ATTR, None)
         if step is None:
             return None
-        return StoreReport(int(step), frozenset(getattr(adapter, "store_futures", {})))
+        return self._store_steps.report(int(step), getattr(adapter, "store_futures", {}))
 
     # ============================================================ scheduler side
 
@@ -429,8 +424,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, StoreReport):
             for request_id, saves in list(self._saves.items()):
-                if saves.pins and request_id not in report.busy:
-                    self._unpin(saves.stores_done(report.step))
+                if saves.pins:
+                    self._unpin(saves.stores_done(report.done_through(request_id)))
         for request_id in connector_output.finished_sending or ():
             self._release(request_id)
 

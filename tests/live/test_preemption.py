@@ -3,9 +3,12 @@
 Real parts only: ``histate-server`` and ``histate serve`` (vLLM's OpenAI server, CPU) with the
 flags the server prints, the tiny hybrid model with positions raised to 32K, and an agent-like
 client: three sessions at once, each three turns of 18K-28K tokens (turn ``k + 1`` extends
-turn ``k``), against a 32 MiB pool (~60K tokens). Three such prompts need ~66K-84K tokens of
-KV at once, so vLLM must preempt; a preempted request is re-admitted later with its prefix
-in vLLM's prefix cache or on the server.
+turn ``k``) answered with 48 tokens, against a 16 MiB pool (~30K tokens: vLLM needs room
+for one ``--max-model-len`` request of 29,184), vLLM admitting a request on its first chunk
+(``--no-scheduler-reserve-full-isl``; by default vLLM 0.32 reserves the whole prompt at
+admission and then need not preempt). While one request decodes, the next one's prefill
+grows until two requests exceed the pool, so vLLM must preempt; a preempted request is
+re-admitted later with its prefix in vLLM's prefix cache or on the server.
 
 Run for both connector behaviours: HiState's interval saves, which pin boundary-state blocks
 (connector NOTE 1-2), and stock LMCache's saving rule (``histate.interval_saves: false``,
@@ -42,8 +45,10 @@ needs_live = pytest.mark.skipif(
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-POOL_BYTES = 32 << 20
-MAX_MODEL_LEN = 32768
+POOL_BYTES = 16 << 20
+POSITIONS = 32768
+MAX_MODEL_LEN = 29184  # 76 blocks of 384: vLLM computes room for 29,952 in 16 MiB
+ANSWER_TOKENS = 48
 SESSIONS, TURNS = 3, 3
 
 
@@ -74,8 +79,9 @@ async def replay(base: str) -> list[tuple[str, int]]:
         out = []
         for prompt in turns:
             try:
-                reply = await client.completions.create(model="tiny", prompt=prompt,
-                                                        max_tokens=4, temperature=0)
+                reply = await client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=ANSWER_TOKENS, temperature=0,
+                    extra_body={"ignore_eos": True})  # every answer decodes ANSWER_TOKENS
                 out.append(("ok", reply.usage.completion_tokens))
             except Exception as exc:  # an error answer is what the test counts
                 out.append((type(exc).__name__, 0))
@@ -116,9 +122,12 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
         serve = [str(so.BIN / "histate"), "serve", str(tiny_model), "--served-model-name",
                  "tiny", "--host", "127.0.0.1", "--port", str(vllm_port), *flags,
                  "--max-model-len", str(MAX_MODEL_LEN),
-                 "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
+                 "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
                  "--max-num-seqs", "4", "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(POOL_BYTES)]
+                 "--kv-cache-memory-bytes", str(POOL_BYTES),
+                 # Admit on the first chunk, not the whole prompt (vLLM's default reserves
+                 # it and then never needs to preempt): requests grow into each other.
+                 "--no-scheduler-reserve-full-isl"]
         vllm_log = tmp_path / "vllm.log"
         with so.process(serve, vllm_log, so.QUIET) as vllm:
             base = f"http://127.0.0.1:{vllm_port}"
@@ -127,9 +136,8 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
             metrics = so.get(base + "/metrics")
         server_metrics = so.get(f"http://127.0.0.1:{http_port}/metrics")
     log = vllm_log.read_text()
-    assert results == [("ok", 4)] * (SESSIONS * TURNS), results
-    if stack == "histate":  # stock LMCache pins no state block: vLLM may not need to preempt
-        assert so.metric(metrics, "vllm:num_preemptions_total") >= 1, "no preemption: moot"
+    assert results == [("ok", ANSWER_TOKENS)] * (SESSIONS * TURNS), results
+    assert so.metric(metrics, "vllm:num_preemptions_total") >= 1, "no preemption: moot"
     resumes = Counter(re.findall(r"<resume-load> req=(\S+)", log))
     assert max(resumes.values(), default=0) <= 3, resumes
     assert "HiState watchdog" not in log

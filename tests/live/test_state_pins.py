@@ -88,3 +88,58 @@ def test_the_resume_load_line_passes_three_times_per_request() -> None:
     assert first == [True, True, True, False, False]
     assert only.filter(record("<resume-load> req=%s load=%d", "b", 0))  # another request
     assert all(only.filter(record("other line %s", "a")) for _ in range(5))
+
+
+# ------------------------------------------------------------------ which stores are done
+
+
+def future(done: bool = False):
+    from lmcache.v1.multiprocess.futures import MessagingFuture
+
+    f = MessagingFuture()
+    if done:
+        f.set_result(None)
+    return f
+
+
+def test_a_store_in_flight_holds_only_the_pins_of_its_own_step_and_later() -> None:
+    """A request in prefill always has the store just submitted in flight; the stores of
+    earlier steps that completed release their pins anyway (store_progress NOTE 1)."""
+    from lmcache_histate.backends.vllm.store_progress import StoreSteps
+
+    steps = StoreSteps()
+    s5, s6, s7 = future(), future(), future()
+    steps.submitted(5, {"r": s5})
+    steps.submitted(6, {"r": s6})
+    steps.submitted(6, {"r": s6})  # the same future seen again is recorded once
+    s5.set_result(None)
+    steps.submitted(7, {"r": s7})
+    report = steps.report(7, {"r": s7})
+    # 5 done; 6 and 7 in flight: the oldest in flight is 6, so stores up to 5 are done.
+    assert report.pending == {"r": 6} and report.done_through("r") == 5
+    s6.set_result(None)
+    assert steps.report(7, {"r": s7}).done_through("r") == 6
+    # LMCache dropped the entry (latest store done): every store is done, record gone.
+    s7.set_result(None)
+    report = steps.report(8, {})
+    assert report.pending == {} and report.done_through("r") == 8
+    assert steps.report(9, {"r": future()}).done_through("r") == -1  # unseen: holds all
+
+
+def test_the_report_and_the_pins_together() -> None:
+    """Pins planned at steps 5 and 6; the step-6 store in flight releases step 5's pins."""
+    from lmcache_histate.backends.vllm.store_progress import StoreReport
+
+    saves = saves_with_pins()
+    saves.planned([384], 384, step=5)
+    saves.planned([768], 768, step=6)
+    report = StoreReport(6, {"r": 6})
+    assert saves.stores_done(report.done_through("r")) == [11]
+    assert saves.pinned == [12, 13]
+
+
+def test_tensor_parallel_reports_take_the_oldest_step_in_flight() -> None:
+    from lmcache_histate.backends.vllm.store_progress import StoreReport
+
+    merged = StoreReport(7, {"a": 5}).aggregate(StoreReport(7, {"a": 3, "b": 6}))
+    assert merged == StoreReport(7, {"a": 3, "b": 6})
