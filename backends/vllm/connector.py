@@ -68,6 +68,12 @@ If vLLM then cannot allocate the request it stays waiting and is looked up again
 maybe with another hit; a plan nothing was stored under yet is dropped at that lookup and
 made anew. A preempted request keeps its plan: its stored boundaries came from it.
 
+NOTE 5 (the plan travels with the lookup): a request's plan needs its segment start, the
+longer of vLLM's own hit and LMCache's, and LMCache's is known only when the lookup
+returns. The plan RPC is sent when the lookup is, for the start vLLM's hit gives; when the
+lookup returns no longer hit (every fresh prompt) that answer is the plan and the request
+waited for one round trip, not two; a longer LMCache hit asks again for its own start.
+
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
 """
@@ -91,7 +97,7 @@ from lmcache_histate.backends.vllm.interval_saves import (
     rewrite_store_block_ids,
     sanitize_plan,
 )
-from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PlanClient
+from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PendingPlan, PlanClient
 from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
 from lmcache_histate.backends.vllm.step_scheduler import is_step_scheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -194,6 +200,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             raise SettingsError(f"{exc} With histate-server: set chunk_size: auto in its YAML "
                                 "(vLLM's block size for the model on this machine).") from exc
         self._saves: dict[str, RequestSaves] = {}
+        self._pending_plans: dict[str, tuple[tuple[int, int], PendingPlan]] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
         self._step = 0
@@ -264,15 +271,20 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         cache = vllm_config.cache_config
         block_size = groups[recurrent[0]].kv_cache_spec.block_size
         self._chunk_tokens = int(self.scheduler_adapter.lmcache_tokens_per_chunk)
+        budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        plans_step_ends = is_step_scheduler(vllm_config.scheduler_config.scheduler_cls)
         check_vllm_settings(
             block_size=block_size,
             chunk_size=self._chunk_tokens,
-            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             prefix_cache_retention_interval=cache.prefix_cache_retention_interval,
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             mamba_cache_mode=getattr(cache, "mamba_cache_mode", None),
-            plans_step_ends=is_step_scheduler(vllm_config.scheduler_config.scheduler_cls),
+            plans_step_ends=plans_step_ends,
         )
+        # Where steps end anyway: every budget's worth of whole chunks, or every chunk.
+        chunk = self._chunk_tokens
+        step_tokens = max(chunk, budget - budget % chunk) if plans_step_ends else chunk
         self._recurrent_groups = recurrent
         # N_s (snapshot size in KV-token units) of what vLLM allocated, for the local planner.
         snapshot_bytes = 0
@@ -290,7 +302,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._plans = PlanClient(
             lambda: next(iter(self.scheduler_adapter.req_clients.values())),
             token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
-            count=self._count,
+            count=self._count, step_tokens=step_tokens,
         )
         server = self._plans.probe()
         if server is not None:
@@ -325,7 +337,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if end - end % chunk <= start - start % chunk:
             saves.plan, saves.plan_source = [], "empty"
             return saves
-        plan = self._plans.plan(start, end)
+        pending = self._pending_plans.pop(request_id, None)
+        plan = None
+        if pending is not None and pending[0] == (start - start % chunk, end):
+            plan = pending[1].result()  # sent with the lookup (NOTE 5)
+            self._count("plans_prefetched", int(bool(plan)))
+        if not plan:  # none sent, another start, or the server had not seen the model yet
+            plan = self._plans.plan(start, end)
         source = "server"
         if not plan:
             # None: no server plan. []: the server's core has not seen this model yet (it is
@@ -403,6 +421,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             pool.free_blocks([pool.blocks[b] for b in block_ids])
 
     def _release(self, request_id: str) -> None:
+        self._pending_plans.pop(request_id, None)
         with self._saves_lock:
             saves = self._saves.pop(request_id, None)
         if saves is not None:
@@ -488,7 +507,21 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         saves = self._saves.get(request.request_id)
         if saves is not None and saves.untouched:
             saves.plan = None  # NOTE 4: a new lookup may move the segment start
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        matched = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._saves_active and (saves is None or saves.plan is None):
+            # After the lookup was sent: the server learns a model from its first lookup.
+            self._send_plan(request.request_id, num_computed_tokens, request.num_prompt_tokens)
+        return matched
+
+    def _send_plan(self, request_id: str, start: int, end: int) -> None:
+        """Ask for the plan of segment ``[start, end)`` now, with the lookup (NOTE 5)."""
+        chunk = self._chunk_tokens
+        key = (start - start % chunk, end)
+        pending = self._pending_plans.get(request_id)
+        if (pending is None or pending[0] != key) and end - end % chunk > key[0]:
+            sent = self._plans.submit(start, end)
+            if sent is not None:
+                self._pending_plans[request_id] = (key, sent)
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:

@@ -24,7 +24,9 @@ C = N = 384 with N_s = 828 on AVX-512-BF16, C = 256 with N_s = 432 on AVX2):
    hits exactly b (L1 cleared: from the disk tier), prefills the rest in one step, and its
    tokens and top-5 logprobs equal the no-connector engine's -- exactly;
 3. negative control: with the hook zeroing restored recurrent state, a prompt hitting the
-   first boundary gives other logprobs than recompute.
+   first boundary gives other logprobs than recompute;
+4. a fresh prompt (nothing to hit) gets the plan the connector sent with its lookup
+   (``plans_prefetched`` + 1); the prompts that hit at a boundary ask for their own start.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_vllm_cpu_roundtrip import (
     LAUNCHER,
     ZERO_HOOK_MODULE,
@@ -77,6 +80,7 @@ def prompts(vocab: int, chunk: int, plan: list[int], seed: int = 28) -> dict[str
     for b in plan:  # half a chunk past b, or half of A's tail past its final boundary
         out[f"B{b}"] = diverging(b + min(chunk, len(a) - b) // 2)
     out["Z"] = diverging(plan[0] + chunk // 2)
+    out["F"] = tokens(2 * chunk + 10)  # fresh: hits nothing
     return out
 
 
@@ -99,7 +103,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     with EngineProcess(engine_kwargs(tiny_model, **kwargs), workdir=tmp_path,
                        name="reference", block_size=chunk) as ref:
         reference = {name: ref.generate(p, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
-                     for name, p in ps.items() if name != "A"}
+                     for name, p in ps.items() if name not in ("A", "F")}
 
     zero_flag = tmp_path / "zero-restored-recurrent"
     disk = tmp_path / "disk"
@@ -118,6 +122,10 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
         a = engine.generate(ps["A"], kv_transfer_params=ask, reset=True)
         settle(server)
         stored = disk_objects(disk)
+        before = engine.stats()["histate"]
+        fresh = engine.generate(ps["F"], kv_transfer_params=ask, reset=True)
+        after = engine.stats()["histate"]
+        settle(server)
         server.clear_l1()
         restored = {f"B{b}": engine.generate(ps[f"B{b}"], max_tokens=MAX_TOKENS,
                                              logprobs=TOP_LOGPROBS, kv_transfer_params=ask,
@@ -149,6 +157,51 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
         assert out["kv_transfer_params"]["histate_saves"]["step_ends"] == [len(ps[f"B{b}"])]
         assert out["token_ids"] == ref_out["token_ids"]
         assert out["logprobs"] == ref_out["logprobs"]  # exact floats, top-5 per step
+    # 4. The fresh prompt's plan came with its lookup: [2C] (F = 1: 2C is its final chunk).
+    assert fresh["num_cached_tokens"] == 0
+    assert fresh["kv_transfer_params"]["histate_saves"]["plan"] == [2 * chunk]
+    assert after.get("plans_prefetched", 0) == before.get("plans_prefetched", 0) + 1
+    assert after.get("plans_server", 0) == before.get("plans_server", 0) + 1
     # 3. Negative control: the same kind of hit with the restored state zeroed differs.
     assert z["num_cached_tokens"] == plan[0]
     assert z["logprobs"] != reference["Z"]["logprobs"], "zeroed state left outputs unchanged"
+
+
+@needs_live
+def test_the_scheduler_is_guarded_to_the_vllm_it_was_written_for() -> None:
+    from lmcache_histate.backends.vllm.step_scheduler import check_vllm
+
+    check_vllm()  # the installed vLLM 0.32.0
+    with pytest.raises(RuntimeError, match=r"this is vLLM 0\.33\.1"):
+        check_vllm("0.33.1")
+
+    def other_split(self: Any, request: Any, num_new_tokens: int) -> int:
+        return num_new_tokens
+
+    with pytest.raises(RuntimeError, match="--scheduler-cls"):
+        check_vllm(split=other_split)
+
+
+@needs_live
+def test_the_scheduler_class_follows_vllms_async_choice_and_is_recognised() -> None:
+    from types import SimpleNamespace
+
+    from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+    from lmcache_histate.backends.vllm.step_scheduler import (
+        HiStateAsyncScheduler,
+        HiStateScheduler,
+        is_step_scheduler,
+    )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    def config(asynchronous: bool) -> Any:
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=asynchronous))
+
+    # __new__ only (no engine): the class vLLM's constructor call would initialise.
+    made = HiStateScheduler.__new__(HiStateScheduler, vllm_config=config(True))
+    assert type(made) is HiStateAsyncScheduler and isinstance(made, AsyncScheduler)
+    assert isinstance(made, HiStateScheduler)  # so Python still runs __init__ on it
+    assert type(HiStateScheduler.__new__(HiStateScheduler, config(False))) is HiStateScheduler
+    assert is_step_scheduler(SCHEDULER_CLS) and is_step_scheduler(HiStateAsyncScheduler)
+    assert not is_step_scheduler(None)
+    assert not is_step_scheduler("vllm.v1.core.sched.scheduler.Scheduler")
