@@ -62,6 +62,23 @@ STEP_END_CHUNKS = {384: [8, 9, 17, 18, 20], 256: [8, 16, 20]}
 """A's step ends below its prompt end, in chunks (module docstring, step 1)."""
 
 
+def expected_chunks(row: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(plan, step ends below the prompt end) of A in chunks: the hand-derived rows above,
+    or for another layout (a GPU's) the same rules: the interval k minimising
+    kC/2 + N_s * 20C / (kC), and steps ending at the budget (8 chunks), a planned boundary
+    or the last full block (20C), whichever comes first."""
+    if row["block"] in PLAN_CHUNKS:
+        return PLAN_CHUNKS[row["block"]], STEP_END_CHUNKS[row["block"]]
+    c, n_s = row["block"], row["snapshot_bytes"] / 512
+    k = min(range(1, 21), key=lambda i: i * c / 2 + n_s * 20 * c / (i * c))
+    plan = [*range(k, 20, k), 20]
+    ends, at = [], 0
+    while at < 20:
+        at = min(at + BUDGET_BLOCKS, next(b for b in plan if b > at))
+        ends.append(at)
+    return plan, ends
+
+
 def prompts(vocab: int, chunk: int, plan: list[int], seed: int = 28) -> dict[str, list[int]]:
     rng = random.Random(seed)
 
@@ -94,7 +111,8 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
     budget = BUDGET_BLOCKS * chunk
-    plan = [k * chunk for k in PLAN_CHUNKS[row["block"]]]
+    plan_chunks, end_chunks = expected_chunks(row)
+    plan = [k * chunk for k in plan_chunks]
     vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
     ps = prompts(vocab, chunk, plan)
     kwargs = {"chunk_tokens": chunk, "max_model_len": MAX_MODEL_LEN,
@@ -143,7 +161,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     assert saves["plan"] == saves["kept"] == plan and not saves["missing"]
     snapshots = sorted((depth + 1) * chunk for kind, depth in stored if kind == "snapshot")
     assert snapshots == plan
-    step_ends = [k * chunk for k in STEP_END_CHUNKS[row["block"]]] + [length]
+    step_ends = [k * chunk for k in end_chunks] + [length]
     assert saves["step_ends"] == step_ends
     interior = [b for b in plan if b < length]
     assert len(step_ends) <= math.ceil(length / budget) + len(interior)
