@@ -75,18 +75,21 @@ def engine_kwargs(
 
     ``chunk_tokens`` is the LMCache chunk = vLLM's block size N for this model on this
     machine (``engine_facts.probe``; never a constant: 384 with AVX-512-BF16, 256 with AVX2
-    for the tiny model). ``max_num_batched_tokens = chunk_tokens``: every prefill step ends
-    on a block boundary; ``prefix_cache_retention_interval=None``: vLLM hands every boundary
-    state to the connector (see ``interval_saves``). Pass the same number as
+    for the tiny model). HiState's scheduler (``step_scheduler``) with vLLM's default step
+    budget: a prefill step ends early only where the request's plan keeps a snapshot;
+    ``prefix_cache_retention_interval=None``: vLLM hands every boundary state to the
+    connector (see ``interval_saves``). Pass the same number as
     ``EngineProcess(block_size=...)`` so a disagreeing engine fails at start.
     """
+    from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+
     kwargs: dict[str, Any] = {
         "model": str(model),
         "dtype": ENGINE_DTYPE,
         "seed": 0,
         "max_model_len": max_model_len,
         "max_num_seqs": 4,
-        "max_num_batched_tokens": chunk_tokens,
+        "scheduler_cls": SCHEDULER_CLS,
         "enable_prefix_caching": True,
         "mamba_cache_mode": "align",
         "prefix_cache_retention_interval": None,

@@ -91,8 +91,12 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
     """vLLM flags to pair with this server.
 
     ``chunk_size`` must be vLLM's block size N (vLLM chooses it for hybrid models; it
-    prints it at start) or a multiple of it.
+    prints it at start) or a multiple of it. No ``--max-num-batched-tokens``: the engine
+    keeps its default step budget, and HiState's scheduler ends a prefill step early only
+    where the request's plan keeps a snapshot (``step_scheduler``).
     """
+    from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+
     n = cfg.chunk_tokens
     engine = [f"--{key.replace('_', '-')}" + f"={getattr(cfg, key)}"
               for key in ("dtype", "mamba_ssm_cache_dtype") if getattr(cfg, key) != "auto"]
@@ -100,9 +104,8 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
         # The engine dtypes the server's layout was resolved for (config NOTE 1).
         *engine,
         "--enable-prefix-caching",
-        # A state exists at every block boundary only if each step ends on one:
-        # N <= max_num_batched_tokens < 2N (docs/design.md §5.2).
-        "--max-num-batched-tokens", str(n),
+        # A recurrent state exists only at a step's end: steps end at planned boundaries.
+        "--scheduler-cls", SCHEDULER_CLS,
         # States only at block-aligned step ends, and every such boundary handed to the
         # connector (vLLM's default retention 0 keeps only the replay boundary).
         "--mamba-cache-mode", "align",

@@ -26,9 +26,11 @@ is unchanged. What it adds:
   the block table; the connector holds a reference on it until the STORE that carries it has
   its data (NOTE 2), because align mode frees interior state blocks while the request is
   still running.
-  Needs vLLM with prefix caching, ``mamba_cache_mode="align"``, a ``max_num_batched_tokens``
-  whose steps end on every chunk boundary and dense ``prefix_cache_retention_interval``
-  (checked at start: ``interval_saves.check_vllm_settings``). Extra config keys:
+  Needs vLLM with prefix caching, ``mamba_cache_mode="align"``, dense
+  ``prefix_cache_retention_interval`` and a step at each planned boundary's end: HiState's
+  scheduler (``step_scheduler``: it asks :meth:`HiStateConnector.planned_step_end`) at any
+  budget of at least one block, or vLLM's own with steps of one block (checked at start:
+  ``interval_saves.check_vllm_settings``). Extra config keys:
   ``histate.interval_saves`` (default true; false = stock LMCache saves),
   ``histate.plan_timeout_s`` (default 5).
 * **CPU support** (CPU platform only; see ``cpu_support`` and docs/vllm-cpu.md): the
@@ -57,6 +59,19 @@ NOTE 3 (watchdog): a request whose connector state does not move for ``histate.s
 scheduler polls (default 2000) is logged once with its state; if it is waiting for a load
 that never lands, the connector bypasses LMCache for it so vLLM recomputes.
 
+NOTE 4 (when the plan is made): the step scheduler needs a request's plan when it first
+splits the request's prefill, i.e. in the scheduling step that admits it, right after
+``get_num_new_matched_tokens`` set its hits (the plan's segment starts at the longer hit).
+If vLLM then cannot allocate the request it stays waiting and is looked up again later,
+maybe with another hit; a plan nothing was stored under yet is dropped at that lookup and
+made anew. A preempted request keeps its plan: its stored boundaries came from it.
+
+NOTE 5 (the plan travels with the lookup): a request's plan needs its segment start, the
+longer of vLLM's own hit and LMCache's, and LMCache's is known only when the lookup
+returns. The plan RPC is sent when the lookup is, for the start vLLM's hit gives; when the
+lookup returns no longer hit (every fresh prompt) that answer is the plan and the request
+waited for one round trip, not two; a longer LMCache hit asks again for its own start.
+
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
 """
@@ -75,11 +90,13 @@ from lmcache_histate.backends.vllm.interval_saves import (
     SettingsError,
     check_server_geometry,
     check_vllm_settings,
+    planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
 )
-from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PlanClient
+from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PendingPlan, PlanClient
 from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
+from lmcache_histate.backends.vllm.step_scheduler import is_step_scheduler
 from lmcache_histate.backends.vllm.store_progress import StoreReport, StoreSteps
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
@@ -170,6 +187,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             raise SettingsError(f"{exc} With histate-server: set chunk_size: auto in its YAML "
                                 "(vLLM's block size for the model on this machine).") from exc
         self._saves: dict[str, RequestSaves] = {}
+        self._pending_plans: dict[str, tuple[tuple[int, int], PendingPlan]] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
         self._step = 0
@@ -249,14 +267,20 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         cache = vllm_config.cache_config
         block_size = groups[recurrent[0]].kv_cache_spec.block_size
         self._chunk_tokens = int(self.scheduler_adapter.lmcache_tokens_per_chunk)
+        budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        plans_step_ends = is_step_scheduler(vllm_config.scheduler_config.scheduler_cls)
         check_vllm_settings(
             block_size=block_size,
             chunk_size=self._chunk_tokens,
-            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             prefix_cache_retention_interval=cache.prefix_cache_retention_interval,
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             mamba_cache_mode=getattr(cache, "mamba_cache_mode", None),
+            plans_step_ends=plans_step_ends,
         )
+        # Where steps end anyway: every budget's worth of whole chunks, or every chunk.
+        chunk = self._chunk_tokens
+        step_tokens = max(chunk, budget - budget % chunk) if plans_step_ends else chunk
         self._recurrent_groups = recurrent
         # N_s (snapshot size in KV-token units) of what vLLM allocated, for the local planner.
         snapshot_bytes = 0
@@ -274,7 +298,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._plans = PlanClient(
             lambda: next(iter(self.scheduler_adapter.req_clients.values())),
             token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
-            count=self._count,
+            count=self._count, step_tokens=step_tokens,
         )
         server = self._plans.probe()
         if server is not None:
@@ -309,7 +333,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if end - end % chunk <= start - start % chunk:
             saves.plan, saves.plan_source = [], "empty"
             return saves
-        plan = self._plans.plan(start, end)
+        pending = self._pending_plans.pop(request_id, None)
+        plan = None
+        if pending is not None and pending[0] == (start - start % chunk, end):
+            plan = pending[1].result()  # sent with the lookup (NOTE 5)
+            self._count("plans_prefetched", int(bool(plan)))
+        if not plan:  # none sent, another start, or the server had not seen the model yet
+            plan = self._plans.plan(start, end)
         source = "server"
         if not plan:
             # None: no server plan. []: the server's core has not seen this model yet (it is
@@ -322,6 +352,17 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         logger.debug("HiState plan %s: segment [%d, %d) -> %s (%s)", request_id, start, end,
                      saves.plan, source)
         return saves
+
+    def planned_step_end(self, request_id: str, start: int, end: int) -> int:
+        """Where a prefill step ``[start, end)`` of ``request_id`` must end so that every
+        boundary its plan keeps is a step end (the step scheduler asks, NOTE 4): the first
+        kept boundary strictly inside, else ``end``."""
+        if not self._saves_active:
+            return end
+        saves = self._ensure_plan(request_id)
+        if saves is None or not saves.plan:
+            return end
+        return planned_step_end(saves.plan, start, end)
 
     def _take_offers(self, scheduler_output: SchedulerOutput) -> None:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -339,6 +380,20 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     continue
                 if saves.offer(group_id, block_id, boundary):
                     self._pin(saves, block_id, boundary)
+
+    def _record_steps(self, scheduler_output: SchedulerOutput) -> None:
+        """Note where this step's prefill of each request ends (reported with the saves)."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        starts = {new.req_id: new.num_computed_tokens
+                  for new in getattr(scheduler_output, "scheduled_new_reqs", ())}
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        for request_id, start in starts.items():
+            saves = self._saves.get(request_id)
+            tracker = self.request_trackers.get(request_id)
+            if saves is not None and tracker is not None and start < tracker.num_prompt_tokens:
+                saves.step_ends.append(int(start) + int(scheduled.get(request_id, 0)))
 
     def _pin(self, saves: RequestSaves, block_id: int, boundary: int) -> None:
         """Hold a reference on a state block until the store carrying it has its data.
@@ -362,6 +417,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             pool.free_blocks([pool.blocks[b] for b in block_ids])
 
     def _release(self, request_id: str) -> None:
+        self._pending_plans.pop(request_id, None)
         with self._saves_lock:
             saves = self._saves.pop(request_id, None)
         if saves is not None:
@@ -410,6 +466,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 self._unpin(saves.preempted())
                 self._count("preemptions_seen")
         self._take_offers(scheduler_output)
+        self._record_steps(scheduler_output)
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, STEP_ATTR, self._step)
         for request_meta in getattr(metadata, "requests", ()):
@@ -443,7 +500,24 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             tracker.num_lmcache_hit_tokens = 0
             tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
             return 0, False
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        saves = self._saves.get(request.request_id)
+        if saves is not None and saves.untouched:
+            saves.plan = None  # NOTE 4: a new lookup may move the segment start
+        matched = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._saves_active and (saves is None or saves.plan is None):
+            # After the lookup was sent: the server learns a model from its first lookup.
+            self._send_plan(request.request_id, num_computed_tokens, request.num_prompt_tokens)
+        return matched
+
+    def _send_plan(self, request_id: str, start: int, end: int) -> None:
+        """Ask for the plan of segment ``[start, end)`` now, with the lookup (NOTE 5)."""
+        chunk = self._chunk_tokens
+        key = (start - start % chunk, end)
+        pending = self._pending_plans.get(request_id)
+        if (pending is None or pending[0] != key) and end - end % chunk > key[0]:
+            sent = self._plans.submit(start, end)
+            if sent is not None:
+                self._pending_plans[request_id] = (key, sent)
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -472,6 +546,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 "kept": list(saves.kept),
                 "dropped": saves.dropped,
                 "missing": list(saves.missing),
+                "step_ends": list(saves.step_ends),
             }
         self._watchdog.progressed(request.request_id)
         if self._saves_active and not delay:

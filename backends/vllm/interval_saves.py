@@ -33,6 +33,7 @@ longer); its states at and below the segment start belong to earlier segments.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from lmcache_histate.core.interval import IntervalController, supported_interval
 
 __all__ = [
     "NULL_BLOCK",
+    "SCHEDULER_CLS",
     "LocalPlanner",
     "RequestSaves",
     "SettingsError",
@@ -49,6 +51,7 @@ __all__ = [
     "allowed_batched_tokens",
     "check_server_geometry",
     "check_vllm_settings",
+    "planned_step_end",
     "rewrite_store_block_ids",
     "sanitize_plan",
 ]
@@ -57,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 """vLLM's null block id, also LMCache's default ``--null-block-id``."""
+SCHEDULER_CLS = "lmcache_histate.backends.vllm.step_scheduler.HiStateScheduler"
+"""vLLM's ``--scheduler-cls`` for HiState: prefill steps end at planned boundaries."""
 
 
 class SettingsError(ValueError):
@@ -67,26 +72,31 @@ class SettingsError(ValueError):
 
 
 def allowed_batched_tokens(block_size: int, chunk_size: int) -> list[tuple[int, int]]:
-    """Ranges ``[lo, hi]`` of ``max_num_batched_tokens`` whose steps end on every chunk end.
+    """Ranges ``[lo, hi]`` of ``max_num_batched_tokens`` whose steps end on every chunk end
+    with vLLM's own scheduler (no :data:`SCHEDULER_CLS`).
 
     In ``align`` mode a recurrent state exists only where a scheduler step ends, and a
     prefill step advances ``m = max_num_batched_tokens // N`` whole blocks (``N`` = vLLM
     block size; vLLM clips prefill steps to block boundaries and always stops at the last
     full block of the prompt). Starting from a chunk-aligned segment start, every LMCache
     chunk end (a multiple of ``C = chunk_size``) is a step end iff ``m`` divides ``C / N``.
-    With ``C = N`` (the usual setting): ``N ≤ max_num_batched_tokens < 2N``.
+    With ``C = N``: ``N ≤ max_num_batched_tokens < 2N``.
     """
-    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
-        raise SettingsError(
-            f"LMCache --chunk-size ({chunk_size}) must be a positive multiple of the vLLM "
-            f"block size ({block_size})"
-        )
+    _check_chunk(block_size, chunk_size)
     per_chunk = chunk_size // block_size
     return [
         (m * block_size, (m + 1) * block_size - 1)
         for m in range(1, per_chunk + 1)
         if per_chunk % m == 0
     ]
+
+
+def _check_chunk(block_size: int, chunk_size: int) -> None:
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise SettingsError(
+            f"LMCache --chunk-size ({chunk_size}) must be a positive multiple of the vLLM "
+            f"block size ({block_size})"
+        )
 
 
 def _ranges_text(ranges: Sequence[tuple[int, int]]) -> str:
@@ -101,6 +111,7 @@ def check_vllm_settings(
     prefix_cache_retention_interval: int | None,
     enable_prefix_caching: bool,
     mamba_cache_mode: str | None,
+    plans_step_ends: bool,
 ) -> None:
     """Raise :class:`SettingsError` unless vLLM can produce every boundary a plan may choose.
 
@@ -108,12 +119,18 @@ def check_vllm_settings(
       the connector only with prefix caching on;
     * ``--mamba-cache-mode align``: states at block-aligned step ends (the only mode with
       boundary-state hand-offs);
-    * ``--max-num-batched-tokens``: see :func:`allowed_batched_tokens`;
+    * ``--max-num-batched-tokens`` (the step budget): at least the block size ``N`` (a step
+      must reach a block boundary; LMCache's MP connector needs no more). With HiState's
+      scheduler (``plans_step_ends``: ``--scheduler-cls`` is
+      :data:`SCHEDULER_CLS` or a subclass) every planned boundary ends a
+      step at any such budget; with vLLM's own scheduler only the budgets of
+      :func:`allowed_batched_tokens` end a step on every chunk boundary;
     * ``--prefix-cache-retention-interval``: vLLM hands a boundary state to the connector only
       if it retains it in its own prefix cache; ``0`` (vLLM's default) retains only the replay
       boundary below the prompt end, so every other boundary a plan chooses would have no
       state. It must be ``None`` (dense) or the block size ``N`` (also dense).
     """
+    _check_chunk(block_size, chunk_size)
     problems: list[str] = []
     if not enable_prefix_caching:
         problems.append(
@@ -125,14 +142,22 @@ def check_vllm_settings(
             f"--mamba-cache-mode (mamba_cache_mode) is {mamba_cache_mode!r}: it must be "
             "'align' (recurrent states at block-aligned step ends)"
         )
-    ranges = allowed_batched_tokens(block_size, chunk_size)
-    if not any(lo <= max_num_batched_tokens <= hi for lo, hi in ranges):
+    budget = max_num_batched_tokens
+    if budget < block_size:
         problems.append(
-            f"--max-num-batched-tokens (max_num_batched_tokens) is {max_num_batched_tokens}: "
-            f"prefill steps would not end on every chunk boundary (block size N = "
-            f"{block_size}, LMCache chunk size {chunk_size}); allowed values: "
-            f"{_ranges_text(ranges)}"
+            f"--max-num-batched-tokens (max_num_batched_tokens) is {budget}: a prefill step "
+            f"must reach a block boundary; allowed values: >= {block_size} (the block size N)"
         )
+    elif not plans_step_ends:
+        ranges = allowed_batched_tokens(block_size, chunk_size)
+        if not any(lo <= budget <= hi for lo, hi in ranges):
+            problems.append(
+                f"--max-num-batched-tokens (max_num_batched_tokens) is {budget} with vLLM's "
+                f"own scheduler: prefill steps would not end on every planned boundary (block "
+                f"size N = {block_size}, LMCache chunk size {chunk_size}); set --scheduler-cls "
+                f"{SCHEDULER_CLS} (any budget >= {block_size}), or a budget in "
+                f"{_ranges_text(ranges)}"
+            )
     retention = prefix_cache_retention_interval
     if retention is not None and retention != block_size:
         problems.append(
@@ -204,6 +229,13 @@ def sanitize_plan(
     return sorted(kept)
 
 
+def planned_step_end(plan: Sequence[int], start: int, end: int) -> int:
+    """The end of a prefill step ``[start, end)`` that must not run past a kept boundary:
+    the first boundary of ``plan`` (sorted) strictly inside the step, else ``end``."""
+    i = bisect.bisect_right(plan, start)
+    return plan[i] if i < len(plan) and plan[i] < end else end
+
+
 class LocalPlanner:
     """The core's interval controller with pressure factor 1 (no live server pressure)."""
 
@@ -263,6 +295,13 @@ class RequestSaves:
     """Chunks stored without their recurrent object (not chosen)."""
     missing: list[int] = field(default_factory=list)
     """Chosen chunk ends for which vLLM offered no state block (stored without it)."""
+    step_ends: list[int] = field(default_factory=list)
+    """Token position at the end of each prefill step vLLM scheduled for the request."""
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing was offered, pinned or stored under the current plan yet."""
+        return not (self.offered or self.pins or self.kept or self.dropped or self.missing)
 
     @property
     def pinned(self) -> list[int]:

@@ -9,6 +9,10 @@ factor). A server with a shared secret (``auth_token_file``) wants it in every p
 Invariant: once :meth:`PlanClient.probe` found no active module, :meth:`plan` returns None
 for the connector's lifetime (no RPC per request to a server that cannot answer); a failed
 plan call returns None for that request only, counted in ``plan_errors``.
+
+A plan can be asked for before it is needed (:meth:`PlanClient.submit`): the connector
+sends it with the request's LMCache lookup, so the two round trips overlap instead of
+adding up on the request's way to its first step.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PLAN_METHOD", "STATUS_METHOD", "PlanClient"]
+__all__ = ["PLAN_METHOD", "STATUS_METHOD", "PendingPlan", "PlanClient"]
 
 from lmcache_histate.protocol import PLAN_METHOD, STATUS_METHOD
 
@@ -29,21 +33,29 @@ class PlanClient:
     """``histate.status`` / ``histate.plan`` through one LMCache request client."""
 
     def __init__(self, client: Callable[[], Any], *, token: str | None, timeout: float,
-                 count: Callable[[str], None]) -> None:
+                 count: Callable[[str], None], step_tokens: int | None = None) -> None:
+        """``step_tokens``: the engine's step grid (its budget in whole chunks with the
+        step scheduler, one chunk without), sent with every plan request so a server can
+        price step ends (``core.interval``); a server that does not read it ignores it."""
         self._client = client  # the adapter's request client, looked up per call
         self._token = token
+        self._step_tokens = step_tokens
         self.timeout = timeout
         self._count = count
         self.active = False
 
     def call(self, method: str, payload: dict[str, Any], timeout: float) -> Any:
         """One ``server_module_call`` RPC; returns LMCache's response envelope."""
+        return self._send(method, payload).result(timeout)
+
+    def _send(self, method: str, payload: dict[str, Any]) -> Any:
+        """Send one ``server_module_call``; LMCache's future of the response envelope."""
         from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 
         if self._token is not None:  # a server with a shared secret (docs/deployment.md)
             payload = {**payload, "token": self._token}
         request = ServerModuleCallRequest(method=method, payload=json.dumps(payload).encode())
-        return self._client().server_module_call(request).result(timeout)
+        return self._client().server_module_call(request)
 
     def probe(self) -> dict[str, Any] | None:
         """The server's HiState status if it runs an active HiState module, else None.
@@ -73,15 +85,44 @@ class PlanClient:
 
     def plan(self, start: int, end: int) -> list[int] | None:
         """The server's plan, or None (no HiState module there, or the call failed)."""
+        pending = self.submit(start, end)
+        return None if pending is None else pending.result()
+
+    def submit(self, start: int, end: int) -> PendingPlan | None:
+        """Send a ``histate.plan`` request now; None if no server can answer it."""
         if not self.active:
             return None
         try:
-            response = self.call(PLAN_METHOD, {"start_tokens": start, "input_tokens": end},
-                                 self.timeout)
-        except Exception as exc:  # timeout, transport failure
+            payload: dict[str, Any] = {"start_tokens": start, "input_tokens": end}
+            if self._step_tokens is not None:
+                payload["step_tokens"] = self._step_tokens
+            future = self._send(PLAN_METHOD, payload)
+        except Exception as exc:  # transport failure
+            return PendingPlan(None, self.timeout, self._count, exc)
+        return PendingPlan(future, self.timeout, self._count)
+
+
+class PendingPlan:
+    """A ``histate.plan`` request in flight; :meth:`result` waits for it (once)."""
+
+    def __init__(self, future: Any, timeout: float, count: Callable[[str], None],
+                 error: Exception | None = None) -> None:
+        self._future = future
+        self._timeout = timeout
+        self._count = count
+        self._error = error
+
+    def result(self) -> list[int] | None:
+        """The server's boundaries, or None (the call failed: counted and logged)."""
+        if self._error is None:
+            try:
+                response = self._future.result(self._timeout)
+            except Exception as exc:  # timeout, transport failure
+                self._error = exc
+        if self._error is not None:
             self._count("plan_errors")
             logger.warning("HiState: %s RPC failed (%s); local plan for this request",
-                           PLAN_METHOD, exc)
+                           PLAN_METHOD, self._error)
             return None
         if not response.success:
             self._count("plan_errors")

@@ -1,8 +1,10 @@
 """The stacks of the live benchmark, each started the way a user deploys it.
 
-Every stack is vLLM's OpenAI server for the same tiny hybrid model on the CPU, with the same
-scheduler settings (chunked prefill of one block per step, so every stack computes a prompt
-in the same steps) and the same cache budget:
+Every stack is vLLM's OpenAI server for the same tiny hybrid model on the CPU, with vLLM's
+default step budget (``--max-num-batched-tokens`` unset: 2,048 tokens for the OpenAI server
+on CPU; HiState's scheduler ends a step early only where a snapshot is planned, and the
+tiny model's outputs do not depend on where steps end, ``tests/live/test_step_scheduler.py``)
+and the same cache budget:
 
 * ``vllm``         -- vLLM alone: its own prefix caching for hybrid models (``--mamba-cache-mode
                       align``, default retention), the GPU-pool bytes only;
@@ -88,15 +90,12 @@ class Stack:
 
 def _vllm_argv(model: Path, port: int, layout: EngineFacts, max_model_len: int,
                budget: Budget, *, caching: bool = True) -> list[str]:
-    chunk = layout.block_size
     argv = [
         sys.executable, "-m", "lmcache_histate.cli", "serve", str(model),  # NOTE 1
         "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", layout.kv_dtype, "--seed", "0",
         "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
-        # One block per prefill step in every stack: same steps, same numerics.
-        "--max-num-batched-tokens", str(chunk),
         "--enforce-eager", "--kv-cache-memory-bytes", str(budget.gpu_pool_bytes),
         "--enable-prompt-tokens-details",
     ]

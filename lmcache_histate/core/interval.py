@@ -17,6 +17,30 @@ The engine can only capture states at multiples of its block (chunk) size, so th
 is the supported interval with the lowest cost (the one next to ``I*`` on the convex
 cost curve). The segment's start is covered by the previous segment's final snapshot.
 
+The price of a step end. A recurrent state exists only where a prefill step ends, and
+the engine ends a step every ``B`` tokens anyway (its step budget, rounded down to whole
+blocks: ``step_tokens``). A planned state on that grid is free; one between grid points
+costs one more step end (the engine's scheduler ends a step there and goes on). With a
+snapshot every ``I`` tokens from the segment start, each run of ``I`` tokens takes
+``ceil(I/B)`` steps, so the segment takes ``(L/I)·ceil(I/B)`` steps instead of ``L/B``:
+``(L/I)·(ceil(I/B) − I/B)`` extra step ends, at most one per snapshot and none when ``B``
+divides ``I``. At ``σ`` (``step_price``: the fixed time of one step, beyond its per-token
+work, in tokens of prefill time) the cost is
+
+    cost(I) = I/2 + F·N_s·L/I + σ·(L/I)·(ceil(I/B) − I/B).
+
+Worked example (Qwen3.5-9B on an H100, ``lmcache_histate/data/cost_model_qwen35_9b_h100
+.yaml``; block N = C = 528, ``N_s`` = 1,572 KV tokens): vLLM's OpenAI-server budget 8,192
+gives ``B`` = 15 blocks = 7,920 tokens; ``σ`` = 2 ms step overhead (``sim/capture.py``
+``STEP_OVERHEAD_S``) / 80 µs per prefill token = 25 tokens. A 32K segment (L = 60C =
+31,680) at F = 1: without the step term the best interval is 19C = 10,032 (cost 5,016 +
+4,964.2 = 9,980.2; 18C: 4,752 + 5,240.0 = 9,992.0; 20C: 5,280 + 4,716.0 = 9,996.0). With
+it, 19C costs 25·(31,680/10,032)·(ceil(19/15) − 19/15) = 25·3.158·0.733 = 57.9 more
+(10,038.1), and 15C = B, on the grid, costs 3,960 + 6,288.0 + 0 = 10,248.0; 20C: 25·3·(2 −
+20/15) = 50.0 more (10,046.0); 18C: 25·3.333·0.8 = 66.7 (10,058.7): the choice stays 19C
+(three snapshots, two extra step ends, 4 ms). The price moves the choice when the interior
+states are many and the curve is flat: at F = 0 (NOTE 2) it decides the grid.
+
 NOTE 1 (a warp per segment). Measured hit positions (``hit_positions``) are offsets inside
 one segment, so their warp applies to the segment a request appends, not to the whole
 span it recomputes: when eviction took the states of earlier segments the recomputed span
@@ -29,8 +53,15 @@ NOTE 2 (free storage). The storage term prices a snapshot by what it displaces, 
 residence times measure that only once something has been displaced. A snapshot tier
 that has never evicted a snapshot has room: storing one more displaces nothing, so its
 price is 0, which is also ``T_KV / T_state`` read literally (a snapshot residence that
-has not ended is longer than any observed KV one): the densest grid, one state per
-chunk. The first snapshot that leaves starts the average and the grid follows it.
+has not ended is longer than any observed KV one): the densest free grid. Free storage
+does not make a step end free: with a known step grid (``step_tokens``) the free grid is
+a state at every step end, ``I = B`` (cost ``B/2``), not one per chunk, which would end
+every prefill step after one block for every request while the cache warms up (in the
+H100 example a 32K segment would take 60 steps instead of 4: 56 more step ends, 112 ms,
+for a recompute saving only a later hit inside it collects). So at ``F = 0`` the choice
+is among the intervals with no step price (multiples of ``B``); without a step grid it is
+one state per chunk. The first snapshot that leaves starts the average and the grid
+follows it.
 (With F = 1 here, the paper's worked optimum for Qwen3.5-9B's 1,572-token snapshot and an
 8K segment is a 5K interval: a rewrite inside the segment would resume up to 5K tokens
 before its cut on an empty disk. Measured, ``benchmarks/sim_weka.md`` "sim_rewrite": the
@@ -122,7 +153,9 @@ class IntervalChoice:
 class IntervalController:
     """Chooses a segment's snapshot interval from ``supported`` (token counts)."""
 
-    __slots__ = ("chunk_tokens", "residence", "snapshot_tokens", "supported")
+    __slots__ = (
+        "chunk_tokens", "residence", "snapshot_tokens", "step_price", "step_tokens", "supported"
+    )
 
     def __init__(
         self,
@@ -130,9 +163,23 @@ class IntervalController:
         snapshot_tokens: float,
         supported: Sequence[int] | None = None,
         residence: ResidenceTracker | None = None,
+        step_tokens: int | None = None,
+        step_price: float = 0.0,
     ) -> None:
+        """``step_tokens``: the engine's step grid ``B`` (its step budget rounded down to
+        whole chunks; None: unknown, steps priced 0); ``step_price``: ``σ``, one step end's
+        fixed time in tokens of prefill time (module docstring)."""
         if snapshot_tokens <= 0:
             raise ValueError(f"snapshot_tokens (N_s) must be positive, got {snapshot_tokens}")
+        if step_tokens is not None and (step_tokens <= 0 or step_tokens % chunk_tokens):
+            raise ValueError(
+                f"step_tokens must be a positive multiple of the chunk size {chunk_tokens} "
+                f"(the step budget rounded down to whole chunks), got {step_tokens}"
+            )
+        if not 0.0 <= step_price < math.inf:
+            raise ValueError(f"step_price must be a finite number ≥ 0, got {step_price}")
+        self.step_tokens = step_tokens
+        self.step_price = float(step_price)
         self.chunk_tokens = chunk_tokens
         self.snapshot_tokens = float(snapshot_tokens)
         sup = tuple(sorted(set(supported))) if supported else supported_intervals(chunk_tokens)
@@ -164,11 +211,25 @@ class IntervalController:
         f = self.pressure_factor if factor is None else factor
         if segment_tokens <= 0:
             return 0.0
-        return interval / 2.0 + f * self.snapshot_tokens * segment_tokens / interval
+        return (interval / 2.0 + f * self.snapshot_tokens * segment_tokens / interval
+                + self.step_price * self.extra_step_ends(interval, segment_tokens))
+
+    def extra_step_ends(self, interval: int, segment_tokens: float) -> float:
+        """Step ends a snapshot every ``interval`` tokens adds to a segment's prefill:
+        ``(L/I)·(ceil(I/B) − I/B)``; 0 without a step grid or when ``B`` divides ``I``."""
+        grid = self.step_tokens
+        if grid is None or segment_tokens <= 0:
+            return 0.0
+        return segment_tokens / interval * (-(-interval // grid) - interval / grid)
 
     def choose(self, segment_tokens: float, factor: float | None = None) -> IntervalChoice:
         f = self.pressure_factor if factor is None else factor
-        best = min(self.supported, key=lambda i: (self.cost(i, segment_tokens, f), i))
+        candidates = self.supported
+        if f == 0.0 and self.step_tokens is not None:
+            # NOTE 2: free storage; the states that cost no step end either.
+            free = tuple(i for i in candidates if i % self.step_tokens == 0)
+            candidates = free or (max(candidates),)
+        best = min(candidates, key=lambda i: (self.cost(i, segment_tokens, f), i))
         return IntervalChoice(
             interval=best,
             continuous_optimum=self.continuous_optimum(segment_tokens, f),

@@ -6,9 +6,16 @@ and every state kept off the GPU is copied there from the device. ``Capture`` is
 request's bill beyond a plain prefill; the server model (``server``) turns it into time
 with the cost model's constants (``capture_time``) and charges it on the request's path:
 
-* **Small steps.** A row that captures states at arbitrary chunk boundaries (HiState's
-  interval states, a state at every chunk for ``unlimited``) must run every prefill in
-  steps of one chunk (``max_num_batched_tokens`` in [N, 2N), ``docs/deployment.md``):
+* **Planned step ends.** HiState's rows run with the live scheduler
+  (``backends/vllm/step_scheduler.py``): the engine's step budget, and a step end at each
+  state the plan keeps below its final one (the final one is vLLM's own last-block stop,
+  which every row has). A prefill of ``L`` tokens split at those ends into pieces
+  ``l_0 … l_k`` takes ``Σ ceil(l_i / B)`` steps instead of ``ceil(L / B)``
+  (``planned_extra_steps``), at most one more per planned state.
+* **Small steps.** A row that captures states at arbitrary chunk boundaries with vLLM's own
+  scheduler (a state at every chunk for ``unlimited``, ``file-lru``; HiState's rows in
+  :data:`SMALL_STEP_ROWS`, the ablation of the rule above) must run every prefill in
+  steps of one chunk (``max_num_batched_tokens`` in [N, 2N)):
   ``ceil(L / N) − ceil(L / engine_step_tokens)`` more steps for ``L`` recomputed tokens.
 * **Forced step ends**: vLLM's shared-prefix junction, Marconi's branch point (one step
   each). SGLang reads its mid-chunk states from the chunked kernel's intermediate ``h``:
@@ -39,6 +46,7 @@ estimates with their sources, and ``benchmarks/sim_weka.md`` shows HiState's row
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from .policy import HiStatePolicy, Lookup, Policy
@@ -46,27 +54,44 @@ from .traces import Request
 
 __all__ = [
     "ENGINE_STEP_TOKENS",
+    "SMALL_STEP_ROWS",
     "STEP_OVERHEAD_S",
     "Capture",
     "capacity_of",
     "capture_of",
     "capture_time",
     "histate_capture",
+    "planned_extra_steps",
 ]
 
 ENGINE_STEP_TOKENS = 8192
 STEP_OVERHEAD_S = 2.0e-3
+SMALL_STEP_ROWS = frozenset({"histate-small-steps"})
+"""HiState rows charged one-chunk steps instead of planned step ends (the ablation)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Capture:
     """A request's state capture: the step budget it needs (``step_tokens``; None = the
-    engine's default is enough), extra forced step ends (``splits``) and mid-prefill
-    states copied device → host (``host_states``)."""
+    engine's default is enough), extra forced step ends (``splits``), the plan's step ends
+    as token offsets from the recompute start (``step_ends``, charged by
+    :func:`planned_extra_steps`) and mid-prefill states copied device → host
+    (``host_states``)."""
 
     step_tokens: int | None = None
     splits: int = 0
     host_states: int = 0
+    step_ends: tuple[int, ...] = ()
+
+
+def planned_extra_steps(step_ends: tuple[int, ...], tokens: int, step_tokens: int) -> int:
+    """Steps a prefill of ``tokens`` takes with a step ending at each of ``step_ends``
+    (offsets; those outside ``(0, tokens)`` are ignored), beyond its ``ceil(tokens / B)``."""
+    if tokens <= 0:
+        return 0
+    cuts = [0, *sorted({e for e in step_ends if 0 < e < tokens}), tokens]
+    steps = sum(-(-(b - a) // step_tokens) for a, b in itertools.pairwise(cuts))
+    return steps - -(-tokens // step_tokens)
 
 
 def capture_time(
@@ -79,7 +104,8 @@ def capture_time(
     copy_bytes_per_s: float,
 ) -> tuple[float, float]:
     """``(compute, copy)`` seconds: extra prefill steps (GPU time) and host copies."""
-    steps = capture.splits
+    steps = capture.splits + planned_extra_steps(capture.step_ends, recomputed_tokens,
+                                                 engine_step_tokens)
     if capture.step_tokens is not None and recomputed_tokens > 0:
         small = -(-recomputed_tokens // capture.step_tokens)
         default = -(-recomputed_tokens // engine_step_tokens)
@@ -93,10 +119,12 @@ def histate_capture(policy: HiStatePolicy, request: Request, lookup: Lookup) -> 
     The plan is the one ``HiStatePolicy.complete`` follows (same segment, same hashed
     end), evaluated when the request is scheduled: the engine must know where to end
     steps before it prefills (the live connector asks ``histate.plan`` then; the
-    pressure factor may move a little before ``complete``). Rows whose plan is the
-    segment's final state only (``fixed_interval = 0``: ``histate-align``) keep the
-    engine's step budget; the others need a step end at every chunk. Every planned
-    state but the final one goes to the snapshot tier, off the GPU.
+    pressure factor may move a little before ``complete``). The engine keeps its step
+    budget and ends a step at every planned state below the final one (a row whose plan is
+    the final state only, ``histate-align``, pays nothing); rows in
+    :data:`SMALL_STEP_ROWS` pay a step end at every chunk instead. The recompute starts
+    at the hit. Every planned state but the final one goes to the snapshot tier, off the
+    GPU.
     """
     cache = policy.cache
     chunk = cache.config.chunk_tokens
@@ -107,8 +135,13 @@ def histate_capture(policy: HiStatePolicy, request: Request, lookup: Lookup) -> 
         handle.kind,
         handle.segment_start,
     )
-    small = cache.config.fixed_interval != 0
-    return Capture(step_tokens=chunk if small else None, host_states=max(0, len(plan) - 1))
+    host_states = max(0, len(plan) - 1)
+    if policy.name in SMALL_STEP_ROWS:
+        small = cache.config.fixed_interval != 0
+        return Capture(step_tokens=chunk if small else None, host_states=host_states)
+    hit = lookup.hit_tokens
+    return Capture(step_ends=tuple(b - hit for b in plan[:-1] if b > hit),
+                   host_states=host_states)
 
 
 def capture_of(policy: Policy, request: Request, lookup: Lookup) -> Capture:

@@ -179,3 +179,60 @@ def test_the_initial_factor_holds_until_a_snapshot_leaves() -> None:
     for bad in (-0.5, math.inf):
         with pytest.raises(ValueError, match="initial_factor must be a finite number ≥ 0"):
             ResidenceTracker(initial_factor=bad)
+
+
+# The step price: Qwen3.5-9B on an H100 (module docstring's worked example): C = 528,
+# N_s = 1,572, step grid B = 15C = 7,920 (budget 8,192 in whole blocks), σ = 25 tokens.
+H100_CHUNK = 528
+
+
+def h100(**kw: float) -> IntervalController:
+    return IntervalController(H100_CHUNK, 1572, step_tokens=15 * H100_CHUNK, **kw)
+
+
+def test_extra_step_ends_are_zero_on_the_grid_and_below_one_per_snapshot_off_it() -> None:
+    ctl = h100(step_price=25)
+    seg = 60 * H100_CHUNK  # 31,680 tokens
+    assert ctl.extra_step_ends(15 * H100_CHUNK, seg) == 0.0
+    assert ctl.extra_step_ends(30 * H100_CHUNK, seg) == 0.0
+    # 19C: 31,680 / 10,032 = 3.1579 snapshots, each 2 − 19/15 = 0.7333 extra: 2.3158.
+    assert ctl.extra_step_ends(19 * H100_CHUNK, seg) == pytest.approx(2.315789, abs=1e-6)
+    # One block: 60 snapshots x (1 − 1/15) = 56 extra steps (60 steps instead of 4).
+    assert ctl.extra_step_ends(H100_CHUNK, seg) == pytest.approx(56.0)
+
+
+def test_the_step_price_enters_the_cost_and_the_worked_example_keeps_19_chunks() -> None:
+    seg = 60 * H100_CHUNK
+    priced, free = h100(step_price=25), h100(step_price=0)
+    assert free.cost(19 * H100_CHUNK, seg, 1.0) == pytest.approx(5016 + 4964.210526, abs=1e-5)
+    assert priced.cost(19 * H100_CHUNK, seg, 1.0) == pytest.approx(
+        5016 + 4964.210526 + 25 * 2.315789, abs=1e-4)  # 10,038.1
+    assert priced.cost(15 * H100_CHUNK, seg, 1.0) == pytest.approx(3960 + 6288)  # on the grid
+    assert priced.cost(20 * H100_CHUNK, seg, 1.0) == pytest.approx(5280 + 4716 + 50)
+    assert priced.choose(seg, 1.0).interval == free.choose(seg, 1.0).interval == 19 * H100_CHUNK
+
+
+def test_a_high_step_price_moves_the_choice_onto_the_step_grid() -> None:
+    # σ = 200: 19C costs 9,980.2 + 463.2 = 10,443.4, 20C 9,996 + 400 = 10,396,
+    # 15C 10,248 + 0 -> 15C.
+    assert h100(step_price=200).choose(60 * H100_CHUNK, 1.0).interval == 15 * H100_CHUNK
+
+
+def test_free_storage_puts_a_state_at_every_step_end_not_every_chunk() -> None:
+    """NOTE 2: F = 0 prices storage at 0, not step ends: with a step grid the densest free
+    grid is one state per step (I = B), without one it is one per chunk."""
+    seg = 60 * H100_CHUNK
+    assert h100(step_price=25).boundaries(0, seg + 100, factor=0.0) == [
+        7920, 15840, 23760, 31680]
+    assert h100().choose(seg, 0.0).interval == 15 * H100_CHUNK  # even at σ = 0
+    plain = IntervalController(H100_CHUNK, 1572)
+    assert plain.choose(seg, 0.0).interval == H100_CHUNK
+    # A segment shorter than one step: the final state only.
+    assert h100().boundaries(0, 10 * H100_CHUNK, factor=0.0) == [10 * H100_CHUNK]
+
+
+@pytest.mark.parametrize("bad", [{"step_tokens": 1000}, {"step_tokens": 0},
+                                 {"step_tokens": 528, "step_price": -1.0}])
+def test_step_settings_are_checked(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="step_"):
+        IntervalController(H100_CHUNK, 1572, **bad)  # type: ignore[arg-type]

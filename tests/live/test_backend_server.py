@@ -449,9 +449,11 @@ def test_dry_run_prints_command_and_kv_transfer_config(tmp_path: Path) -> None:
     assert kv["kv_connector_extra_config"] == {
         "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 7001,
     }
-    for flag in ("--enable-prefix-caching", "--max-num-batched-tokens 16",
+    for flag in ("--enable-prefix-caching",
+                 "--scheduler-cls lmcache_histate.backends.vllm.step_scheduler.HiStateScheduler",
                  "--mamba-cache-mode align", "--prefix-cache-retention-interval 16"):
         assert flag in lines[2], flag
+    assert "--max-num-batched-tokens" not in lines[2]  # the engine's default step budget
     assert not (tmp_path / "disk").exists()  # a dry run creates nothing
 
 

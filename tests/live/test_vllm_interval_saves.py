@@ -31,11 +31,13 @@ from typing import Any
 
 import pytest
 from lmcache_histate.backends.vllm.interval_saves import (
+    SCHEDULER_CLS,
     LocalPlanner,
     RequestSaves,
     SettingsError,
     allowed_batched_tokens,
     check_vllm_settings,
+    planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
 )
@@ -73,6 +75,7 @@ GOOD = {
     "prefix_cache_retention_interval": None,
     "enable_prefix_caching": True,
     "mamba_cache_mode": "align",
+    "plans_step_ends": False,
 }
 
 
@@ -80,6 +83,10 @@ GOOD = {
 
 
 def test_settings_check_accepts_what_produces_every_boundary() -> None:
+    # HiState's scheduler ends a step at every planned boundary: any budget >= N.
+    for budget in (384, 3072, 16384):
+        check_vllm_settings(**{**GOOD, "plans_step_ends": True, "max_num_batched_tokens": budget})
+    # vLLM's own scheduler: steps of one block only.
     check_vllm_settings(**GOOD)
     check_vllm_settings(**{**GOOD, "max_num_batched_tokens": 767})
     check_vllm_settings(**{**GOOD, "prefix_cache_retention_interval": 384})
@@ -92,8 +99,11 @@ def test_settings_check_accepts_what_produces_every_boundary() -> None:
 @pytest.mark.parametrize(
     ("change", "names"),
     [
-        ({"max_num_batched_tokens": 2048}, ["--max-num-batched-tokens", "2048", "384..767"]),
-        ({"max_num_batched_tokens": 200}, ["--max-num-batched-tokens", "384..767"]),
+        ({"max_num_batched_tokens": 2048},
+         ["--max-num-batched-tokens", "2048", "384..767", f"--scheduler-cls {SCHEDULER_CLS}"]),
+        ({"max_num_batched_tokens": 200}, ["--max-num-batched-tokens", ">= 384"]),
+        ({"max_num_batched_tokens": 200, "plans_step_ends": True},
+         ["--max-num-batched-tokens", ">= 384"]),
         ({"prefix_cache_retention_interval": 0},
          ["--prefix-cache-retention-interval", "None (dense) or 384"]),
         ({"prefix_cache_retention_interval": 768}, ["--prefix-cache-retention-interval"]),
@@ -119,6 +129,17 @@ def test_sanitize_plan_keeps_chunk_ends_in_the_segment_plus_the_final() -> None:
     assert sanitize_plan([768, 1000, 1536, 9999], 384, 2000, 384) == [768, 1536, 1920]
     assert sanitize_plan([], 0, 800, 384) == [768]
     assert sanitize_plan([384], 700, 760, 384) == []  # no full chunk after the start
+
+
+def test_a_step_ends_at_the_first_planned_boundary_strictly_inside_it() -> None:
+    plan = [9 * CHUNK, 18 * CHUNK, 20 * CHUNK]
+    assert planned_step_end(plan, 0, 8 * CHUNK) == 8 * CHUNK  # none inside: vLLM's end
+    assert planned_step_end(plan, 0, 9 * CHUNK) == 9 * CHUNK  # ends there anyway
+    assert planned_step_end(plan, 0, 16 * CHUNK) == 9 * CHUNK
+    assert planned_step_end(plan, 9 * CHUNK, 21 * CHUNK) == 18 * CHUNK  # not at its start
+    assert planned_step_end(plan, 18 * CHUNK + 5, 21 * CHUNK) == 20 * CHUNK
+    assert planned_step_end(plan, 20 * CHUNK, 21 * CHUNK) == 21 * CHUNK
+    assert planned_step_end([], 0, 100) == 100
 
 
 def test_local_planner_is_the_core_controller_at_factor_one() -> None:
@@ -315,11 +336,13 @@ def test_settings_that_cannot_produce_the_boundaries_stop_the_engine(
     # 2,048 tokens: prefill steps would skip chunk boundaries.
     kwargs = json.loads((stack.engine.log_path.parent / "engine.json").read_text())
     kwargs["max_num_batched_tokens"] = 2048
+    del kwargs["scheduler_cls"]  # vLLM's own scheduler
     with pytest.raises(EngineError) as err:
         EngineProcess(kwargs, workdir=tmp_path, name="bad").close()
     message = str(err.value)
     assert "SettingsError" in message and "--max-num-batched-tokens" in message
     assert f"{stack.chunk}..{2 * stack.chunk - 1}" in message
+    assert f"--scheduler-cls {SCHEDULER_CLS}" in message
 
 
 @needs_live

@@ -212,9 +212,11 @@ def test_capture_cost_is_on_the_request_path() -> None:
 
 
 def test_histate_rows_capture_their_planned_states() -> None:
-    """``histate`` plans interval states (one-chunk steps, mid states to host); the
-    ``histate-align`` ablation only the final state (the engine's own steps)."""
-    from lmcache_histate.sim.capture import Capture, capture_of
+    """``histate`` ends a step at each planned state below the final one (the live step
+    scheduler) and copies the mid states to host; ``histate-small-steps`` pays one-chunk
+    steps instead; the ``histate-align`` ablation plans only the final state (the engine's
+    own steps)."""
+    from lmcache_histate.sim.capture import Capture, capture_of, planned_extra_steps
     from lmcache_histate.sim.variants import VARIANTS
 
     s = SimSetup.paper()
@@ -223,15 +225,35 @@ def test_histate_rows_capture_their_planned_states() -> None:
     full = histate_policy(s)
     # 20,000 tokens = 37 full chunks (19,536 tokens). A fresh core has seen no snapshot
     # leave: factor 0, a state at every chunk: 36 mid-prefill states and the final.
-    assert capture_of(full, r, full.begin(r, 0.0)) == Capture(step_tokens=528, host_states=36)
+    every = tuple(528 * k for k in range(1, 37))
+    assert capture_of(full, r, full.begin(r, 0.0)) == Capture(step_ends=every, host_states=36)
+    small = histate_policy(s, "histate-small-steps")
+    assert capture_of(small, r, small.begin(r, 0.0)) == Capture(step_tokens=528,
+                                                                 host_states=36)
     # Factor 1: N_s = 51,511,296 / 32,768 = 1,572 tokens, I* = sqrt(2 · 19,536 · 1,572) ≈
     # 7,837 tokens → 15 chunks (7,920): states @15 @30, final @37: two mid-prefill states.
     full = histate_policy(s)
     full.cache.force_pressure_factor(1.0)
     cap = capture_of(full, r, full.begin(r, 0.0))
-    assert cap == Capture(step_tokens=528, host_states=2)
+    assert cap == Capture(step_ends=(7920, 15840), host_states=2)
+    # At the 8,192-token budget: pieces 7,920 / 7,920 / 4,160, one step each = ceil(20,000
+    # / 8,192) = 3: no extra step. A state at every chunk: 36 pieces of 528 + 992 = 37
+    # steps, 34 more.
+    assert planned_extra_steps(cap.step_ends, 20_000, 8192) == 0
+    assert planned_extra_steps(every, 20_000, 8192) == 34
     align = histate_policy(s, "histate-align", **dict(VARIANTS["histate-align"]))
     assert capture_of(align, r, align.begin(r, 0.0)) == Capture()
+
+
+def test_planned_step_ends_cost_at_most_one_step_each() -> None:
+    from lmcache_histate.sim.capture import planned_extra_steps
+
+    # 20 blocks of 10 at a 80-token budget: plan 90, 180 -> 80, 90, 170, 180, 200: 5 steps
+    # against ceil(200 / 80) = 3.
+    assert planned_extra_steps((90, 180), 200, 80) == 2
+    assert planned_extra_steps((80, 160), 200, 80) == 0  # on the budget's grid
+    assert planned_extra_steps((0, 200, 250), 200, 80) == 0  # outside (0, tokens)
+    assert planned_extra_steps((5,), 0, 80) == 0
 
 
 def test_fifo_service_counts_loads_and_the_capture_of_the_uncached_part() -> None:

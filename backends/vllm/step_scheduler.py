@@ -1,0 +1,160 @@
+"""``HiStateScheduler``: vLLM's scheduler, ending prefill steps only where a snapshot is planned.
+
+Load it with ``--scheduler-cls lmcache_histate.backends.vllm.step_scheduler.HiStateScheduler``
+(``SCHEDULER_CLS``) together with the HiState connector; keep vLLM's default
+``--max-num-batched-tokens``.
+
+Why a scheduler. In Mamba ``align`` mode a recurrent state exists only where a prefill step
+ends: the blocks of a step's interior get the null block
+(``vllm/v1/core/single_type_kv_cache_manager.py`` 1832-1842, ``MambaManager.allocate_new_blocks``:
+``num_skipped_blocks`` nulls) and the GDN kernel writes only the step's final state; the
+manager offers each retained step-end state to the connector
+(``cache_blocks``, 1993-2007, ``_pending_boundary_state_offloads``). A snapshot the plan keeps
+at a boundary needs a step to end there, and nothing else does.
+
+What it changes. Exactly one thing: after vLLM's own ``_mamba_block_aligned_split``
+(``vllm/v1/core/sched/scheduler.py`` 443-556: block-aligned ends below the prompt end, the
+last cacheable block boundary, the prompt's hash-tail checkpoint, a shared-prefix junction),
+a prefill step that would run past the next boundary the connector's plan keeps for that
+request ends there instead (``HiStateConnector.planned_step_end``). The step budget stays
+vLLM's, so
+
+* a request whose plan keeps no boundary below vLLM's own stops prefills in exactly the steps
+  stock vLLM takes (its final snapshot is vLLM's last-cacheable-block stop when the LMCache
+  chunk is the block size, the usual setting);
+* a plan with ``k`` boundaries inside the prompt costs at most ``k`` extra step ends: with
+  step ends forced at ``b_1 < ... < b_k`` and budget ``B`` the greedy split takes
+  ``sum_i ceil(l_i / B)`` steps for the pieces ``l_0 ... l_k`` (sum ``L``), at most
+  ``ceil(L / B) + k`` (``ceil(x) + ceil(y) <= ceil(x + y) + 1``), and no split with those
+  step ends takes fewer.
+
+The split runs for both places vLLM calls it: running requests (``schedule``, scheduler.py
+724-727) and newly admitted ones (1173-1179), the latter after
+``connector.get_num_new_matched_tokens`` (978-981) set the request's hits, which is all the
+plan needs (its segment starts at the longer of the two hits). The scheduler reads the plan
+through the connector it owns (``self.connector``); there is no shared state.
+
+Async scheduling. ``SchedulerConfig.get_scheduler_cls`` (``vllm/config/scheduler.py`` 228-253)
+returns a configured class as is, so naming this class would drop vLLM's
+``AsyncScheduler`` where the engine schedules asynchronously (the GPU default). Constructing
+``HiStateScheduler`` returns a :class:`HiStateAsyncScheduler` (a subclass of both) when
+``scheduler_config.async_scheduling`` is on (NOTE 1).
+
+NOTE 1 (one name for both schedulers): vLLM decides ``async_scheduling`` after the flags are
+parsed (platform hooks, speculative decoding), so the launcher cannot know which base class
+to name. ``__new__`` returning an instance of a subclass keeps Python's ``__init__`` call
+(the instance is a ``HiStateScheduler``), and the MRO ``HiStateAsyncScheduler ->
+HiStateScheduler -> AsyncScheduler -> Scheduler`` runs vLLM's async initialisation.
+
+Version guard: written against vLLM 0.32.0's ``Scheduler._mamba_block_aligned_split(request,
+num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)``; another vLLM
+version, or that method with other parameters, stops the engine at start with an error
+naming both (``check_vllm``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol
+
+import vllm
+from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+__all__ = [
+    "SCHEDULER_CLS",
+    "SUPPORTED_VLLM",
+    "HiStateAsyncScheduler",
+    "HiStateScheduler",
+    "StepPlanner",
+    "check_vllm",
+    "is_step_scheduler",
+]
+
+SUPPORTED_VLLM = ("0.32.",)
+"""vLLM versions whose scheduler this module was checked against (prefixes)."""
+_SPLIT_PARAMS = (
+    "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
+    "num_external_computed_tokens",
+)
+
+
+class StepPlanner(Protocol):
+    """What the scheduler needs from the connector (``HiStateConnector`` provides it)."""
+
+    def planned_step_end(self, request_id: str, start: int, end: int) -> int:
+        """The end of a prefill step ``[start, end)``: the first planned boundary strictly
+        inside it, else ``end``."""
+        ...
+
+
+def check_vllm(version: str = vllm.__version__, split: Any = None) -> None:
+    """Raise ``RuntimeError`` unless vLLM's split is the one this module was written for."""
+    split = Scheduler._mamba_block_aligned_split if split is None else split
+    params = tuple(inspect.signature(split).parameters)
+    if not version.startswith(SUPPORTED_VLLM) or params != _SPLIT_PARAMS:
+        raise RuntimeError(
+            f"HiStateScheduler supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} "
+            f"(Scheduler._mamba_block_aligned_split{_SPLIT_PARAMS[1:]}); this is vLLM "
+            f"{version} with _mamba_block_aligned_split{params[1:]}. Drop --scheduler-cls and "
+            "set --max-num-batched-tokens to the block size N instead (every step one block)"
+        )
+
+
+class HiStateScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler whose prefill steps also end at the connector's planned boundaries."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> HiStateScheduler:
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        asynchronous = bool(getattr(getattr(config, "scheduler_config", None),
+                                    "async_scheduling", False))
+        if cls is HiStateScheduler and asynchronous:
+            cls = HiStateAsyncScheduler  # NOTE 1
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm()
+        super().__init__(*args, **kwargs)
+        planner = self.connector
+        self._histate_planner: StepPlanner | None = (
+            planner if callable(getattr(planner, "planned_step_end", None)) else None
+        )
+
+    def _mamba_block_aligned_split(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        num = super()._mamba_block_aligned_split(
+            request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+        )
+        if num <= 0 or self._histate_planner is None:
+            return num
+        # The same start vLLM's split uses (scheduler.py 458-462).
+        start = (request.num_computed_tokens + num_new_local_computed_tokens
+                 + num_external_computed_tokens)
+        if start >= request.num_prompt_tokens:
+            return num  # decode, or replaying output tokens after a resume: no plan there
+        return self._histate_planner.planned_step_end(request.request_id, start, start + num) \
+            - start
+
+
+class HiStateAsyncScheduler(HiStateScheduler, AsyncScheduler):  # type: ignore[misc]
+    """:class:`HiStateScheduler` on vLLM's asynchronous scheduler (NOTE 1)."""
+
+
+def is_step_scheduler(scheduler_cls: Any) -> bool:
+    """Whether vLLM's configured ``scheduler_cls`` (a class, a qualified name or None) is
+    :class:`HiStateScheduler` or a subclass of it."""
+    if scheduler_cls is None:
+        return False
+    if isinstance(scheduler_cls, str):
+        if scheduler_cls == SCHEDULER_CLS:
+            return True
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        scheduler_cls = resolve_obj_by_qualname(scheduler_cls)
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, HiStateScheduler)
