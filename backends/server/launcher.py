@@ -14,7 +14,10 @@
    ``--eviction-policy LRU`` (a name the CLI accepts; see below), host and ports.
    Further flags on the command line are passed through; ``--host``, ``--port``,
    ``--http-host``, ``--http-port``, ``--chunk-size`` and ``--l1-size-gb`` there override
-   the file (so test harnesses can pick free ports).
+   the file (so test harnesses can pick free ports). ``access_flags`` screens both
+   ``extra_server_args`` and the command line (no abbreviations, no flag that loads code
+   from the file, never ``--run-script-api-enabled``) and decides, on the complete list,
+   that every listening address is loopback unless ``allow_remote`` + ``auth_token_file``.
 3. Prints the vLLM ``--kv-transfer-config`` JSON (``kv_transfer_config(cfg)``) and flags.
 4. With ``policy: histate``: installs the HiState runtime, registers the ``histate`` store
    policy (LMCache validates ``--l2-store-policy`` against its registry when the CLI
@@ -46,6 +49,12 @@ import yaml
 from lmcache_histate.config import ConfigError, HiStateConfig, load_config
 
 from . import preflight
+from .access_flags import (
+    confirm_with_lmcache,
+    decide_bindings,
+    screen_command_line,
+    screen_extra_server_args,
+)
 
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
@@ -265,8 +274,11 @@ def resolve_engine_layout(cfg: HiStateConfig) -> HiStateConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # NOTE: no abbreviations: ``--con`` must not mean ``--config``, and a prefix of an
+    # lmcache flag must reach ``access_flags`` as typed (its NOTE 1).
     p = argparse.ArgumentParser(
         prog="histate-server",
+        allow_abbrev=False,
         description="Run lmcache server with HiState (disk tier, placement, unified eviction).",
         epilog="Other arguments are passed to `lmcache server`.",
     )
@@ -282,15 +294,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
     try:
         cfg = load_config(args.config)
+        screen_extra_server_args(cfg.extra_server_args)
+        screen_command_line(passthrough)
         cfg, rest = apply_overrides(cfg, passthrough)
         cfg = resolve_engine_layout(cfg)
+        lmcache_args = server_argv(cfg, rest)
+        # The one decision on where the server listens, after every source of flags.
+        bindings = decide_bindings(lmcache_args, allow_remote=cfg.allow_remote,
+                                   auth_token_file=cfg.auth_token_file)
     except ConfigError as exc:
         print(f"histate-server: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    lmcache_args = server_argv(cfg, rest)
     print("lmcache " + shlex.join(lmcache_args), flush=True)
     print("vLLM --kv-transfer-config: "
           + json.dumps(kv_transfer_config(cfg), separators=(",", ":")), flush=True)
@@ -302,11 +319,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"histate-server: {exc}", file=sys.stderr)
         return 2
-    return run(cfg, lmcache_args)
+    return run(cfg, lmcache_args, bindings)
 
 
-def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
-    """Install HiState into this process and run ``lmcache server`` (blocks)."""
+def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -> int:
+    """Install HiState into this process and run ``lmcache server`` (blocks).
+
+    ``bindings``: ``access_flags.decide_bindings``'s answer, which LMCache's own parser
+    must read from ``lmcache_args`` too (checked once the ``histate`` store policy is
+    registered: the parser validates ``--l2-store-policy`` against the registry).
+    """
     guard_control_plane(cfg)
     from lmcache_histate.backends.upstream import install_shm_release
 
@@ -317,6 +339,11 @@ def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
 
         registry.install(HiStateRuntime(cfg))
         policies.install()
+    try:
+        confirm_with_lmcache(lmcache_args, bindings)
+    except ConfigError as exc:
+        print(f"histate-server: {exc}", file=sys.stderr)
+        return 2
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main(lmcache_args)
