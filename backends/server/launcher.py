@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ from .access_flags import (
     screen_command_line,
     screen_extra_server_args,
 )
+from .shared_index.layout import index_model_name
 
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
@@ -136,15 +136,6 @@ def _module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-
-
-def index_model_name(model: str) -> str:
-    """The shared index namespace's model name: the model directory's (or preset's) name,
-    in the characters a key name allows."""
-    name = Path(model.rstrip("/")).name
-    if name == "config.json":
-        name = Path(model).parent.name
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:128] or "model"
 
 
 def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
