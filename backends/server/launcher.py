@@ -342,19 +342,20 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
 
 def guard_control_plane(cfg: HiStateConfig) -> None:
-    """With ``auth_token_file``: every HTTP route but ``/healthcheck`` needs the secret.
+    """Bound every HTTP request body (``access.BodyLimit``); with ``auth_token_file``,
+    every HTTP route but ``/healthcheck`` needs the secret; refused RPCs log quietly.
 
     Must run before ``lmcache server`` starts its FastAPI app (``access``, NOTE 1).
     """
-    if not cfg.auth_token_file:
-        return
     from lmcache.v1.multiprocess.http_server import app
 
     from lmcache_histate.exposure import read_secret
 
-    from .access import install_http_guard
+    from .access import install_http_guard, install_refusal_log
 
-    install_http_guard(app, read_secret(cfg.auth_token_file))
+    secret = read_secret(cfg.auth_token_file) if cfg.auth_token_file else None
+    install_http_guard(app, secret)
+    install_refusal_log()
 
 
 if __name__ == "__main__":
