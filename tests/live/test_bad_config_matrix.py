@@ -23,9 +23,9 @@ from support.redis_server import RedisServer
 
 LAUNCHER = "lmcache_histate.backends.server.launcher"
 PASSWORD = "matrix-redis-password-0123"
-RIGHTS = ("~histate:* -@all +ping +evalsha +script|load +get +set +setnx +mget +incrby "
-          "+decrby +del +time +scan +hget +hmget +hset +hincrby +hdel +hgetall +zadd +zrem "
-          "+zcard +zcount +zrange +zrangebyscore +zremrangebyscore")
+RIGHTS = ("~histate:* -@all +ping +evalsha +script|load +script|exists +get +set +setnx "
+          "+mget +incrby +decrby +del +time +scan +hget +hmget +hset +hincrby +hdel +hgetall "
+          "+zadd +zrem +zcard +zcount +zrange +zrangebyscore +zremrangebyscore")
 """The rights docs/deployment.md (Security) documents for the index's user."""
 USERS = {
     "histate": RIGHTS,
@@ -35,6 +35,7 @@ USERS = {
     "noeval": RIGHTS + " -evalsha",
     "noload": RIGHTS + " -script|load",
     "noping": RIGHTS + " -ping",
+    "noexists": RIGHTS + " -script|exists",
 }
 pytestmark = pytest.mark.timeout(900)
 
@@ -167,6 +168,9 @@ CASES: list[tuple[str, Case, str]] = [
      "shared_index: Redis at redis://noeval@127.0.0.1:{redis}/0: user may not run EVALSHA"),
     ("redis-no-script-load", user("noload"),
      "shared_index: Redis at redis://noload@127.0.0.1:{redis}/0: user may not run SCRIPT LOAD"),
+    ("redis-no-script-exists", user("noexists"),
+     "shared_index: Redis at redis://noexists@127.0.0.1:{redis}/0: user may not run "
+     "SCRIPT EXISTS"),
     ("redis-no-ping", user("noping"),
      "shared_index: Redis at redis://noping@127.0.0.1:{redis}/0 refused PING"),
 ]

@@ -35,6 +35,7 @@ import redis
 
 from .connection import IndexConnection
 from .layout import KeySpace, ObjectRecord
+from .rights import probe_rights
 from .scripts import LOOKUP_FIELDS, SCRIPTS
 
 __all__ = ["BudgetMismatch", "Location", "Reservation", "SessionFacts", "SharedIndex", "Victim"]
@@ -113,6 +114,8 @@ class SharedIndex:
         self._write_ms = max(1, int(conn.cfg.write_ttl_s * 1000))
         client = conn.client
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
+        # Out of an outage only when every command works again (connection module).
+        conn.probe = lambda c: probe_rights(c, keys, self.instance)
 
     def _run(self, name: str, args: Sequence[object], fallback: Any = None) -> Any:
         """Script ``name`` with ``args`` (one round trip), or ``fallback`` if unreachable."""

@@ -5,7 +5,8 @@ could not run the index, or nothing:
 
 1. **reach and log in** (``PING``): unreachable, refused credentials (wrong or missing
    password, unknown ACL user, a disabled user);
-2. **load and run scripts** (``SCRIPT LOAD`` every index script, ``EVALSHA`` a probe);
+2. **load and run scripts** (``SCRIPT LOAD`` every index script, ``SCRIPT EXISTS``,
+   ``EVALSHA`` a probe);
 3. **every command on the namespace's keys**: the probe script runs each command the
    index's scripts and pipelines send (``COMMANDS``) with ``redis.pcall`` on a probe key
    of this server inside the namespace (``histate:{deployment:model}:probe:<instance>``,
@@ -14,7 +15,8 @@ could not run the index, or nothing:
    passes the probe may run every script.
 
 The rights the index needs (docs/deployment.md, Security) are therefore
-``~histate:* +ping +evalsha +script|load`` plus ``COMMANDS``.
+``~histate:* +ping +evalsha +script|load +script|exists`` plus ``COMMANDS`` (redis-py
+sends ``SCRIPT EXISTS`` before a pipeline that runs scripts).
 
 NOTE 1 (no ``ACL DRYRUN``): asking Redis what a user may do needs an admin right the
 index's user should not have; running the commands on a key of our own asks the same
@@ -31,7 +33,7 @@ from .connection import Unavailable, make_client
 from .layout import KeySpace
 from .scripts import SCRIPTS
 
-__all__ = ["COMMANDS", "check_rights"]
+__all__ = ["COMMANDS", "RightsRefused", "check_rights", "probe_rights"]
 
 COMMANDS = (
     "GET", "SET", "SETNX", "MGET", "INCRBY", "DECRBY", "DEL", "TIME", "SCAN",
@@ -67,6 +69,31 @@ end
 redis.pcall('DEL', s, h, z)
 return refused
 """
+
+
+class RightsRefused(redis.exceptions.NoPermissionError):
+    """The probe script found commands (or keys) the user may not use."""
+
+
+def probe_rights(client: redis.Redis, keys: KeySpace, instance: str) -> None:
+    """Run the probe script (loading it if Redis lost it); raise ``RightsRefused`` naming
+    what was refused, or the Redis error of loading or running the script.
+
+    Also the shared index's recovery probe (``IndexConnection.probe``).
+    """
+    probe = keys.prefix + f"probe:{instance}"
+    sha = client.script_load(_PROBE)
+    client.script_exists(sha)  # redis-py asks it before a pipeline that runs scripts
+    refused = client.evalsha(sha, 3, probe, probe + ":h", probe + ":z", keys.object_pattern)
+    if refused:
+        commands = sorted({r.partition(":")[0] for r in refused if r.endswith(":command")})
+        on_keys = sorted({r.partition(":")[0] for r in refused if r.endswith(":key")})
+        parts = []
+        if commands:
+            parts.append("may not run " + ", ".join(commands))
+        if on_keys:
+            parts.append(f"may not use keys {keys.prefix}* with " + ", ".join(on_keys))
+        raise RightsRefused("user " + "; ".join(parts))
 
 
 def _login(client: redis.Redis, where: str) -> None:
@@ -110,26 +137,16 @@ def check_rights(cfg: SharedIndexConfig, keys: KeySpace) -> None:
             raise Unavailable(
                 f"shared_index: Redis at {where}: user may not run SCRIPT LOAD {grant}"
             ) from None
-        probe = keys.prefix + f"probe:{cfg.instance}"
         try:
-            refused = client.evalsha(
-                client.script_load(_PROBE), 3, probe, probe + ":h", probe + ":z",
-                keys.object_pattern,
-            )
+            probe_rights(client, keys, cfg.instance)
+        except RightsRefused as exc:
+            raise Unavailable(f"shared_index: Redis at {where}: {exc} {grant}") from None
         except redis.exceptions.NoPermissionError as exc:
-            what = (f"use keys {keys.prefix}*" if "key" in str(exc).lower()
-                    else "run EVALSHA")
+            text = str(exc).lower()
+            what = (f"use keys {keys.prefix}*" if "key" in text
+                    else "run SCRIPT EXISTS" if "exists" in text else "run EVALSHA")
             raise Unavailable(f"shared_index: Redis at {where}: user may not {what} {grant}"
                               ) from None
-        if refused:
-            commands = sorted({r.partition(":")[0] for r in refused if r.endswith(":command")})
-            on_keys = sorted({r.partition(":")[0] for r in refused if r.endswith(":key")})
-            parts = []
-            if commands:
-                parts.append("may not run " + ", ".join(commands))
-            if on_keys:
-                parts.append(f"may not use keys {keys.prefix}* with " + ", ".join(on_keys))
-            raise Unavailable(f"shared_index: Redis at {where}: user {'; '.join(parts)} {grant}")
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         raise Unavailable(
             f"shared_index: Redis at {where} is unreachable ({type(exc).__name__}); "
