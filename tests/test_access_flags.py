@@ -92,7 +92,8 @@ def test_the_last_address_decides_and_needs_remote_and_token() -> None:
 
 
 def test_never_flags_are_refused_even_with_remote_and_token() -> None:
-    with pytest.raises(ConfigError, match=r"^--run-script-api-enabled: opens /run_script"):
+    refused = r"^lmcache server flags: --run-script-api-enabled opens /run_script"
+    with pytest.raises(ConfigError, match=refused):
         decide_bindings(["server", "--run-script-api-enabled"], allow_remote=True,
                         auth_token_file="/t")
 

@@ -33,7 +33,7 @@ Pure (no lmcache import) except ``confirm_with_lmcache``.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from lmcache_histate.config import ConfigError
 from lmcache_histate.exposure import is_loopback
@@ -104,14 +104,22 @@ def _refuse_abbreviation(source: str, flag: str) -> None:
         )
 
 
-def screen_extra_server_args(tokens: Sequence[str]) -> None:
-    """Raise ``ConfigError`` (one line) for the first flag the file may not give."""
-    source = "extra_server_args"
+def _flags(source: str, tokens: Sequence[str]) -> Iterator[str]:
+    """The flags among ``tokens``, each checked: no abbreviation, no ``NEVER`` flag."""
     for token in tokens:
         flag = _flag(token)
         if flag is None:
             continue
         _refuse_abbreviation(source, flag)
+        if flag in NEVER:
+            raise ConfigError(f"{source}: {flag} {NEVER[flag]}; HiState refuses it")
+        yield flag
+
+
+def screen_extra_server_args(tokens: Sequence[str]) -> None:
+    """Raise ``ConfigError`` (one line) for the first flag the file may not give."""
+    source = "extra_server_args"
+    for flag in _flags(source, tokens):
         if flag in YAML_FLAGS:
             raise ConfigError(
                 f"{source}: {flag} is set by the YAML key {YAML_FLAGS[flag]}; use that key"
@@ -123,20 +131,12 @@ def screen_extra_server_args(tokens: Sequence[str]) -> None:
                 f"{source}: {flag} {CODE_FLAGS[flag]}; a configuration file may not load "
                 "code into the server"
             )
-        if flag in NEVER:
-            raise ConfigError(f"{source}: {flag} {NEVER[flag]}; HiState refuses it")
 
 
 def screen_command_line(tokens: Sequence[str]) -> None:
     """Raise ``ConfigError`` (one line) for a ``NEVER`` flag or an abbreviation."""
-    source = "command line"
-    for token in tokens:
-        flag = _flag(token)
-        if flag is None:
-            continue
-        _refuse_abbreviation(source, flag)
-        if flag in NEVER:
-            raise ConfigError(f"{source}: {flag} {NEVER[flag]}; HiState refuses it")
+    for _ in _flags("command line", tokens):
+        pass
 
 
 def _last_values(argv: Sequence[str], flags: Sequence[str]) -> dict[str, str]:
@@ -161,12 +161,8 @@ def decide_bindings(
         ConfigError: an address beyond loopback without both ``allow_remote`` and
             ``auth_token_file``, or a ``NEVER`` flag anywhere (one line).
     """
-    for token in argv:
-        flag = _flag(token)
-        if flag is not None:
-            _refuse_abbreviation("lmcache server flags", flag)
-            if flag in NEVER:
-                raise ConfigError(f"{flag}: {NEVER[flag]}; HiState refuses it")
+    for _ in _flags("lmcache server flags", argv):
+        pass
     bound = _last_values(argv, list(ADDRESS_FLAGS))
     remote_ok = allow_remote and auth_token_file is not None
     for flag, host in bound.items():

@@ -75,6 +75,12 @@ def user(name: str, password: str | None = PASSWORD) -> Case:
     return lambda t, r: index(R.format(user=name, port=r.port), t, password)
 
 
+def denied(name: str, what: str) -> tuple[str, Case, str]:
+    """A case of user ``name`` lacking a right: the line says it may not ``what``."""
+    return (f"redis-{name}", user(name),
+            f"shared_index: Redis at redis://{name}@127.0.0.1:{{redis}}/0: user may not {what}")
+
+
 CASES: list[tuple[str, Case, str]] = [
     # ---- schema (load)
     ("cpu-not-a-number", lambda t, r: {"cpu_gib": "abc"},
@@ -157,20 +163,12 @@ CASES: list[tuple[str, Case, str]] = [
      "shared_index: Redis at redis://histate@127.0.0.1:{redis}/0 refused the credentials"),
     ("redis-unknown-user", user("ghost"),
      "shared_index: Redis at redis://ghost@127.0.0.1:{redis}/0 refused the credentials"),
-    ("redis-no-hset", user("nohset"),
-     "shared_index: Redis at redis://nohset@127.0.0.1:{redis}/0: user may not run HSET "),
-    ("redis-no-zadd", user("nozadd"),
-     "shared_index: Redis at redis://nozadd@127.0.0.1:{redis}/0: user may not run ZADD, ZREM "),
-    ("redis-no-keys", user("nokeys"),
-     "shared_index: Redis at redis://nokeys@127.0.0.1:{redis}/0: user may not use keys "
-     "histate:{{d:tiny-qwen3-next}}:* "),
-    ("redis-no-evalsha", user("noeval"),
-     "shared_index: Redis at redis://noeval@127.0.0.1:{redis}/0: user may not run EVALSHA"),
-    ("redis-no-script-load", user("noload"),
-     "shared_index: Redis at redis://noload@127.0.0.1:{redis}/0: user may not run SCRIPT LOAD"),
-    ("redis-no-script-exists", user("noexists"),
-     "shared_index: Redis at redis://noexists@127.0.0.1:{redis}/0: user may not run "
-     "SCRIPT EXISTS"),
+    denied("nohset", "run HSET "),
+    denied("nozadd", "run ZADD, ZREM "),
+    denied("nokeys", "use keys histate:{{d:tiny-qwen3-next}}:* "),
+    denied("noeval", "run EVALSHA"),
+    denied("noload", "run SCRIPT LOAD"),
+    denied("noexists", "run SCRIPT EXISTS"),
     ("redis-no-ping", user("noping"),
      "shared_index: Redis at redis://noping@127.0.0.1:{redis}/0 refused PING"),
 ]
