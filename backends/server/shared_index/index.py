@@ -221,15 +221,19 @@ class SharedIndex:
         pick = lambda code: tuple(it[0] for it, s in zip(items, status, strict=True) if s == code)  # noqa: E731
         return Reservation(pick(1), pick(0), pick(-1), int(out[-1]))
 
-    def commit(self, records: Iterable[ObjectRecord]) -> list[int] | None:
-        """Mark written objects stored (1 = reserved, 2 = registered anew, 0 = present)."""
-        args: list[object] = [self.instance, self._tau]
+    def commit(
+        self, records: Iterable[ObjectRecord], *, adopting: bool = False
+    ) -> list[int] | None:
+        """Mark written objects stored (1 = reserved, 2 = registered anew, 3 = taken back
+        from an adoption, 0 = present). ``adopting``: files this server did not write
+        (``reconcile``), which their writer's commit takes back (``scripts`` NOTE 4)."""
+        args: list[object] = [self.instance, self._tau, int(adopting)]
         for r in records:
             args += (
                 r.id, r.path, r.size, r.crc, r.kind, r.depth, r.parent.hex(),
                 repr(float(r.cost)), repr(float(r.freed)), r.tier, r.oid.hex(),
             )
-        if len(args) == 2:
+        if len(args) == 3:
             return []
         out = self._run("commit", args)
         return None if out is None else [int(x) for x in out]
