@@ -34,10 +34,11 @@ NOTE 4 (an adoption gives way to the writer): a reconcile registers a file witho
 entry as its own with ``C = 0`` (``reconcile``), which ranks it first for eviction. When
 Redis restarted empty, another server's reconcile can adopt files whose writer has not
 re-registered them yet (it is still degraded, or re-registering thousands of objects in
-batches); the writer's commit then found them ``stored`` and left them ranked as nothing
-needed, so they were evicted first although sessions needed them. An adopted entry
-records its adopter (field ``adopted``); a commit by any other server, which wrote the
-file and knows its chain, takes it over with its own cost and last access.
+batches). Were the writer's commit to leave such an entry as ``stored``, the files would
+stay ranked as nothing needed and be evicted first although sessions need them. So an
+adopted entry records its adopter (field ``adopted``), and a commit by any other server,
+which wrote the file and knows its chain, takes it over with its own cost and last
+access.
 
 Numbers leave Lua as strings (Redis truncates Lua numbers to integers in replies).
 """
