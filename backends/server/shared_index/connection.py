@@ -11,25 +11,28 @@ Invariants:
 * while degraded, calls are not attempted at all (they return the fallback at once and
   are counted as ``skipped``): the hot path never pays a timeout per request. Only
   ``poll`` (a background thread's job, e.g. the runtime's janitor) probes Redis, first
-  ``retry_s`` after the fault, then with the wait doubled after each failed probe up to
-  ``MAX_BACKOFF`` × ``retry_s`` (NOTE 2); when a probe succeeds the connection leaves
-  degraded mode and the recovery listeners run (``registration`` re-registers the
-  server's objects). The probe is ``PING`` unless the owner sets a stronger one
-  (``SharedIndex`` runs the rights probe, ``rights.probe_rights``: a revoked right is
-  back only when every command works again, not when ``PING`` answers);
+  ``retry_s`` after the fault, then every ``retry_s`` while it is unreachable, or with the
+  wait doubled after each refused probe up to ``MAX_BACKOFF`` × ``retry_s`` (NOTE 2);
+  when a probe succeeds the connection leaves degraded mode and the recovery listeners
+  run (``registration`` re-registers the server's objects). The probe is ``PING``
+  unless the owner sets a stronger one (``SharedIndex`` runs the rights probe,
+  ``rights.probe_rights``: a revoked right is back only when every command works again,
+  not when ``PING`` answers);
 * each outage is logged once when it starts (with its class) and once when it ends (with
   the number of calls it skipped), never per call;
 * credentials never reach a log line or an exception message this module raises: the
   password is read from ``password_file`` and handed to redis-py only; logs name the
   URL with any password masked (``redacted_url``).
 
-NOTE 2 (backoff): a Redis that refuses (a revoked right, a wrong password) refuses every
-probe the same way until an operator acts; probing each ``retry_s`` would cost a round
-trip and a Redis-side log line every ``retry_s`` for nothing. The first probe still comes
-``retry_s`` after the fault, so a short outage ends as quickly as before. An outage that
-begins within ``2 × MAX_BACKOFF × retry_s`` of the last recovery continues the backoff:
-a probe that passes while calls still fail must not turn into a log line per
-``retry_s``.
+NOTE 2 (backoff for refusals only): a Redis that refuses (a revoked right, a wrong
+password, a failing script) refuses every probe the same way until an operator acts;
+probing each ``retry_s`` would cost a round trip and a Redis-side log line every
+``retry_s`` for nothing, so the wait doubles after each refused probe. An unreachable
+Redis is probed every ``retry_s``: a failed connect costs nothing on Redis, and every
+second degraded is a second of lookups answered from the local view only (misses of
+other servers' objects). A refusal that begins within ``2 × MAX_BACKOFF × retry_s`` of
+the last recovery continues the backoff: a probe that passes while calls still fail must
+not turn into a log line per ``retry_s``.
 
 Counters (``counters()``, read by the metrics module): ``calls``, ``failures`` (calls
 that raised a connection/timeout error), ``skipped`` (calls not attempted while
@@ -199,7 +202,8 @@ class IndexConnection:
             self.probe(self.client)
         except _FAULTS:
             with self._lock:
-                self._probe_wait = min(self._probe_wait * 2, MAX_BACKOFF * self.cfg.retry_s)
+                if self.fault != "unreachable":  # NOTE 2: only a refusal backs off
+                    self._probe_wait = min(self._probe_wait * 2, MAX_BACKOFF * self.cfg.retry_s)
             return False
         with self._lock:
             outage = self._clock() - (self._degraded_since or 0.0)
@@ -224,16 +228,19 @@ class IndexConnection:
                 return
             now = self._degraded_since = self._last_probe = self._clock()
             cap = MAX_BACKOFF * self.cfg.retry_s
-            if self._recovered_at is None or now - self._recovered_at > 2 * cap:
-                self._probe_wait = self.cfg.retry_s  # NOTE 2: a new outage
-            else:  # the same fault back at once: the probe passed too early; keep backing off
-                self._probe_wait = min(self._probe_wait * 2, cap)
             self.fault = classify(exc)
+            recent = self._recovered_at is not None and now - self._recovered_at <= 2 * cap
+            if recent and self.fault != "unreachable":
+                # The refusal back at once: the probe passed too early; keep backing off.
+                self._probe_wait = min(self._probe_wait * 2, cap)
+            else:
+                self._probe_wait = self.cfg.retry_s  # NOTE 2: a new outage
             self._stats["outages"] += 1
         logger.warning(
             "shared index: Redis at %s %s (%s); serving from the local view until it "
-            "serves again (probed after %.1fs, backing off to %.1fs)", self.where,
-            self.fault, _detail(exc), self.cfg.retry_s, MAX_BACKOFF * self.cfg.retry_s,
+            "serves again (probed every %.1fs%s)", self.where, self.fault, _detail(exc),
+            self.cfg.retry_s, "" if self.fault == "unreachable"
+            else f", backing off to {MAX_BACKOFF * self.cfg.retry_s:.1f}s",
         )
 
     def close(self) -> None:
