@@ -17,6 +17,13 @@ makes ``histate-server`` ask vLLM for the model directory given in ``model``
 ``mamba_ssm_cache_dtype``, so the chunk, the snapshot size and N_s are the engine's. An
 explicit number is kept as given; the connector then checks it against the engine at vLLM
 start and names both numbers when they disagree.
+
+NOTE 2 (``disk_io_workers`` at most 64): each worker is a thread of one pool writing and
+reading whole object files with blocking calls; an NVMe device's queue is full with far
+fewer concurrent requests of this size (benchmarks/README.md "disk_io": 4 threads are the
+default), and every thread costs a stack and, with ``disk_direct_io``, an aligned buffer
+per file in flight. 64 leaves room for striped volumes; a larger number is a typo
+(``100000`` threads would exhaust the process's thread limit at start).
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ __all__ = ["PLATFORMS", "POLICIES", "ConfigError", "HiStateConfig", "load_config
 POLICIES = ("histate", "lru")
 """``histate``: HiState placement + unified H eviction; ``lru``: stock LMCache LRU (baseline)."""
 PLATFORMS = ("auto", "cpu", "cuda")
+MAX_DISK_IO_WORKERS = 64
+"""NOTE 2: the most disk I/O threads a server may ask for."""
 DISK_IO = ("thread",)
 """Disk I/O engines (benchmarks/README.md "disk_io": a thread pool beat aiofiles)."""
 
@@ -307,6 +316,12 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("max_interval_chunks", "disk_io_workers", "max_model_tokens"):
         if key in data:
             values[key] = _positive_int(key, get(key), errors)
+    workers = values.get("disk_io_workers")
+    if workers is not None and workers > MAX_DISK_IO_WORKERS:
+        errors.append(
+            f"disk_io_workers: must be at most {MAX_DISK_IO_WORKERS} (threads of one disk "
+            f"tier), got {workers}"
+        )
     for key in ("port", "http_port"):
         if key in data:
             values[key] = _port(key, get(key), errors)

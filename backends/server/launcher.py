@@ -14,7 +14,10 @@
    ``--eviction-policy LRU`` (a name the CLI accepts; see below), host and ports.
    Further flags on the command line are passed through; ``--host``, ``--port``,
    ``--http-host``, ``--http-port``, ``--chunk-size`` and ``--l1-size-gb`` there override
-   the file (so test harnesses can pick free ports).
+   the file (so test harnesses can pick free ports). ``access_flags`` screens both
+   ``extra_server_args`` and the command line (no abbreviations, no flag that loads code
+   from the file, never ``--run-script-api-enabled``) and decides, on the complete list,
+   that every listening address is loopback unless ``allow_remote`` + ``auth_token_file``.
 3. Prints the vLLM ``--kv-transfer-config`` JSON (``kv_transfer_config(cfg)``) and flags.
 4. With ``policy: histate``: installs the HiState runtime, registers the ``histate`` store
    policy (LMCache validates ``--l2-store-policy`` against its registry when the CLI
@@ -34,7 +37,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -46,6 +48,13 @@ import yaml
 from lmcache_histate.config import ConfigError, HiStateConfig, load_config
 
 from . import preflight
+from .access_flags import (
+    confirm_with_lmcache,
+    decide_bindings,
+    screen_command_line,
+    screen_extra_server_args,
+)
+from .shared_index.layout import index_model_name
 
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
@@ -130,15 +139,6 @@ def _module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-
-
-def index_model_name(model: str) -> str:
-    """The shared index namespace's model name: the model directory's (or preset's) name,
-    in the characters a key name allows."""
-    name = Path(model.rstrip("/")).name
-    if name == "config.json":
-        name = Path(model).parent.name
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:128] or "model"
 
 
 def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
@@ -268,8 +268,11 @@ def resolve_engine_layout(cfg: HiStateConfig) -> HiStateConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # NOTE: no abbreviations: ``--con`` must not mean ``--config``, and a prefix of an
+    # lmcache flag must reach ``access_flags`` as typed (its NOTE 1).
     p = argparse.ArgumentParser(
         prog="histate-server",
+        allow_abbrev=False,
         description="Run lmcache server with HiState (disk tier, placement, unified eviction).",
         epilog="Other arguments are passed to `lmcache server`.",
     )
@@ -285,15 +288,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
     try:
         cfg = load_config(args.config)
+        screen_extra_server_args(cfg.extra_server_args)
+        screen_command_line(passthrough)
         cfg, rest = apply_overrides(cfg, passthrough)
         cfg = resolve_engine_layout(cfg)
+        lmcache_args = server_argv(cfg, rest)
+        # The one decision on where the server listens, after every source of flags.
+        bindings = decide_bindings(lmcache_args, allow_remote=cfg.allow_remote,
+                                   auth_token_file=cfg.auth_token_file)
     except ConfigError as exc:
         print(f"histate-server: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    lmcache_args = server_argv(cfg, rest)
     print("lmcache " + shlex.join(lmcache_args), flush=True)
     print("vLLM --kv-transfer-config: "
           + json.dumps(kv_transfer_config(cfg), separators=(",", ":")), flush=True)
@@ -305,11 +313,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"histate-server: {exc}", file=sys.stderr)
         return 2
-    return run(cfg, lmcache_args)
+    return run(cfg, lmcache_args, bindings)
 
 
-def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
-    """Install HiState into this process and run ``lmcache server`` (blocks)."""
+def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -> int:
+    """Install HiState into this process and run ``lmcache server`` (blocks).
+
+    ``bindings``: ``access_flags.decide_bindings``'s answer, which LMCache's own parser
+    must read from ``lmcache_args`` too (checked once the ``histate`` store policy is
+    registered: the parser validates ``--l2-store-policy`` against the registry).
+    """
     guard_control_plane(cfg)
     from lmcache_histate.backends.upstream import install_shm_release
 
@@ -320,6 +333,11 @@ def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
 
         registry.install(HiStateRuntime(cfg))
         policies.install()
+    try:
+        confirm_with_lmcache(lmcache_args, bindings)
+    except ConfigError as exc:
+        print(f"histate-server: {exc}", file=sys.stderr)
+        return 2
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main(lmcache_args)
@@ -327,19 +345,20 @@ def run(cfg: HiStateConfig, lmcache_args: list[str]) -> int:
 
 
 def guard_control_plane(cfg: HiStateConfig) -> None:
-    """With ``auth_token_file``: every HTTP route but ``/healthcheck`` needs the secret.
+    """Bound every HTTP request body (``access.BodyLimit``); with ``auth_token_file``,
+    every HTTP route but ``/healthcheck`` needs the secret; refused RPCs log quietly.
 
     Must run before ``lmcache server`` starts its FastAPI app (``access``, NOTE 1).
     """
-    if not cfg.auth_token_file:
-        return
     from lmcache.v1.multiprocess.http_server import app
 
     from lmcache_histate.exposure import read_secret
 
-    from .access import install_http_guard
+    from .access import install_http_guard, install_refusal_log
 
-    install_http_guard(app, read_secret(cfg.auth_token_file))
+    secret = read_secret(cfg.auth_token_file) if cfg.auth_token_file else None
+    install_http_guard(app, secret)
+    install_refusal_log()
 
 
 if __name__ == "__main__":

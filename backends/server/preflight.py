@@ -20,7 +20,8 @@ from lmcache_histate.config import ConfigError, HiStateConfig
 
 from .disk.folder import FolderError, capacity_limit, check_claim, check_free, held_bytes
 
-__all__ = ["check", "check_disk", "check_listen"]
+__all__ = ["check", "check_disk", "check_listen", "check_memory", "check_shared_index",
+           "memory_limit"]
 
 VIRTUAL_ROOTS = ("/proc", "/sys", "/dev")
 """Kernel filesystems: a folder there is never a disk (``/dev/shm``, a tmpfs, excepted)."""
@@ -28,8 +29,36 @@ VIRTUAL_ROOTS = ("/proc", "/sys", "/dev")
 
 def check(cfg: HiStateConfig) -> None:
     """Every start-up check; raises ``ConfigError`` (one line, naming the key)."""
+    check_memory(cfg)
     check_disk(cfg)
     check_listen(cfg)
+    check_shared_index(cfg)
+
+
+# -------------------------------------------------------------------------- memory
+CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
+"""cgroup v2: the memory this process's group may use (``max`` = no limit)."""
+
+
+def memory_limit() -> int:
+    """Bytes of memory this process may use: the machine's RAM or a smaller cgroup limit."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        text = CGROUP_MEMORY_MAX.read_text().strip()
+    except OSError:
+        return limit
+    return min(limit, int(text)) if text.isdigit() else limit
+
+
+def check_memory(cfg: HiStateConfig) -> None:
+    """``cpu_gib`` fits in memory: LMCache allocates its L1 tier whole at start, and one
+    larger than the memory fails there with a traceback (or is killed later)."""
+    limit = memory_limit()
+    if cfg.cpu_bytes > limit:
+        raise ConfigError(
+            f"cpu_gib: {cfg.cpu_gib:g} GiB is more than the memory this server may use "
+            f"({limit / 2**30:.3g} GiB)"
+        )
 
 
 # ---------------------------------------------------------------------------- disk
@@ -79,6 +108,23 @@ def check_disk(cfg: HiStateConfig) -> None:
             f"hold ({limit / 2**30:.3g} GiB: {(limit - held) / 2**30:.3g} GiB free + "
             f"{held / 2**30:.3g} GiB already in the tier)"
         )
+
+
+# --------------------------------------------------------------------- shared index
+def check_shared_index(cfg: HiStateConfig) -> None:
+    """With ``shared_index``: Redis answers, takes the credentials, and the user may run
+    every command of the index on its namespace (``shared_index.rights``)."""
+    if cfg.shared_index is None:
+        return
+    from .shared_index.connection import Unavailable
+    from .shared_index.layout import KeySpace, index_model_name
+    from .shared_index.rights import check_rights
+
+    try:
+        check_rights(cfg.shared_index,
+                     KeySpace(cfg.shared_index.deployment, index_model_name(cfg.model)))
+    except Unavailable as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- ports

@@ -45,7 +45,7 @@ from lmcache_histate.exposure import read_secret
 from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 
 from . import registry
-from .access import check_rpc_token
+from .access import RpcRefused, check_rpc_token
 from .metrics import register_metrics
 from .runtime.runtime import HiStateRuntime
 
@@ -59,13 +59,13 @@ MAX_RPC_PAYLOAD = 4096
 
 def _request(payload: bytes, method: str) -> dict[str, Any]:
     if len(payload) > MAX_RPC_PAYLOAD:
-        raise ValueError(f"{method}: payload of {len(payload)} bytes (at most {MAX_RPC_PAYLOAD})")
+        raise RpcRefused(f"{method}: payload of {len(payload)} bytes (at most {MAX_RPC_PAYLOAD})")
     try:
         request = json.loads(payload or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{method}: payload is not JSON ({exc})") from None
+        raise RpcRefused(f"{method}: payload is not JSON ({exc})") from None
     if not isinstance(request, dict):
-        raise ValueError(f"{method}: payload must be a JSON object, got {type(request).__name__}")
+        raise RpcRefused(f"{method}: payload must be a JSON object, got {type(request).__name__}")
     return request
 
 
@@ -73,19 +73,19 @@ def parse_plan_request(request: dict[str, Any], max_tokens: int) -> tuple[int, i
     """``(start_tokens, input_tokens)`` of a ``histate.plan`` request, each checked:
     integers with 0 <= start_tokens <= input_tokens <= ``max_tokens``."""
     if "input_tokens" not in request:
-        raise ValueError("histate.plan: input_tokens is missing")
+        raise RpcRefused("histate.plan: input_tokens is missing")
     values = []
     for name, default in (("start_tokens", 0), ("input_tokens", None)):
         value = request.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_tokens:
-            raise ValueError(
+            raise RpcRefused(
                 f"histate.plan: {name} must be an integer in [0, {max_tokens}] "
                 f"(max_model_tokens), got {value!r}"[:300]
             )
         values.append(value)
     start, end = values
     if start > end:
-        raise ValueError(f"histate.plan: start_tokens {start} is after input_tokens {end}")
+        raise RpcRefused(f"histate.plan: start_tokens {start} is after input_tokens {end}")
     return start, end
 
 

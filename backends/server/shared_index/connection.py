@@ -3,18 +3,36 @@
 Invariants:
 
 * no call waits longer than ``op_timeout_s`` (``connect_timeout_s`` to connect); a call
-  that fails with a connection or timeout error puts the connection in **degraded** mode
-  and returns the caller's fallback: the caller serves from its local view;
+  that fails with any Redis fault puts the connection in **degraded** mode and returns
+  the caller's fallback: the caller serves from its local view. Faults are classified
+  (``classify``): ``unreachable`` (connection, timeout), ``credentials refused``
+  (authentication), ``permission denied`` (an ACL right revoked, also when Redis reports
+  it from inside a script) and ``script error`` (any other error reply);
 * while degraded, calls are not attempted at all (they return the fallback at once and
   are counted as ``skipped``): the hot path never pays a timeout per request. Only
-  ``poll`` (a background thread's job, e.g. the runtime's janitor) probes Redis, at most
-  every ``retry_s``; when a probe succeeds the connection leaves degraded mode and the
-  recovery listeners run (``registration`` re-registers the server's objects);
-* each outage is logged once when it starts and once when it ends (with the number of
-  calls it skipped), never per call;
+  ``poll`` (a background thread's job, e.g. the runtime's janitor) probes Redis, first
+  ``retry_s`` after the fault, then every ``retry_s`` while it is unreachable, or with the
+  wait doubled after each refused probe up to ``MAX_BACKOFF`` × ``retry_s`` (NOTE 2);
+  when a probe succeeds the connection leaves degraded mode and the recovery listeners
+  run (``registration`` re-registers the server's objects). The probe is ``PING``
+  unless the owner sets a stronger one (``SharedIndex`` runs the rights probe,
+  ``rights.probe_rights``: a revoked right is back only when every command works again,
+  not when ``PING`` answers);
+* each outage is logged once when it starts (with its class) and once when it ends (with
+  the number of calls it skipped), never per call;
 * credentials never reach a log line or an exception message this module raises: the
   password is read from ``password_file`` and handed to redis-py only; logs name the
   URL with any password masked (``redacted_url``).
+
+NOTE 2 (backoff for refusals only): a Redis that refuses (a revoked right, a wrong
+password, a failing script) refuses every probe the same way until an operator acts;
+probing each ``retry_s`` would cost a round trip and a Redis-side log line every
+``retry_s`` for nothing, so the wait doubles after each refused probe. An unreachable
+Redis is probed every ``retry_s``: a failed connect costs nothing on Redis, and every
+second degraded is a second of lookups answered from the local view only (misses of
+other servers' objects). A refusal that begins within ``2 × MAX_BACKOFF × retry_s`` of
+the last recovery continues the backoff: a probe that passes while calls still fail must
+not turn into a log line per ``retry_s``.
 
 Counters (``counters()``, read by the metrics module): ``calls``, ``failures`` (calls
 that raised a connection/timeout error), ``skipped`` (calls not attempted while
@@ -44,7 +62,29 @@ __all__ = ["IndexConnection", "Unavailable"]
 logger = logging.getLogger("lmcache_histate.shared_index")
 
 T = TypeVar("T")
-_FAULTS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+_FAULTS = (redis.RedisError, ConnectionError, TimeoutError, OSError)
+MAX_BACKOFF = 8
+"""The longest wait between probes, in multiples of ``retry_s`` (NOTE 2)."""
+_DENIED = ("noperm", "can't run", "can't access", "no permissions")
+
+
+def classify(exc: BaseException) -> str:
+    """The class of a Redis fault, for the one log line of an outage."""
+    if isinstance(exc, redis.AuthenticationError):
+        return "credentials refused"
+    if isinstance(exc, redis.exceptions.NoPermissionError) or (
+        isinstance(exc, redis.ResponseError) and any(d in str(exc).lower() for d in _DENIED)
+    ):
+        return "permission denied"
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | ConnectionError
+                  | TimeoutError | OSError):
+        return "unreachable"
+    return "script error"
+
+
+def _detail(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
 
 class Unavailable(RuntimeError):
@@ -85,7 +125,13 @@ class IndexConnection:
         self._lock = threading.Lock()
         self._degraded_since: float | None = None
         self._last_probe = 0.0
+        self._probe_wait = cfg.retry_s
+        self._recovered_at: float | None = None
         self._skipped_in_outage = 0
+        self.probe: Callable[[redis.Redis], object] = lambda c: c.ping()
+        """What ``poll`` runs to decide that Redis serves again (module docstring)."""
+        self.fault = ""
+        """The class of the current outage (``classify``); empty when connected."""
         self._stats: Counter[str] = Counter()
         self._recovery: list[Callable[[], None]] = []
         self.where = redacted_url(cfg.url)
@@ -110,11 +156,8 @@ class IndexConnection:
 
     # --------------------------------------------------------------- calls
     def call(self, fn: Callable[[redis.Redis], T], fallback: T) -> T:
-        """``fn(client)``, or ``fallback`` when Redis is (or just became) unreachable.
-
-        Errors other than connection/timeout faults (a script error, a bad argument) are
-        bugs and propagate.
-        """
+        """``fn(client)``, or ``fallback`` when Redis is (or just became) unusable (any
+        Redis fault, classified in the outage's log line)."""
         with self._lock:
             if self._degraded_since is not None:
                 self._stats["skipped"] += 1
@@ -136,6 +179,10 @@ class IndexConnection:
                 f"shared_index: Redis at {self.where} refused the credentials "
                 f"(check the URL's user and shared_index.password_file)"
             ) from None
+        except redis.ResponseError as exc:
+            raise Unavailable(
+                f"shared_index: Redis at {self.where}: {classify(exc)} ({_detail(exc)})"
+            ) from None
         except _FAULTS as exc:
             raise Unavailable(
                 f"shared_index: Redis at {self.where} is unreachable: {type(exc).__name__}"
@@ -147,22 +194,28 @@ class IndexConnection:
             if self._degraded_since is None:
                 return True
             now = self._clock()
-            if now - self._last_probe < self.cfg.retry_s:
+            if now - self._last_probe < self._probe_wait:
                 return False
             self._last_probe = now
             self._stats["probes"] += 1
         try:
-            self.client.ping()
+            self.probe(self.client)
         except _FAULTS:
+            with self._lock:
+                if self.fault != "unreachable":  # NOTE 2: only a refusal backs off
+                    self._probe_wait = min(self._probe_wait * 2, MAX_BACKOFF * self.cfg.retry_s)
             return False
         with self._lock:
             outage = self._clock() - (self._degraded_since or 0.0)
             skipped, self._skipped_in_outage = self._skipped_in_outage, 0
             self._degraded_since = None
+            self._recovered_at = self._clock()
+            fault, self.fault = self.fault, ""
             self._stats["recoveries"] += 1
         logger.warning(
-            "shared index: Redis at %s reachable again after %.1fs (%d calls served from the "
-            "local view); re-registering this server's objects", self.where, outage, skipped,
+            "shared index: Redis at %s usable again after %.1fs (%s before; %d calls served "
+            "from the local view); re-registering this server's objects", self.where, outage,
+            fault, skipped,
         )
         for listener in self._recovery:
             listener()
@@ -173,12 +226,21 @@ class IndexConnection:
             self._stats["failures"] += 1
             if self._degraded_since is not None:
                 return
-            self._degraded_since = self._last_probe = self._clock()
+            now = self._degraded_since = self._last_probe = self._clock()
+            cap = MAX_BACKOFF * self.cfg.retry_s
+            self.fault = classify(exc)
+            recent = self._recovered_at is not None and now - self._recovered_at <= 2 * cap
+            if recent and self.fault != "unreachable":
+                # The refusal back at once: the probe passed too early; keep backing off.
+                self._probe_wait = min(self._probe_wait * 2, cap)
+            else:
+                self._probe_wait = self.cfg.retry_s  # NOTE 2: a new outage
             self._stats["outages"] += 1
         logger.warning(
-            "shared index: Redis at %s unreachable (%s); serving from the local view "
-            "until it returns (probed every %.1fs)", self.where, type(exc).__name__,
-            self.cfg.retry_s,
+            "shared index: Redis at %s %s (%s); serving from the local view until it "
+            "serves again (probed every %.1fs%s)", self.where, self.fault, _detail(exc),
+            self.cfg.retry_s, "" if self.fault == "unreachable"
+            else f", backing off to {MAX_BACKOFF * self.cfg.retry_s:.1f}s",
         )
 
     def close(self) -> None:

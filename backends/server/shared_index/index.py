@@ -35,6 +35,7 @@ import redis
 
 from .connection import IndexConnection
 from .layout import KeySpace, ObjectRecord
+from .rights import probe_rights
 from .scripts import LOOKUP_FIELDS, SCRIPTS
 
 __all__ = ["BudgetMismatch", "Location", "Reservation", "SessionFacts", "SharedIndex", "Victim"]
@@ -113,6 +114,8 @@ class SharedIndex:
         self._write_ms = max(1, int(conn.cfg.write_ttl_s * 1000))
         client = conn.client
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
+        # Out of an outage only when every command works again (connection module).
+        conn.probe = lambda c: probe_rights(c, keys, self.instance)
 
     def _run(self, name: str, args: Sequence[object], fallback: Any = None) -> Any:
         """Script ``name`` with ``args`` (one round trip), or ``fallback`` if unreachable."""
@@ -218,15 +221,19 @@ class SharedIndex:
         pick = lambda code: tuple(it[0] for it, s in zip(items, status, strict=True) if s == code)  # noqa: E731
         return Reservation(pick(1), pick(0), pick(-1), int(out[-1]))
 
-    def commit(self, records: Iterable[ObjectRecord]) -> list[int] | None:
-        """Mark written objects stored (1 = reserved, 2 = registered anew, 0 = present)."""
-        args: list[object] = [self.instance, self._tau]
+    def commit(
+        self, records: Iterable[ObjectRecord], *, adopting: bool = False
+    ) -> list[int] | None:
+        """Mark written objects stored (1 = reserved, 2 = registered anew, 3 = taken back
+        from an adoption, 0 = present). ``adopting``: files this server did not write
+        (``reconcile``), which their writer's commit takes back (``scripts`` NOTE 4)."""
+        args: list[object] = [self.instance, self._tau, int(adopting)]
         for r in records:
             args += (
                 r.id, r.path, r.size, r.crc, r.kind, r.depth, r.parent.hex(),
                 repr(float(r.cost)), repr(float(r.freed)), r.tier, r.oid.hex(),
             )
-        if len(args) == 2:
+        if len(args) == 3:
             return []
         out = self._run("commit", args)
         return None if out is None else [int(x) for x in out]

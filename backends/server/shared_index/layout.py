@@ -38,9 +38,16 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
-    "EMA_FIELDS", "ENTRY_FIELDS", "SESSION_FIELDS", "STATES", "KeySpace", "ObjectRecord",
+    "EMA_FIELDS",
+    "ENTRY_FIELDS",
+    "SESSION_FIELDS",
+    "STATES",
+    "KeySpace",
+    "ObjectRecord",
+    "index_model_name",
     "object_id",
 ]
 
@@ -64,6 +71,15 @@ SESSION_FIELDS = ("owner", "end", "end_tokens", "t", "requests")
 snapshot object, its end position in tokens, last access (s) and request count."""
 
 _NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+
+
+def index_model_name(model: str) -> str:
+    """The namespace's model name for a configuration's ``model``: the model directory's
+    (or preset's) name, in the characters a key name allows."""
+    name = Path(model.rstrip("/")).name
+    if name == "config.json":
+        name = Path(model).parent.name
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:128] or "model"
 _DIGEST_BYTES = 16
 
 

@@ -102,7 +102,7 @@ def reconcile(
     orphans = [i for i in ids if states.get(i) is None]
     if adopt and orphans:
         for part in _batches(orphans, batch):
-            status = index.commit([_record(root, *files[i]) for i in part])
+            status = index.commit([_record(root, *files[i]) for i in part], adopting=True)
             if status is None:
                 return None
             report["adopted"] += sum(1 for s in status if s == 2)
@@ -148,7 +148,8 @@ def reconcile(
         else:
             report["writes_expired"] += 1
     if complete:
-        report["writes_adopted"] += sum(1 for s in index.commit(complete) or () if s == 2)
+        status = index.commit(complete, adopting=True) or ()
+        report["writes_adopted"] += sum(1 for s in status if s == 2)
     return report
 
 

@@ -76,6 +76,9 @@ class Registrar:
             if status is None:  # unreachable again: the next recovery starts over
                 break
             fresh += sum(1 for s in status if s == 2)
+            # Adopted by another server's reconcile meanwhile: back to this server's
+            # ranking (scripts NOTE 4).
+            self.stats["taken_back"] += sum(1 for s in status if s == 3)
         self.stats["reregistered"] += fresh
         self.stats["reregister_runs"] += 1
         return fresh

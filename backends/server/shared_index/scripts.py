@@ -30,6 +30,16 @@ the shares; ``M`` is the last publisher's (the same unit's bytes in every core t
 holds it). A session that moved is counted by both servers until the old one's
 session expires (``session_ttl_s``): an over-count bounded by one server's share.
 
+NOTE 4 (an adoption gives way to the writer): a reconcile registers a file without an
+entry as its own with ``C = 0`` (``reconcile``), which ranks it first for eviction. When
+Redis restarted empty, another server's reconcile can adopt files whose writer has not
+re-registered them yet (it is still degraded, or re-registering thousands of objects in
+batches). Were the writer's commit to leave such an entry as ``stored``, the files would
+stay ranked as nothing needed and be evicted first although sessions need them. So an
+adopted entry records its adopter (field ``adopted``), and a commit by any other server,
+which wrote the file and knows its chain, takes it over with its own cost and last
+access.
+
 Numbers leave Lua as strings (Redis truncates Lua numbers to integers in replies).
 """
 
@@ -108,33 +118,45 @@ return out
 """
 
 COMMIT = _PRELUDE + """
--- ARGV: owner, tau, then 11 fields per object: id, path, size, crc, kind, depth,
--- parent (hex), cost, freed, tier, oid (hex). Per object: 1 own reservation committed,
--- 2 registered without one (re-registration, adoption), 0 already stored (unchanged).
-local owner, tau = ARGV[1], tau_of(ARGV[2])
+-- ARGV: owner, tau, adopting (1/0), then 11 fields per object: id, path, size, crc, kind,
+-- depth, parent (hex), cost, freed, tier, oid (hex). Per object: 1 own reservation
+-- committed, 2 registered without one (re-registration, adoption), 3 taken back from an
+-- adoption by the server that wrote it (NOTE 4), 0 already stored (unchanged).
+local owner, tau, adopting = ARGV[1], tau_of(ARGV[2]), ARGV[3] == '1'
 local t = now_ms() / 1000
 local delta, out = 0, {}
-for i = 3, #ARGV, 11 do
+for i = 4, #ARGV, 11 do
   local id = ARGV[i]
   local key = P .. 'o:' .. id
   local size = tonumber(ARGV[i + 2])
   local state = redis.call('HGET', key, 'state')
-  if state == 'stored' or state == 'evicting' then
+  local adopter = nil
+  if state == 'stored' and not adopting then
+    adopter = redis.call('HGET', key, 'adopted')
+    if adopter == owner then adopter = nil end
+  end
+  if (state == 'stored' or state == 'evicting') and not adopter then
     out[#out + 1] = 0
   else
-    if state == 'writing' then
+    if state == 'writing' or adopter then
       delta = delta + size - tonumber(redis.call('HGET', key, 'size'))
-      out[#out + 1] = 1
+      out[#out + 1] = adopter and 3 or 1
     else
       delta = delta + size
       out[#out + 1] = 2
     end
+    if adopter then redis.call('HDEL', key, 'c:' .. adopter) end
     redis.call('HSET', key, 'state', 'stored', 'owner', owner, 'path', ARGV[i + 1],
                'size', size, 'crc', ARGV[i + 3], 'kind', ARGV[i + 4], 'depth', ARGV[i + 5],
                'parent', ARGV[i + 6], 'cost', ARGV[i + 7], 'freed', ARGV[i + 8],
                'tier', ARGV[i + 9], 'oid', ARGV[i + 10], 't', t, 'born', t,
                'c:' .. owner, ARGV[i + 7])
     redis.call('HDEL', key, 'until', 'claimant')
+    if adopting then
+      redis.call('HSET', key, 'adopted', owner)
+    else
+      redis.call('HDEL', key, 'adopted')
+    end
     redis.call('ZADD', P .. 'rank',
                score(t, tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]), tau), id)
   end
