@@ -10,9 +10,10 @@ setup:
 demo: setup
 	.venv/bin/python -m lmcache_histate.backends.demo
 
-# The ci hypothesis profile with or without CI=1: the same examples as CI, every run.
+# tests/conftest.py loads the derandomised ci hypothesis profile unless HYPOTHESIS_PROFILE
+# names another: with or without CI=1, make test runs the examples CI runs.
 test: setup lint
-	HYPOTHESIS_PROFILE=ci .venv/bin/python -m pytest
+	.venv/bin/python -m pytest
 	$(MAKE) --no-print-directory test-avx2
 
 # vLLM picks the block size and state dtypes per CPU ISA. On an AVX-512 machine the vLLM

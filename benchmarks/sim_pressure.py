@@ -9,8 +9,9 @@ each metric's mean [min–max]. Output (``--out``, default ``benchmarks/sim_pres
 Markdown table per metric (printed: rows × cells, each cell ``mean [min–max]`` and the
 verdict mark against histate, ``repeats.verdict``), a check table (does any row beat
 histate beyond the spread; is histate's reuse-sensitive mean ≥ 5 % below lru, file-lru
-and vllm-cpu-disk-offload) and ``heatmap.png`` (histate's mean ÷ the best other row's
-mean, unlimited aside, per cell: below 1 histate is ahead).
+and vllm-cpu-disk-offload) and ``heatmap.png`` (per cell, histate's mean ÷ the best
+baseline's mean, the HiState rows and unlimited aside: below 1 histate is ahead; the
+same for histate-refresh-hit).
 
 Usage: ``nice -n 10 python benchmarks/sim_pressure.py [--trace ../shared/traces/weka-cc]
 [--max-input-tokens 100000] [--config configs/sim-paper-load.yaml]
@@ -44,6 +45,8 @@ TABLES = (
     ("sensitive_p99", "Reuse-sensitive TTFT p99 (s)", 2, 1.0),
     ("token_hit_rate", "Token hit rate (%)", 2, 100.0),
 )
+# The rows whose ratio to the best baseline the heat map shows.
+HEAT_ROWS = (HISTATE, "histate-refresh-hit")
 # The rows histate's reuse-sensitive mean must beat by ≥ 5 % in the pressure cells.
 FIVE_PERCENT_ROWS = ("lru", "file-lru", OFFLOAD)
 
@@ -136,37 +139,46 @@ def tables(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def heatmap(doc: dict[str, Any], path: Path) -> Path:
-    """histate's mean ÷ the best other row's (unlimited aside), per cell, two panels."""
+def _is_histate(name: str) -> bool:
+    return name == HISTATE or name.startswith(HISTATE + "-")
+
+
+def heatmap(doc: dict[str, Any], path: Path, subjects: tuple[str, ...] = HEAT_ROWS) -> Path:
+    """Per cell, a HiState row's mean ÷ the best baseline's (HiState rows and unlimited
+    aside): one line of panels (p99, reuse-sensitive mean) per row in ``subjects``."""
     plt = pyplot()
     cells = doc["cells"]
+    subjects = tuple(n for n in subjects if any(n in c["rows"] for c in cells))
     sessions = sorted({c["sessions"] for c in cells})
     factors = sorted({c["factor"] for c in cells}, reverse=True)
     panels = (("ttft_p99", "p99 TTFT"), ("sensitive_mean", "reuse-sensitive mean TTFT"))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 1.2 + 0.9 * len(sessions)))
-    for ax, (metric, title) in zip(axes, panels, strict=True):
-        grid = [[math.nan] * len(factors) for _ in sessions]
-        best = [[""] * len(factors) for _ in sessions]
-        for c in cells:
-            rows = c["rows"]
-            others = {n: _spread(v[metric]).mean for n, v in rows.items()
-                      if n not in (HISTATE, REFERENCE)}
-            if HISTATE not in rows or not others:
-                continue
-            name, value = min(others.items(), key=lambda kv: kv[1])
-            i, j = sessions.index(c["sessions"]), factors.index(c["factor"])
-            grid[i][j] = _spread(rows[HISTATE][metric]).mean / value
-            best[i][j] = name
-        im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.7, vmax=1.3, aspect="auto")
-        for i in range(len(sessions)):
-            for j in range(len(factors)):
-                if not math.isnan(grid[i][j]):
-                    ax.text(j, i, f"{grid[i][j]:.2f}\n{best[i][j]}", ha="center",
-                            va="center", fontsize=7)
-        ax.set_xticks(range(len(factors)), [f"CPU+disk ×{f:g}" for f in factors], fontsize=8)
-        ax.set_yticks(range(len(sessions)), [f"{s} sessions" for s in sessions], fontsize=8)
-        ax.set_title(f"{title}: histate ÷ best other row", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.04)
+    fig, axes = plt.subplots(len(subjects), 2, squeeze=False,
+                             figsize=(11, len(subjects) * (1.2 + 0.9 * len(sessions))))
+    for row_axes, subject in zip(axes, subjects, strict=True):
+        for ax, (metric, title) in zip(row_axes, panels, strict=True):
+            grid = [[math.nan] * len(factors) for _ in sessions]
+            best = [[""] * len(factors) for _ in sessions]
+            for c in cells:
+                rows = c["rows"]
+                others = {n: _spread(v[metric]).mean for n, v in rows.items()
+                          if not _is_histate(n) and n != REFERENCE}
+                if subject not in rows or not others:
+                    continue
+                name, value = min(others.items(), key=lambda kv: kv[1])
+                i, j = sessions.index(c["sessions"]), factors.index(c["factor"])
+                grid[i][j] = _spread(rows[subject][metric]).mean / value
+                best[i][j] = name
+            im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.5, vmax=1.5, aspect="auto")
+            for i in range(len(sessions)):
+                for j in range(len(factors)):
+                    if not math.isnan(grid[i][j]):
+                        ax.text(j, i, f"{grid[i][j]:.2f}\n{best[i][j]}", ha="center",
+                                va="center", fontsize=7)
+            ax.set_xticks(range(len(factors)), [f"CPU+disk ×{f:g}" for f in factors],
+                          fontsize=8)
+            ax.set_yticks(range(len(sessions)), [f"{s} sessions" for s in sessions], fontsize=8)
+            ax.set_title(f"{title}: {subject} ÷ best baseline", fontsize=9)
+            fig.colorbar(im, ax=ax, fraction=0.04)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
