@@ -153,7 +153,7 @@ def heatmap(doc: dict[str, Any], path: Path, subjects: tuple[str, ...] = HEAT_RO
     factors = sorted({c["factor"] for c in cells}, reverse=True)
     panels = (("ttft_p99", "p99 TTFT"), ("sensitive_mean", "reuse-sensitive mean TTFT"))
     fig, axes = plt.subplots(len(subjects), 2, squeeze=False,
-                             figsize=(11, len(subjects) * (1.2 + 0.9 * len(sessions))))
+                             figsize=(13, len(subjects) * (1.2 + 0.9 * len(sessions))))
     for row_axes, subject in zip(axes, subjects, strict=True):
         for ax, (metric, title) in zip(row_axes, panels, strict=True):
             grid = [[math.nan] * len(factors) for _ in sessions]
@@ -173,7 +173,7 @@ def heatmap(doc: dict[str, Any], path: Path, subjects: tuple[str, ...] = HEAT_RO
                 for j in range(len(factors)):
                     if not math.isnan(grid[i][j]):
                         ax.text(j, i, f"{grid[i][j]:.2f}\n{best[i][j]}", ha="center",
-                                va="center", fontsize=7)
+                                va="center", fontsize=6)
             ax.set_xticks(range(len(factors)), [f"CPU+disk ×{f:g}" for f in factors],
                           fontsize=8)
             ax.set_yticks(range(len(sessions)), [f"{s} sessions" for s in sessions], fontsize=8)
