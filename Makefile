@@ -45,7 +45,7 @@ fuzz: setup
 	end=$$(( $$(date +%s) + 60 * $(FUZZ_MINUTES) )); passes=0; \
 	while [ $$(date +%s) -lt $$end ]; do \
 	    run $$(od -An -N4 -tu4 /dev/urandom | tr -d ' ') || exit 1; passes=$$((passes + 1)); \
-	done; echo "[fuzz] $$passes passes clean in $(FUZZ_MINUTES) min"
+	done; echo "[fuzz] clean: $$passes seeded passes in $(FUZZ_MINUTES) min"
 
 # Mutation testing (docs/testing.md): mutmut over lmcache_histate/core and the simulator's
 # report and server model, each mutant run against the fast tests ([tool.mutmut] in
