@@ -1,5 +1,5 @@
 # The two commands of the README. Both do all set-up first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test test-avx2 lint mutants planted-mutants
+.PHONY: setup demo test test-avx2 lint fuzz mutants planted-mutants
 
 VLLM_TESTS = tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py \
              tests/live/test_vllm_demo.py tests/examples/test_serve_openai.py
@@ -10,6 +10,8 @@ setup:
 demo: setup
 	.venv/bin/python -m lmcache_histate.backends.demo
 
+# tests/conftest.py loads the derandomised ci hypothesis profile unless HYPOTHESIS_PROFILE
+# names another: with or without CI=1, make test runs the examples CI runs.
 test: setup lint
 	.venv/bin/python -m pytest
 	$(MAKE) --no-print-directory test-avx2
@@ -27,6 +29,23 @@ test-avx2: setup
 
 lint:
 	.venv/bin/ruff check .
+
+# Property tests of the core and the simulator on fresh random examples (docs/testing.md):
+# one pass after another, each from a new printed seed, FUZZ_SCALE (20) times each test's
+# own example budget, until FUZZ_MINUTES (10) have passed; stops at the first failure.
+# `make fuzz FUZZ_SEED=N` replays the pass of seed N once.
+FUZZ_TESTS = tests/core tests/sim
+FUZZ_MINUTES ?= 10
+fuzz: setup
+	@run() { echo "[fuzz] seed $$1 (replay: make fuzz FUZZ_SEED=$$1)"; \
+	    HYPOTHESIS_PROFILE=fuzz nice -n 10 .venv/bin/python -m pytest -q -x -m hypothesis \
+	        -p no:cacheprovider --hypothesis-seed=$$1 $(FUZZ_TESTS) || \
+	        { echo "[fuzz] FAILED with seed $$1"; exit 1; }; }; \
+	if [ -n "$(FUZZ_SEED)" ]; then run $(FUZZ_SEED); exit; fi; \
+	end=$$(( $$(date +%s) + 60 * $(FUZZ_MINUTES) )); passes=0; \
+	while [ $$(date +%s) -lt $$end ]; do \
+	    run $$(od -An -N4 -tu4 /dev/urandom | tr -d ' ') || exit 1; passes=$$((passes + 1)); \
+	done; echo "[fuzz] clean: $$passes seeded passes in $(FUZZ_MINUTES) min"
 
 # Mutation testing (docs/testing.md): mutmut over lmcache_histate/core and the simulator's
 # report and server model, each mutant run against the fast tests ([tool.mutmut] in

@@ -54,6 +54,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--same-memory", action="store_true",
                    help="also re-run every row with less memory than HiState with its slowest "
                         "tier grown to HiState's total (the same-total-memory table)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every row K times on seeded jitter of session starts and think "
+                        "times; report each metric as mean [min-max] and mark wins only "
+                        "beyond that spread (default 1: one run, no jitter)")
+    p.add_argument("--jitter", type=float, default=0.1,
+                   help="relative jitter of --repeats: starts by up to +-J x the gap between "
+                        "them, think times by up to +-J x themselves (default 0.1)")
     p.add_argument("--list-policies", action="store_true", help="list policy names and exit")
     p.set_defaults(func=_simulate)
 
@@ -70,7 +77,7 @@ def _simulate(args: argparse.Namespace) -> int:
             rewrite_scope=args.rewrite_scope, config=args.config, policies=args.policies,
             max_input_tokens=args.max_input_tokens,
             out=args.out, seed=args.seed, sweep=args.sweep, plots=args.plots,
-            same_memory=args.same_memory,
+            same_memory=args.same_memory, repeats=args.repeats, jitter=args.jitter,
         )
     )
     print(f"trace {exp.trace.name}: {len(exp.trace.sessions)} sessions, "

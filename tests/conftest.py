@@ -7,19 +7,42 @@ from pathlib import Path
 
 from hypothesis import Phase, settings
 
-# CI runs must be reproducible: the same examples every run. Locally, HYPOTHESIS_PROFILE=deep
-# explores far more sequences.
+# `make test` and CI run the same examples every run (the ``ci`` profile, the default):
+# a failure there is a regression, never a lucky draw. `make fuzz` (docs/testing.md) draws
+# fresh examples from a printed seed instead, FUZZ_SCALE times as many as each property
+# test asks for. Locally, HYPOTHESIS_PROFILE=deep explores far more sequences.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("deep", max_examples=5000)
+settings.register_profile("fuzz", derandomize=False, print_blob=True, deadline=None)
 # Mutation testing (make mutants): a failing example is enough to kill a mutant, so no
 # shrinking (which can take a minute per mutant) and fewer examples.
 settings.register_profile(
     "mutants", derandomize=True, max_examples=30,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
 )
-settings.load_profile(
-    os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
-)
+_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(_PROFILE)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Under the fuzz profile, scale each property test's own example budget.
+
+    A test's ``@settings(max_examples=N)`` overrides any profile, so the profile alone
+    cannot ask for more examples: the budget each test chose is multiplied instead
+    (FUZZ_SCALE, default 20), keeping the tests' relative costs."""
+    if _PROFILE != "fuzz":
+        return
+    scale = int(os.environ.get("FUZZ_SCALE", "20"))
+    for item in items:
+        test = getattr(item, "obj", None)
+        if getattr(test, "is_hypothesis_test", False):
+            # Hypothesis keeps a test's own settings here (``hypothesis._settings``).
+            own = getattr(test, "_hypothesis_internal_use_settings", None) or settings()
+            test._hypothesis_internal_use_settings = settings(
+                own, max_examples=own.max_examples * scale, derandomize=False,
+                print_blob=True, deadline=None,
+            )
+
 
 # HISTATE_TEST_ISA=avx2: every vLLM process the tests start (engines, layout probes) takes
 # vLLM's AVX2 path, so an AVX-512 machine also checks the AVX2 layout (block size 256,

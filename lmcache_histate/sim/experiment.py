@@ -14,6 +14,13 @@ from typing import Any
 from rich.console import Console
 
 from .config import SimSetup, load_setup
+from .repeats import (
+    DEFAULT_JITTER,
+    RepeatedRow,
+    repeats_markdown,
+    run_repeats,
+    write_repeats_report,
+)
 from .report import (
     HISTATE,
     OFFLOAD,
@@ -57,6 +64,8 @@ class SimulateOptions:
     sweep: bool = False
     plots: bool = True
     same_memory: bool = False
+    repeats: int = 1
+    jitter: float = DEFAULT_JITTER
 
 
 @dataclass(slots=True)
@@ -69,9 +78,14 @@ class Experiment:
     sweep: list[SweepPoint] = field(default_factory=list)
     paths: dict[str, Path] = field(default_factory=dict)
     same: list[PolicySummary] = field(default_factory=list)
+    repeated: list[RepeatedRow] = field(default_factory=list)  # --repeats K > 1
+    repeats: int = 1
+    jitter: float = DEFAULT_JITTER
 
     @property
     def table(self) -> str:
+        if self.repeated:
+            return repeats_markdown(self.repeated, self.repeats, self.jitter)
         out = markdown(self.summaries, self.same)
         if self.sweep:
             out += "\nCapacity sweep (CPU and disk scaled together, GPU fixed):\n\n"
@@ -98,6 +112,8 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
     if trace.num_requests == 0:
         raise ValueError(f"trace {trace.name!r} has no requests (after filtering)")
     factories = select_policies(policy_factories(setup), opts.policies)
+    if opts.repeats != 1:
+        return _run_repeated(opts, setup, trace, factories, console)
     runs = run_policies(trace, setup, factories, console=console)
     sensitive = reuse_sensitive(runs)
     summaries = summarize(runs, sensitive)
@@ -106,6 +122,23 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
     if opts.sweep:
         swept = [n for n in (HISTATE, OFFLOAD) if n in policy_factories(setup)]
         points = sweep_capacity(trace, setup, swept, SWEEP_FACTORS, console=console)
+    meta = _meta(opts, setup, trace)
+    meta.update({
+        "reuse_sensitive_requests": len(sensitive) if sensitive is not None else None,
+        "capped_think_gaps": max((r.capped_gaps for r in runs.values()), default=0),
+        "load": load_line(summaries),
+    })
+    paths = write_report(
+        Path(opts.out), summaries, meta, runs=runs, sweep=points, plots=opts.plots, same=same
+    )
+    return Experiment(
+        setup, trace, runs, summaries, len(sensitive) if sensitive is not None else None,
+        points, paths, same,
+    )
+
+
+def _meta(opts: SimulateOptions, setup: SimSetup, trace: Trace) -> dict[str, Any]:
+    """The report's head: what was replayed, on which set-up."""
     meta: dict[str, Any] = {
         "trace": trace.name,
         "sessions": len(trace.sessions),
@@ -121,22 +154,38 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
         "tau": setup.tau,
         "seed": setup.seed,
         "cost_model": setup.cost.name,
-        "reuse_sensitive_requests": len(sensitive) if sensitive is not None else None,
         "reuse_sensitive_rows": f"{REFERENCE}, {OFFLOAD}, {HISTATE}",
-        "capped_think_gaps": max((r.capped_gaps for r in runs.values()), default=0),
-        "load": load_line(summaries),
         "capture": f"step overhead {setup.cost.step_overhead_s * 1e3:g} ms per extra prefill "
         f"step, engine steps of {setup.cost.engine_step_tokens} tokens",
     }
     if opts.synthetic:
         meta["rewrite_share"] = opts.rewrite_share
         meta["rewrite_scope"] = opts.rewrite_scope
-    paths = write_report(
-        Path(opts.out), summaries, meta, runs=runs, sweep=points, plots=opts.plots, same=same
+    return meta
+
+
+def _run_repeated(
+    opts: SimulateOptions, setup: SimSetup, trace: Trace, factories: dict[str, Any],
+    console: Console | None,
+) -> Experiment:
+    """``--repeats K``: every row K times on jittered timing (``repeats``)."""
+    if opts.repeats < 1:
+        raise ValueError(f"--repeats must be ≥ 1, got {opts.repeats}")
+    if opts.sweep or opts.same_memory:
+        raise ValueError("--repeats K > 1 does not combine with --sweep or --same-memory")
+    if not 0.0 <= opts.jitter < 1.0:
+        raise ValueError(f"--jitter must be in [0, 1), got {opts.jitter}")
+    rows = run_repeats(trace, setup, factories, opts.repeats, opts.jitter, console=console)
+    meta = _meta(opts, setup, trace)
+    meta.update({"repeats": opts.repeats, "jitter": opts.jitter})
+    paths = write_repeats_report(
+        Path(opts.out), rows, meta, repeats=opts.repeats, jitter=opts.jitter, plots=opts.plots
     )
+    first = [r.runs[0] for r in rows]
+    sensitive = first[0].sensitive.n if first and first[0].sensitive else None
     return Experiment(
-        setup, trace, runs, summaries, len(sensitive) if sensitive is not None else None,
-        points, paths, same,
+        setup, trace, {}, first, sensitive, paths=paths, repeated=rows,
+        repeats=opts.repeats, jitter=opts.jitter,
     )
 
 

@@ -41,11 +41,14 @@ __all__ = [
     "REFERENCE",
     "PolicySummary",
     "TtftStats",
+    "jsonable",
     "load_line",
     "markdown",
+    "memory_cell",
     "percentile",
     "plot_cdf",
     "plot_sweep",
+    "pyplot",
     "reuse_sensitive",
     "summarize",
     "token_hit_rate",
@@ -201,7 +204,8 @@ def _f(x: float | None, digits: int = 3) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _memory(s: PolicySummary) -> str:
+def memory_cell(s: Any) -> str:
+    """A row's memory in GiB (``s.capacity_bytes``; ∞ for the unlimited reference)."""
     if math.isinf(s.capacity_bytes):
         return "∞"
     return f"{s.capacity_bytes / GIB:.0f}" if s.capacity_bytes else "–"
@@ -232,7 +236,7 @@ def _ttft_table(summaries: Sequence[PolicySummary]) -> list[str]:
     for s in summaries:
         t = s.ttft
         lines.append(
-            f"| {s.name} | {_memory(s)} | {100 * s.token_hit_rate:.2f} | {_f(t.mean)} | "
+            f"| {s.name} | {memory_cell(s)} | {100 * s.token_hit_rate:.2f} | {_f(t.mean)} | "
             f"{_f(t.p50)} | {_f(t.p95)} | {_f(t.p99)} | {_f(s.speedup.get('p99'), 2)} | "
             f"{_f(s.speedup.get('mean'), 2)} |"
         )
@@ -260,7 +264,7 @@ def markdown(
             if t is None:
                 continue
             lines.append(
-                f"| {s.name} | {_memory(s)} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p95)} | "
+                f"| {s.name} | {memory_cell(s)} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p95)} | "
                 f"{_f(t.p99)} | {_f(s.speedup_sensitive.get('p99'), 2)} | "
                 f"{_f(s.speedup_sensitive.get('mean'), 2)} |"
             )
@@ -271,7 +275,7 @@ def markdown(
         for s in summaries:
             if s.rewriting is not None:
                 t = s.rewriting
-                lines.append(f"| {s.name} | {_memory(s)} | {t.n} | {_f(t.mean)} | "
+                lines.append(f"| {s.name} | {memory_cell(s)} | {t.n} | {_f(t.mean)} | "
                              f"{_f(t.p50)} | {_f(t.p99)} |")
     tiers = ("gpu", "cpu", "disk")
     lines += [
@@ -285,7 +289,7 @@ def markdown(
     for s in summaries:
         r = [s.read_bytes.get(t, 0) / GIB for t in tiers[1:]]
         w = [s.written_bytes.get(t, 0) / GIB for t in tiers]
-        lines.append(f"| {s.name} | {_memory(s)} | " + " | ".join(f"{v:.1f}" for v in (*r, *w))
+        lines.append(f"| {s.name} | {memory_cell(s)} | " + " | ".join(f"{v:.1f}" for v in (*r, *w))
                      + f" | {s.capture_s:.1f} |")
     if same:
         total = max(s.capacity_bytes for s in same) / GIB
@@ -300,13 +304,13 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     return x
 
 
@@ -332,7 +336,7 @@ def write_report(
         "same_memory": [asdict(s) for s in same],
         "sweep": [asdict(p) for p in sweep],
     }
-    paths["json"].write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
+    paths["json"].write_text(json.dumps(jsonable(doc), indent=2) + "\n")
     if plots and runs is not None:
         paths["cdf"] = plot_cdf(runs, out_dir / "ttft_cdf.png")
     if plots and sweep:
@@ -340,7 +344,7 @@ def write_report(
     return paths
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,7 +355,7 @@ def _pyplot() -> Any:
 
 def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
     """TTFT CDF per policy (log x axis: TTFTs span milliseconds to minutes)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = plt.get_cmap("tab20").colors
     styles = ("-", "--", "-.", ":")
@@ -376,7 +380,7 @@ def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
 
 def plot_sweep(points: Sequence[Any], path: Path) -> Path:
     """Token hit rate and p99 TTFT vs CPU+disk capacity, one line per policy."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for name in dict.fromkeys(p.policy for p in points):
         pts = sorted((p for p in points if p.policy == name), key=lambda p: p.factor)

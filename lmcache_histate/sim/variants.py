@@ -7,6 +7,12 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate``            the full design: unified H-queue with ``τ`` calibrated online from
                        the sessions' re-access gaps (``core.score``), refresh-all, online
                        interval controller.
+``histate-paper``      the paper's eviction rule, kept as its own row for the record:
+                       refresh-all (a hit refreshes every unit on its prefix) with ``τ``
+                       calibrated online.
+``histate-refresh-``    ``histate`` with a hit refreshing only the unit it resumed from
+``hit``                (``refresh_all=False``): the candidate of the pressure matrix
+                       (``benchmarks/sim_pressure.md``).
 ``histate-fixed-tau``  the same with the set-up's fixed ``tau`` (``histate.tau`` in the
                        config, seconds per e-fold of cost per byte): what calibration buys.
 ``histate-align``      snapshots only where vLLM's align mode keeps them
@@ -18,6 +24,9 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate-neutral-``   ``histate`` starting from the paper's neutral pressure factor 1
 ``start``              instead of 0 while no snapshot has left the cache
                        (``core.interval`` NOTE 2): what free storage buys.
+``histate-small-``     ``histate`` charged every prefill in steps of one chunk (the budget in
+``steps``              [N, 2N) vLLM's own scheduler needs) instead of the planned step ends
+                       of HiState's scheduler (``sim.capture``): what the scheduler buys.
 =====================  =====================================================================
 
 The eviction ablations are baseline rows: ``lru`` is this same core with ``tau = 0`` and
@@ -78,11 +87,14 @@ _GPU, _DISK = int(SimTier.GPU), int(SimTier.DISK)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "histate": {"tau": None},
+    "histate-paper": {"tau": None, "refresh_all": True},
+    "histate-refresh-hit": {"tau": None, "refresh_all": False},
     "histate-fixed-tau": {},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
     "histate-measured": {"tau": None, "hit_positions": "measured"},
     "histate-neutral-start": {"tau": None, "initial_pressure_factor": 1.0},
+    "histate-small-steps": {"tau": None},
 }
 
 

@@ -517,6 +517,33 @@ def test_a_chunk_stored_by_another_request_meanwhile_is_held_not_evicted() -> No
     assert p.engine.evictions == {"drop_state": 1}
 
 
+def test_saving_a_state_whose_slower_copy_making_room_drops_stores_it_anew() -> None:
+    """vLLM GPU 350 B + CPU 100 B. R1 (a0 a1, 250 tokens) saves a state after chunk
+    (250 − 1) // 100 = 2 (on a1); R2 (a0, 150 tokens) finds no state within its KV match
+    and saves one after chunk 1 (on a0, t=2.5); R3 (a0 a1, 250 tokens) resumes from a1's
+    state and refreshes the KV and a1's state only: a0's state keeps t=2.5, the oldest
+    object (GPU 300 B). F (b0, 100 tokens: no state) needs 100 B, 50 are free: a0's
+    state goes to the CPU. R (a0 a1, 200 tokens) resumes from a1 (200 hit tokens) and
+    saves a state after chunk (200 − 1) // 100 = 1, on a0, whose copy is on the CPU:
+    moving it up needs 50 B on the full GPU, so b0 (t=4.5, the only queued GPU object)
+    goes to the CPU, whose room for it takes a0's own CPU copy (t=2.5 ≤ 4.5, last tier:
+    dropped). R's state is then stored anew on the GPU (100 B free): GPU a0 a1 + two
+    states = 300 B, CPU b0 = 100 B; evictions: two demotions, one dropped state. Before
+    the fix the dropped copy was re-queued on a tier it no longer had (``check``: a
+    queued object must sit on its heap's tier), and once its node was pruned the heap
+    held a node the index no longer had."""
+    p = vllm_align_policy("v", **GEO, tiers=[("gpu", 350), ("cpu", 100)])
+    a, b = chunks(1, 2), chunks(2, 1)
+    hits = drive(p, [(a, 250), (a[:1], 150), (a, 250), (b, 100), (a, 200)])
+    assert hits == [0, 0, 200, 0, 200]
+    idx = p.engine.index
+    assert p.resident(idx.get(a[0])) == ("gpu", "gpu")  # type: ignore[arg-type]
+    assert p.resident(idx.get(a[1])) == ("gpu", "gpu")  # type: ignore[arg-type]
+    assert p.resident(idx.get(b[0])) == ("cpu", None)  # type: ignore[arg-type]
+    assert p.engine.used == [300, 100]
+    assert p.engine.evictions == {"demote_gpu": 2, "drop_state": 1}
+
+
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=40)
 @given(
     **capacities_st,

@@ -16,6 +16,10 @@ def test_variant_knobs() -> None:
     # The design calibrates tau online (None); the set-up's fixed tau is its ablation.
     assert (cfg["histate"].tau, cfg["histate"].refresh_all) == (None, True)
     assert (cfg["histate-fixed-tau"].tau, cfg["histate-fixed-tau"].refresh_all) == (s.tau, True)
+    # The paper's rule, kept as its own row: refresh-all with the calibrated tau.
+    assert (cfg["histate-paper"].tau, cfg["histate-paper"].refresh_all) == (None, True)
+    assert (cfg["histate-refresh-hit"].tau, cfg["histate-refresh-hit"].refresh_all) == (
+        None, False)
     assert cfg["histate"].fixed_interval is None
     assert "histate-lru" not in cfg  # the baselines' ``lru`` row is that ablation
     assert cfg["histate-align"].fixed_interval == 0

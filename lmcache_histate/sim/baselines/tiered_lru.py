@@ -41,6 +41,14 @@ objects live and who leaves first, and that is all this module decides:
   KV leaves left without a state (SGLang deletes such "tombstone" leaves at once; vLLM
   leaves the blocks to LRU, which is the default).
 
+NOTE 1 (a saved state already cached lower down). A request that saves a state its
+chunk already has on a slower tier moves that copy up instead of storing a second one.
+The copy stays queued where it is while the fastest tier makes room, and that room
+cascades down: demoted objects push out older ones on the slower tiers, and the copy,
+older than what it makes room for, can be the one pushed off the last tier. The
+request then stores its own copy in the room just made, so saving a state always
+leaves it on the fastest tier, whatever the cascade did to the old copy.
+
 Costs: a request costs O(prompt chunks · log n) (its whole prefix is re-queued, as
 vLLM touches every block), an eviction O(log n) plus the objects it drops.
 """
@@ -205,19 +213,13 @@ class TieredLRU:
             if users:
                 self._state_users[hit] = users
             elif hit.snap_tiers:
-                self._promote(hit, STATE)
-                self.heaps[self.tier(hit, STATE)][STATE].set(hit, now)
+                self._touch_state(hit, now)
         for c in sorted(set(state_chunks)):
             node = path[c - 1] if 0 < c <= stored else None
-            if node is None or node is hit:
+            if node is None or node is hit or self._state_users.get(node):
                 continue
-            if not node.snap_tiers:
+            if not (node.snap_tiers and self._touch_state(node, now)):
                 self._store(node, STATE, now)
-            elif not self._state_users.get(node):
-                self._promote(node, STATE)
-                heap = self.heaps[self.tier(node, STATE)][STATE]
-                heap.discard(node)
-                heap.set(node, now)
         # Re-queue the prompt deepest first: on equal times the heap's insertion order
         # then evicts children before their parents.
         for node in reversed(path):
@@ -232,6 +234,19 @@ class TieredLRU:
         return {k: v - before[k] for k, v in self.written.items() if v != before[k]}
 
     # ------------------------------------------------------------- placement
+    def _touch_state(self, node: Node, now: float) -> bool:
+        """Bring an unheld cached state to the fastest tier and queue it as most recent;
+        False if that dropped it. Its copy is queued on a slower tier while room is made
+        above, so the cascade of that very room can push it off the last tier (NOTE 1);
+        a saving request then stores its own copy (``admit``)."""
+        self._promote(node, STATE)
+        if not node.snap_tiers:
+            return False
+        heap = self.heaps[self.tier(node, STATE)][STATE]
+        heap.discard(node)
+        heap.set(node, now)
+        return True
+
     def _store(self, node: Node, kind: int, now: float) -> bool:
         size = self.sizes[kind]
         if not self._make_room(self._pool[0][kind], size, None):
@@ -408,6 +423,9 @@ class TieredLRU:
         assert counted == self.used, (counted, self.used)
         for spec, used in zip(self.pools, self.used, strict=True):
             assert 0 <= used <= spec.capacity, (spec, used)
-        for h_kv, h_state in self.heaps:
-            for node in (*h_kv, *h_state):
-                assert self.index.nodes.get(node.key) is node, f"queued {node} not indexed"
+        for t, (h_kv, h_state) in enumerate(self.heaps):
+            for kind, heap in ((KV, h_kv), (STATE, h_state)):
+                for node in heap:
+                    assert self.index.nodes.get(node.key) is node, f"queued {node} not indexed"
+                    mask = node.kv_tiers if kind == KV else node.snap_tiers
+                    assert mask == 1 << t, f"{node} queued on {self.tier_names[t]} without it"
