@@ -13,7 +13,10 @@
 #                      (examples/serve_openai.py);
 #   restore_bit_exact  a prefix restored from the disk tier gives tokens and top-k logprobs
 #                      identical to a recompute, and the zeroed-state negative control differs
-#                      (tests/live/test_vllm_cpu_roundtrip.py, tests/live/test_vllm_interval_saves.py).
+#                      (tests/live/test_vllm_cpu_roundtrip.py, tests/live/test_vllm_interval_saves.py);
+#   step_count         a long prefill at a budget of 8 blocks takes ceil(L / budget) + k steps
+#                      for k planned snapshots, each restored bit-exact
+#                      (tests/live/test_step_scheduler.py).
 #
 # Where no GPU is listed (the platform choice of scripts/setup.sh, DRY_RUN=1) it exits at once
 # with status 2 and one line. GPU_CHECK_OUT=DIR sets where the logs and gpu_check.json go.
@@ -65,6 +68,7 @@ check engine_facts 300 "$PY" -m lmcache_histate.backends.vllm.engine_facts "$mod
 check serve_openai 600 "$PY" examples/serve_openai.py --workdir "$OUT/serve" --json "$OUT/serve_openai.json"
 check restore_bit_exact 900 "$PY" -m pytest -q -p no:cacheprovider \
     tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py
+check step_count 600 "$PY" -m pytest -q -p no:cacheprovider tests/live/test_step_scheduler.py
 
 "$PY" - "$RESULTS" "$OUT/gpu_check.json" <<'PY'
 import json

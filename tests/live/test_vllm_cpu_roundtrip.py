@@ -97,12 +97,10 @@ def expected_row(block: int, state_shapes: Any, state_dtypes: Any) -> dict[str, 
 
 
 def layout_of(facts: Any) -> dict[str, Any]:
-    """The expectations for the engine's layout: the hand-derived row where one exists (the
-    CPU layouts), else :func:`expected_row` on ``engine_facts`` (a GPU's bf16 state gives
-    another block size than either CPU layout)."""
-    for row in LAYOUTS.values():
-        if (row["block"], row["ssm"]) == (facts.block_size, facts.state_dtypes[-1]):
-            return row
+    """The expectations for the engine's layout, from ``engine_facts`` by the rules of
+    :func:`expected_row` (checked against the hand-derived CPU rows in
+    ``test_layout_rules_give_the_hand_derived_rows``; a GPU's bf16 state gives another
+    block size than either CPU layout)."""
     return expected_row(facts.block_size, facts.state_shapes, facts.state_dtypes)
 
 
