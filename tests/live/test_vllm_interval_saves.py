@@ -254,8 +254,22 @@ def expected_plans(chunk: int, row: dict[str, Any]) -> list[list[int]]:
     * F = 20: I* = sqrt(2 x 7C x N_s x 20) = 9,435 (C = 384) / 5,565 (C = 256), both beyond
       the 7C segment -> only the final: [21C].
     """
-    first = {384: 6, 256: 5}[row["block"]]
+    first = first_interval_chunks(chunk, row["snapshot_bytes"] / 512, segment_chunks=7)
     return [[k * chunk for k in range(1, 8)], [(7 + first) * chunk, 14 * chunk], [21 * chunk]]
+
+
+def first_interval_chunks(chunk: int, n_s: float, segment_chunks: int) -> int:
+    """The whole-chunk interval minimising cost(I) = I/2 + N_s x L / I at F = 1 (the rule of
+    the derivation above, for a layout it does not list)."""
+    segment = segment_chunks * chunk
+    return min(range(1, segment_chunks + 1),
+               key=lambda k: k * chunk / 2 + n_s * segment / (k * chunk))
+
+
+def test_the_interval_rule_gives_the_hand_derived_choices() -> None:
+    """6 chunks at C = 384 (N_s = 828), 5 at C = 256 (N_s = 432): :func:`expected_plans`."""
+    assert first_interval_chunks(384, 828.0, 7) == 6
+    assert first_interval_chunks(256, 432.0, 7) == 5
 
 
 @needs_live
