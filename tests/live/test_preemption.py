@@ -12,9 +12,9 @@ re-admitted later with its prefix in vLLM's prefix cache or on the server.
 
 Run for both connector behaviours: HiState's interval saves, which pin boundary-state blocks
 (connector NOTE 1-2), and stock LMCache's saving rule (``histate.interval_saves: false``,
-``policy: lru``). Before the pins were released when their store had its data, the HiState
-stack logged ``<resume-load> ... load=0`` 8,219 times in 40 s here and no request of the
-preempted session ever finished.
+``policy: lru``). A pin held longer than its store needs starves the pool: the scheduler
+then polls a preempted request forever (LMCache logging ``<resume-load> ... load=0`` every
+step) and it never finishes.
 
 Expected by hand: 9 requests, 9 answers, 0 errors; tokens loaded from the server > 0 (each
 session's later turns extend a prefix the server stored), and with HiState the server's
