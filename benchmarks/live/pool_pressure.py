@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import shlex
 import signal
 import statistics
@@ -38,18 +37,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import client
 import openai
 import stacks
+from serve_openai import metric  # the Prometheus reader of the documented deployment
 
 KEYS = ("vllm", "lmcache", "histate")
 MAX_MODEL_LEN = 32768
-
-
-def metric(text: str, name: str) -> float:
-    """Sum of a Prometheus series' samples (all label sets); 0 when absent."""
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$"
-    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
 
 
 def workload(sessions: int, turns: int, vocab: int, seed: int) -> list[Any]:

@@ -44,6 +44,7 @@ from test_vllm_cpu_roundtrip import (
     ZERO_HOOK_MODULE,
     connector_config,
     disk_objects,
+    first_interval_chunks,
     histate_config,
     layout_of,
     needs_live,
@@ -70,7 +71,7 @@ def expected_chunks(row: dict[str, Any]) -> tuple[list[int], list[int]]:
     if row["block"] in PLAN_CHUNKS:
         return PLAN_CHUNKS[row["block"]], STEP_END_CHUNKS[row["block"]]
     c, n_s = row["block"], row["snapshot_bytes"] / 512
-    k = min(range(1, 21), key=lambda i: i * c / 2 + n_s * 20 * c / (i * c))
+    k = first_interval_chunks(c, n_s, segment_chunks=20)
     plan = [*range(k, 20, k), 20]
     ends, at = [], 0
     while at < 20:

@@ -90,10 +90,16 @@ def expected_row(block: int, state_shapes: Any, state_dtypes: Any) -> dict[str, 
     slot = math.ceil(math.ceil(row / block) / 16) * 16
     snapshot = GDN_LAYERS * block * slot
     n_s = snapshot / KV_BYTES_PER_TOKEN
-    segment = 10 * block
-    first = min(range(1, 11), key=lambda k: k * block / 2 + n_s * segment / (k * block))
     return {"block": block, "ssm": state_dtypes[-1], "snapshot_bytes": snapshot,
-            "first_interval_chunks": first}
+            "first_interval_chunks": first_interval_chunks(block, n_s, segment_chunks=10)}
+
+
+def first_interval_chunks(chunk: int, n_s: float, segment_chunks: int) -> int:
+    """The whole-chunk interval ``k`` minimising ``cost(kC) = kC / 2 + N_s * L / (kC)`` for a
+    segment of ``L = segment_chunks * C`` (the controller's cost at pressure factor 1)."""
+    segment = segment_chunks * chunk
+    return min(range(1, segment_chunks + 1),
+               key=lambda k: k * chunk / 2 + n_s * segment / (k * chunk))
 
 
 def layout_of(facts: Any) -> dict[str, Any]:

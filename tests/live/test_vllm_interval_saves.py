@@ -46,6 +46,7 @@ from test_vllm_cpu_roundtrip import (
     LAUNCHER,
     connector_config,
     disk_objects,
+    first_interval_chunks,
     histate_config,
     layout_of,
     server_module_arg,
@@ -256,14 +257,6 @@ def expected_plans(chunk: int, row: dict[str, Any]) -> list[list[int]]:
     """
     first = first_interval_chunks(chunk, row["snapshot_bytes"] / 512, segment_chunks=7)
     return [[k * chunk for k in range(1, 8)], [(7 + first) * chunk, 14 * chunk], [21 * chunk]]
-
-
-def first_interval_chunks(chunk: int, n_s: float, segment_chunks: int) -> int:
-    """The whole-chunk interval minimising cost(I) = I/2 + N_s x L / I at F = 1 (the rule of
-    the derivation above, for a layout it does not list)."""
-    segment = segment_chunks * chunk
-    return min(range(1, segment_chunks + 1),
-               key=lambda k: k * chunk / 2 + n_s * segment / (k * chunk))
 
 
 def test_the_interval_rule_gives_the_hand_derived_choices() -> None:
