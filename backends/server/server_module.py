@@ -69,9 +69,13 @@ def _request(payload: bytes, method: str) -> dict[str, Any]:
     return request
 
 
-def parse_plan_request(request: dict[str, Any], max_tokens: int) -> tuple[int, int]:
-    """``(start_tokens, input_tokens)`` of a ``histate.plan`` request, each checked:
-    integers with 0 <= start_tokens <= input_tokens <= ``max_tokens``."""
+def parse_plan_request(
+    request: dict[str, Any], max_tokens: int, chunk_tokens: int
+) -> tuple[int, int, int | None]:
+    """``(start_tokens, input_tokens, step_tokens)`` of a ``histate.plan`` request, each
+    checked: integers with 0 <= start_tokens <= input_tokens <= ``max_tokens``; the optional
+    ``step_tokens`` (the engine's step grid, ``HiStateCache.set_step_grid``; None when
+    absent) a positive multiple of ``chunk_tokens`` up to ``max_tokens``."""
     if "input_tokens" not in request:
         raise RpcRefused("histate.plan: input_tokens is missing")
     values = []
@@ -86,7 +90,16 @@ def parse_plan_request(request: dict[str, Any], max_tokens: int) -> tuple[int, i
     start, end = values
     if start > end:
         raise RpcRefused(f"histate.plan: start_tokens {start} is after input_tokens {end}")
-    return start, end
+    step = request.get("step_tokens")
+    if step is not None and (
+        isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= max_tokens
+        or step % chunk_tokens
+    ):
+        raise RpcRefused(
+            f"histate.plan: step_tokens must be a positive multiple of the chunk size "
+            f"{chunk_tokens} up to {max_tokens}, got {step!r}"[:300]
+        )
+    return start, end, step
 
 
 class HiStateServerModule:
@@ -127,8 +140,10 @@ class HiStateServerModule:
         request = self._checked(payload, PLAN_METHOD)
         if self.runtime is None:
             return json.dumps({"boundaries": []}).encode()
-        start, end = parse_plan_request(request, self.runtime.cfg.max_model_tokens)
-        return json.dumps({"boundaries": self.runtime.plan(start, end)}).encode()
+        start, end, step = parse_plan_request(
+            request, self.runtime.cfg.max_model_tokens, self.runtime.model.chunk
+        )
+        return json.dumps({"boundaries": self.runtime.plan(start, end, step)}).encode()
 
 
 def _guarded(runtime: HiStateRuntime, what: str, fn: Any, *args: Any) -> None:

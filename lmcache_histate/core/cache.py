@@ -28,7 +28,7 @@ from .cache_types import CacheConfig, CacheStats, RequestHandle
 from .eviction import EvictionQueue
 from .hit_positions import HitPositions
 from .index import Match, Node, PrefixIndex
-from .interval import IntervalController, ResidenceTracker
+from .interval import IntervalController, ResidenceTracker, check_step_tokens
 from .placement import TieredStore
 from .request_path import RequestPath
 from .score import ReaccessScale
@@ -68,6 +68,8 @@ class HiStateCache:
             config.snapshot_tokens,
             config.supported_intervals,
             self._residence,
+            step_tokens=config.step_tokens,
+            step_price=config.step_price,
         )
         self._requests = RequestPath(
             config,
@@ -144,6 +146,17 @@ class HiStateCache:
 
     def free_bytes(self, tier: int) -> int:
         return self._store.free(tier)
+
+    def set_step_grid(self, step_tokens: int | None) -> None:
+        """Plan on the engine's step grid ``step_tokens`` from now on (None: unknown), as
+        ``CacheConfig.step_tokens``; the live server calls it with what each plan request
+        reports, since only the engine knows its step budget."""
+        self._interval.step_tokens = check_step_tokens(step_tokens, self.config.chunk_tokens)
+
+    @property
+    def step_grid(self) -> int | None:
+        """The step grid the interval controller plans on (``set_step_grid``)."""
+        return self._interval.step_tokens
 
     def interval_for(self, segment_tokens: int) -> int:
         """The snapshot interval the controller would choose for a segment of this length."""

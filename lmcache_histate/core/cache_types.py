@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, HIT_POSITION_MODES, snapshot_tokens
 from .index import Match, Node
+from .interval import check_step_tokens
 from .placement import PlacementRules, TierSpec
 
 __all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
@@ -38,8 +39,13 @@ class CacheConfig:
     ranks by recency alone (vLLM's prefix cache is LRU); the simulator's GPU tier is
     one, the live server has none. Every other tier ranks by ``H`` (``score`` NOTE 3).
     ``initial_pressure_factor``: the interval controller's pressure factor until a
-    snapshot has left the cache (0: a snapshot at every chunk while storage is free,
-    ``interval`` NOTE 2).
+    snapshot has left the cache (0: storage is free, ``interval`` NOTE 2).
+    ``step_tokens``: the engine's step grid ``B`` (its prefill step budget rounded down to
+    whole chunks; None: unknown), where a planned state costs no extra step end: at
+    pressure factor 0 the plan keeps states on that grid only (``interval`` NOTE 2); the
+    live server learns it from each plan request (``HiStateCache.set_step_grid``).
+    ``step_price``: one extra step end's fixed time in tokens of prefill time (``σ``,
+    ``interval``), 0: step ends are priced only at pressure factor 0.
     """
 
     chunk_tokens: int
@@ -57,6 +63,8 @@ class CacheConfig:
     attention_tokens: float = math.inf
     hit_positions: str = "uniform"
     recency_tiers: int = 0
+    step_tokens: int | None = None
+    step_price: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.recency_tiers < len(self.tiers):
@@ -79,6 +87,9 @@ class CacheConfig:
             )
         if not self.attention_tokens > 0:
             raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
+        check_step_tokens(self.step_tokens, self.chunk_tokens)
+        if not 0.0 <= self.step_price < math.inf:
+            raise ValueError(f"step_price must be a finite number ≥ 0, got {self.step_price}")
         if self.fixed_interval is not None and (
             self.fixed_interval < 0 or self.fixed_interval % self.chunk_tokens
         ):

@@ -83,7 +83,7 @@ from .defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
 from .ema import check_alpha, seeded_step
 from .hit_positions import HitPositions
 
-__all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
+__all__ = ["IntervalController", "ResidenceTracker", "check_step_tokens", "supported_intervals"]
 
 
 class ResidenceTracker:
@@ -131,6 +131,20 @@ class ResidenceTracker:
         return max(self.kv_ema / self.snapshot_ema, 1e-6)
 
 
+def check_step_tokens(step_tokens: int | None, chunk_tokens: int) -> int | None:
+    """``step_tokens`` if it is None or a positive multiple of ``chunk_tokens``, else
+    ``ValueError`` naming both."""
+    if step_tokens is not None and (
+        isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
+        or step_tokens <= 0 or step_tokens % chunk_tokens
+    ):
+        raise ValueError(
+            f"step_tokens must be a positive multiple of the chunk size {chunk_tokens} "
+            f"(the step budget rounded down to whole chunks), got {step_tokens!r}"
+        )
+    return step_tokens
+
+
 def supported_intervals(
     chunk_tokens: int, max_multiple: int = MAX_INTERVAL_CHUNKS
 ) -> tuple[int, ...]:
@@ -171,11 +185,7 @@ class IntervalController:
         fixed time in tokens of prefill time (module docstring)."""
         if snapshot_tokens <= 0:
             raise ValueError(f"snapshot_tokens (N_s) must be positive, got {snapshot_tokens}")
-        if step_tokens is not None and (step_tokens <= 0 or step_tokens % chunk_tokens):
-            raise ValueError(
-                f"step_tokens must be a positive multiple of the chunk size {chunk_tokens} "
-                f"(the step budget rounded down to whole chunks), got {step_tokens}"
-            )
+        check_step_tokens(step_tokens, chunk_tokens)
         if not 0.0 <= step_price < math.inf:
             raise ValueError(f"step_price must be a finite number ≥ 0, got {step_price}")
         self.step_tokens = step_tokens

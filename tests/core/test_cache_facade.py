@@ -179,3 +179,41 @@ def test_initial_pressure_factor_is_the_factor_until_a_snapshot_leaves() -> None
     for bad in (-1.0, math.inf):
         with pytest.raises(ValueError, match="initial_pressure_factor must be a finite number ≥ 0"):
             replace(base, initial_pressure_factor=bad)
+
+
+def test_a_step_grid_keeps_free_snapshots_on_step_ends() -> None:
+    """Chunks of 4 tokens, snapshots of N_s = 12.5 KV tokens, intervals 4..64 (the default
+    16 chunks). At pressure factor 0 (nothing has left yet) storage is free, so the plan
+    is the cheapest interval that costs no extra step end: without a step grid every chunk
+    (I = 4: cost I/2 = 2), with the engine's grid of 12 tokens the multiples of 12 only
+    (cost 6 for I = 12, 12 for 24, ...): a 40-token segment from token 8 gets states at
+    20, 32 and 44 (every 12 tokens from its start: the engine's step ends) and its final
+    one at 48.
+    ``set_step_grid`` moves a live core onto the grid an engine reports; a grid that is not
+    whole chunks is refused, naming the key; None forgets it."""
+    base = replace(stored().config, supported_intervals=None)
+    free = HiStateCache(base)
+    assert free.snapshot_plan(8, 48) == [12, 16, 20, 24, 28, 32, 36, 40, 44, 48]
+    grid = HiStateCache(replace(base, step_tokens=12))
+    assert grid.step_grid == 12
+    assert grid.snapshot_plan(8, 48) == [20, 32, 44, 48]
+    free.set_step_grid(12)
+    assert free.snapshot_plan(8, 48) == [20, 32, 44, 48]
+    free.set_step_grid(None)
+    assert free.snapshot_plan(8, 20) == [12, 16, 20]
+    for bad in (10, 0, True):
+        with pytest.raises(ValueError, match="step_tokens must be a positive multiple of the "
+                                             "chunk size 4"):
+            free.set_step_grid(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="step_tokens must be a positive multiple"):
+            replace(base, step_tokens=bad)
+
+
+def test_a_step_grid_does_not_move_a_plan_under_pressure() -> None:
+    """With the pressure factor 1 the storage term decides (step_price 0 prices no step
+    end): the 64-token segment's cost I/2 + 12.5·64/I is lowest at I = 40 (20 + 20 = 40;
+    36: 18 + 22.2; 44: 22 + 18.2), on the grid of 12 or not."""
+    base = replace(stored().config, supported_intervals=None, initial_pressure_factor=1.0)
+    plain = HiStateCache(base).snapshot_plan(0, 64)
+    assert plain == [40, 64]
+    assert HiStateCache(replace(base, step_tokens=12)).snapshot_plan(0, 64) == plain

@@ -207,6 +207,14 @@ def test_placement_tiers_and_hits_across_them(tmp_path: Path, tokens: TokenSourc
         # (core/interval.py NOTE 2): a state at every chunk of the 20-chunk segment.
         assert status["pressure_factor"] == 0.0
         assert boundaries == [k * CHUNK for k in range(1, 21)]
+        # The engine reports its step grid (its budget in whole chunks, here 6): free states
+        # go on its step ends only, 6, 12 and 18 chunks from the start, and the final one.
+        # A request without the key keeps the grid the server has.
+        grid = {"start_tokens": 0, "input_tokens": 20 * CHUNK + 5, "step_tokens": 6 * CHUNK}
+        assert rpc("histate.plan", grid)["boundaries"] == [6 * CHUNK, 12 * CHUNK, 18 * CHUNK,
+                                                           20 * CHUNK]
+        again = rpc("histate.plan", {"start_tokens": 2 * CHUNK, "input_tokens": 20 * CHUNK})
+        assert again["boundaries"] == [8 * CHUNK, 14 * CHUNK, 20 * CHUNK]
 
 
 def test_clear_l1_then_hit_from_disk_and_restart(tmp_path: Path, tokens: TokenSource) -> None:

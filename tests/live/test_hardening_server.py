@@ -112,8 +112,14 @@ def test_secret_guards_http_routes_and_rpcs(tmp_path: Path, tokens: TokenSource)
         (b"[1, 2]", "payload must be a JSON object"),
         (b"\xff not json", "payload is not JSON"),
         (b"{" + b" " * 5000 + b"}", "payload of 5002 bytes (at most 4096)"),
+        (with_token(input_tokens=64, step_tokens=CHUNK + 1),
+         f"step_tokens must be a positive multiple of the chunk size {CHUNK}"),
+        (with_token(input_tokens=64, step_tokens=0), "step_tokens must be a positive multiple"),
+        (with_token(input_tokens=64, step_tokens=2 * MAX_TOKENS),
+         f"up to {MAX_TOKENS}, got {2 * MAX_TOKENS}"),
     ],
-    ids=["huge", "negative", "bool", "string", "reversed", "missing", "list", "garbage", "big"],
+    ids=["huge", "negative", "bool", "string", "reversed", "missing", "list", "garbage", "big",
+         "step-off-grid", "step-zero", "step-huge"],
 )
 def test_plan_rpc_rejects_bad_arguments_at_once(
     tmp_path: Path, plan_server: LMCacheServer, payload: bytes, error: str

@@ -61,6 +61,7 @@ needs_live = pytest.mark.skipif(
 )
 
 TURN_CHUNKS = 7
+STEP_CHUNKS = 3  # the engine's step budget in chunks: its step grid B = 3C
 TAIL = 40
 FACTORS = (0.0, 1.0, 20.0)
 MAX_MODEL_LEN = 8192
@@ -216,7 +217,8 @@ def stack(
                        startup_timeout=180, env=support_pythonpath()) as server,
         EngineProcess(
             engine_kwargs(tiny_model, chunk_tokens=chunk, max_model_len=MAX_MODEL_LEN,
-                          kv_transfer_config=connector_config(server.endpoints.zmq_port)),
+                          kv_transfer_config=connector_config(server.endpoints.zmq_port),
+                          max_num_batched_tokens=STEP_CHUNKS * chunk),
             workdir=work, name="engine", block_size=chunk,
         ) as engine,
     ):
@@ -247,7 +249,10 @@ def expected_plans(chunk: int, row: dict[str, Any]) -> list[list[int]]:
     Server N_s (``LAYOUTS`` in test_vllm_cpu_roundtrip): 828 with AVX-512-BF16 (C = 384),
     432 with AVX2 (C = 256). cost(I) = I/2 + F x N_s x L / I, L = 7C.
 
-    * F = 0 (turn 1): cost(I) = I/2, lowest at I = C -> every chunk: [C, ..., 7C].
+    * F = 0 (turn 1): storage is free, so only intervals that cost no step end compete:
+      the multiples of the engine's step grid B = 3C (its budget, STEP_CHUNKS chunks, which
+      the connector reports with each plan). cost(I) = I/2 is lowest at I = B -> the step
+      ends 3C and 6C, and the final: [3C, 6C, 7C].
     * F = 1 (turn 2), C = 384, L = 2688: cost(5C) = 960 + 1159.2 = 2119.2, cost(6C) = 1152 +
       966.0 = 2118.0, cost(7C) = 1344 + 828 = 2172 -> 6 chunks: [13C, 14C].
       C = 256, L = 1792: cost(4C) = 512 + 756 = 1268, cost(5C) = 640 + 604.8 = 1244.8,
@@ -256,7 +261,7 @@ def expected_plans(chunk: int, row: dict[str, Any]) -> list[list[int]]:
       the 7C segment -> only the final: [21C].
     """
     first = first_interval_chunks(chunk, row["snapshot_bytes"] / 512, segment_chunks=7)
-    return [[k * chunk for k in range(1, 8)], [(7 + first) * chunk, 14 * chunk], [21 * chunk]]
+    return [[3 * chunk, 6 * chunk, 7 * chunk], [(7 + first) * chunk, 14 * chunk], [21 * chunk]]
 
 
 def test_the_interval_rule_gives_the_hand_derived_choices() -> None:
@@ -298,7 +303,7 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
         start = expected[-1]
     print("\nturns:", json.dumps(stack.turns, indent=1))
     counts = [len(t["plan"]) for t in stack.turns]
-    assert counts == [7, 2, 1]  # sparser snapshots as the pressure factor grows
+    assert counts == [3, 2, 1]  # sparser snapshots as the pressure factor grows
     rpc(zmq, "histate_test.force_pressure", {"factor": None})
 
 
@@ -310,11 +315,12 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
     full = session_prompts(chunk)[-1]
     rng = random.Random(5)
     first = stack.turns[1]["plan"][0] // chunk  # turn 2's first snapshot: 13C or 12C
-    # Divergence inside turn 1 (F=0: every chunk), turn 2 (F=1: snapshots at first x C and
-    # 14C; a divergence half a chunk below first x C falls back to turn 1's final 7C) and turn
-    # 3 (F=20: only its final 21C, so the hit falls back to turn 2's final 14C although
-    # chunks up to 18C are cached).
-    cases = [(chunk * 35 // 10, 3 * chunk), ((2 * first - 1) * chunk // 2, 7 * chunk),
+    # Divergence inside turn 1 (F=0: states at the step ends 3C and 6C only, so 3.5C and 5.5C
+    # both resume from 3C), turn 2 (F=1: snapshots at first x C and 14C; a divergence half a
+    # chunk below first x C falls back to turn 1's final 7C) and turn 3 (F=20: only its final
+    # 21C, so the hit falls back to turn 2's final 14C although chunks up to 18C are cached).
+    cases = [(chunk * 35 // 10, 3 * chunk), (chunk * 55 // 10, 3 * chunk),
+             ((2 * first - 1) * chunk // 2, 7 * chunk),
              ((2 * first + 1) * chunk // 2, first * chunk), (chunk * 182 // 10, 14 * chunk)]
     seen = []
     for diverge, want in cases:

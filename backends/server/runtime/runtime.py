@@ -219,11 +219,18 @@ class HiStateRuntime:
             actions = self.actions.take()
         self.actions.run(actions)
 
-    def plan(self, start_tokens: int, input_tokens: int) -> list[int]:
-        """Token positions whose states HiState wants saved for a new segment."""
+    def plan(
+        self, start_tokens: int, input_tokens: int, step_tokens: int | None = None
+    ) -> list[int]:
+        """Token positions whose states HiState wants saved for a new segment, on the step
+        grid the engine reports (``step_tokens``; None keeps the grid it has)."""
         with self.lock:
             core = self.model.core
-            return [] if core is None else core.snapshot_plan(start_tokens, input_tokens)
+            if core is None:
+                return []
+            if step_tokens is not None and step_tokens != core.step_grid:
+                core.set_step_grid(step_tokens)
+            return core.snapshot_plan(start_tokens, input_tokens)
 
     def status(self) -> dict[str, Any]:
         with self.lock:
