@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from lmcache_histate.backends.vllm.engine_facts import EngineFacts
 
-from .servers import ServerProcess, free_port
+from .servers import ServerProcess, free_ports
 from .workload import DemoRequest
 
 __all__ = ["VARIANTS", "RunResult", "Variant", "run_variant", "server_config"]
@@ -54,6 +54,7 @@ def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: fl
                   disk_gib: float, layout: EngineFacts) -> Path:
     """``workdir/<key>.yaml``: a histate-server config for the tiny model on free loopback
     ports, with the layout ``chunk_size: auto`` would resolve (probed once by the caller)."""
+    port, http_port = free_ports(2)
     cfg: dict[str, Any] = {
         "policy": policy,
         "model": str(model / "config.json"),
@@ -63,9 +64,9 @@ def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: fl
         "disk_gib": disk_gib,
         "disk_fsync": False,
         "host": "127.0.0.1",
-        "port": free_port(),
+        "port": port,
         "http_host": "127.0.0.1",
-        "http_port": free_port(),
+        "http_port": http_port,
         "platform": "cpu",
         "kv_connector": "HiStateConnector",
         "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
