@@ -36,7 +36,8 @@ not turn into a log line per ``retry_s``.
 
 Counters (``counters()``, read by the metrics module): ``calls``, ``failures`` (calls
 that raised a connection/timeout error), ``skipped`` (calls not attempted while
-degraded), ``outages`` (entries into degraded mode), ``recoveries``, ``probes``.
+degraded), ``outages`` (entries into degraded mode), ``recoveries``, ``probes``,
+``restarts_seen`` (keys lost without a failed call, ``data_lost``).
 """
 
 from __future__ import annotations
@@ -220,6 +221,19 @@ class IndexConnection:
         for listener in self._recovery:
             listener()
         return True
+
+    def data_lost(self) -> None:
+        """Redis lost the deployment's keys without a failed call (a restart between two
+        calls: ``index`` NOTE 1): one log line, then the recovery listeners, as after an
+        outage. Counted ``restarts_seen``."""
+        with self._lock:
+            self._stats["restarts_seen"] += 1
+        logger.warning(
+            "shared index: Redis at %s lost the deployment's keys (restarted empty between "
+            "two calls); re-registering this server's objects", self.where,
+        )
+        for listener in self._recovery:
+            listener()
 
     def _enter_degraded(self, exc: BaseException) -> None:
         with self._lock:

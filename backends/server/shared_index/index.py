@@ -19,6 +19,17 @@ A server calls (``docs/shared-index.md`` §9 says where: the disk tier's link, t
 * ``session_begin`` / ``session_end`` and ``emas`` for the deployment's session facts and
   residence-time EMAs.
 
+NOTE 1 (a restart between two calls): redis-py reconnects at the next command when Redis
+restarted meanwhile, so a Redis that came back empty between two of this server's calls
+raises nothing and the connection never degrades: its recovery (rejoin, re-registration
+of the server's objects) would not run, the budget key would stay missing (``reserve``
+then bounds nothing) and the server's files would have no entry until a reconcile adopts
+them, ranked as nothing needed. So ``join`` takes the deployment's ``epoch`` (a random
+token the first server to find it missing sets) and every ``heartbeat`` reads it back:
+another token, or none, means Redis lost the keys since, and the connection's recovery
+runs (``IndexConnection.data_lost``). Every server of the deployment sees it, whichever
+of them rejoins first and sets the new token.
+
 Every method returns ``None`` (or the documented empty value) when Redis is unreachable:
 the caller then uses its local view (``connection`` degraded mode). Every hot-path method
 is one script call (EVALSHA; redis-py falls back to EVAL once after a Redis restart
@@ -27,6 +38,7 @@ emptied the script cache) or one pipeline.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +124,8 @@ class SharedIndex:
         self._lease_ms = max(1, int(conn.cfg.lease_ttl_s * 1000))
         self._claim_ms = max(1, int(conn.cfg.claim_ttl_s * 1000))
         self._write_ms = max(1, int(conn.cfg.write_ttl_s * 1000))
+        self.epoch: str | None = None
+        """The deployment's epoch token at this server's last (re)join (NOTE 1)."""
         client = conn.client
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
         # Out of an outage only when every command works again (connection module).
@@ -138,10 +152,14 @@ class SharedIndex:
                 p.set(k.budget, budget_bytes, nx=True)
                 p.get(k.budget)
                 p.setnx(k.used, 0)
-                p.zadd(k.servers, {self.instance: 0})
-                return p.execute()[1]
+                p.zadd(k.servers, {self.instance: 0}, nx=True)  # a heartbeat's time stays
+                p.set(k.epoch, secrets.token_hex(8), nx=True)
+                p.get(k.epoch)
+                out = p.execute()
+                return out[1], out[-1]
 
-        registered = int(self.conn.require(go))
+        registered, self.epoch = self.conn.require(go)
+        registered = int(registered)
         if registered != budget_bytes:
             raise BudgetMismatch(
                 f"disk_gib: this server's disk budget ({budget_bytes} bytes) differs from the "
@@ -158,8 +176,10 @@ class SharedIndex:
             with c.pipeline(transaction=False) as p:
                 p.set(k.budget, budget_bytes, nx=True)
                 p.setnx(k.used, 0)
-                p.zadd(k.servers, {self.instance: 0})
-                p.execute()
+                p.zadd(k.servers, {self.instance: 0}, nx=True)  # a heartbeat's time stays
+                p.set(k.epoch, secrets.token_hex(8), nx=True)
+                p.get(k.epoch)
+                self.epoch = p.execute()[-1]
             return True
 
         return bool(self.conn.call(go, False))
@@ -295,9 +315,14 @@ class SharedIndex:
         return args
 
     def heartbeat(self, window_s: float) -> tuple[int, int] | None:
-        """This server is alive: ``(servers seen alive within window_s, used bytes)``."""
+        """This server is alive: ``(servers seen alive within window_s, used bytes)``.
+        A changed or missing epoch runs the connection's recovery first (NOTE 1)."""
         out = self._run("heartbeat", [self.instance, repr(float(window_s))])
-        return None if out is None else (int(out[0]), int(out[1]))
+        if out is None:
+            return None
+        if self.epoch is not None and out[2] != self.epoch:
+            self.conn.data_lost()
+        return int(out[0]), int(out[1])
 
     def sync(
         self,

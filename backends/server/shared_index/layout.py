@@ -7,6 +7,8 @@ touch them atomically (NOTE 1)::
     histate:{<deployment>:<model>}:used   string  bytes held on the shared disk tier
                                           (stored + being written + being evicted)
     histate:{...}:budget                  string  the deployment's disk budget, bytes
+    histate:{...}:epoch                   string  a random token set by the first join
+                                          after the keys were empty (``index`` NOTE 1)
     histate:{...}:evicting                string  bytes claimed for eviction, not yet freed
     histate:{...}:o:<id>                  hash    one object (``ENTRY_FIELDS``)
     histate:{...}:rank                    zset    <id> -> H of every stored object
@@ -148,6 +150,10 @@ class KeySpace:
     @property
     def sessions(self) -> str:
         return self.prefix + "sessions"
+
+    @property
+    def epoch(self) -> str:
+        return self.prefix + "epoch"
 
     @property
     def servers(self) -> str:

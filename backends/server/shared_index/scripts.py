@@ -328,11 +328,13 @@ return n
 
 HEARTBEAT = _PRELUDE + """
 -- ARGV: instance, window (s). This server is alive now; returns {the servers seen alive
--- within the window (itself included), the deployment's used bytes}.
+-- within the window (itself included), the deployment's used bytes, the epoch token or
+-- '' when Redis lost it (index NOTE 1)}.
 local now = now_ms() / 1000
 redis.call('ZADD', P .. 'servers', now, ARGV[1])
 return {redis.call('ZCOUNT', P .. 'servers', now - tonumber(ARGV[2]), '+inf'),
-        tonumber(redis.call('GET', KEYS[1]) or '0')}
+        tonumber(redis.call('GET', KEYS[1]) or '0'),
+        redis.call('GET', P .. 'epoch') or ''}
 """
 
 OBSERVE = _PRELUDE + """
