@@ -236,3 +236,37 @@ def test_free_storage_puts_a_state_at_every_step_end_not_every_chunk() -> None:
 def test_step_settings_are_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="step_"):
         IntervalController(H100_CHUNK, 1572, **bad)  # type: ignore[arg-type]
+
+
+def test_step_grid_edges_one_token_chunks_non_integers_and_infinite_prices() -> None:
+    """A 1-token grid on 1-token chunks is a grid (every token a step end); 2.0 or "64" is
+    not an integer grid; an infinite step price is refused; the default price is 0 (a
+    priced and an unpriced controller cost the same off the grid: 19C at F = 1)."""
+    from lmcache_histate.core.interval import check_step_tokens
+
+    assert check_step_tokens(1, 1) == 1
+    assert check_step_tokens(None, 528) is None
+    for bad in (1056.0, "1056", True):
+        with pytest.raises(ValueError, match="step_tokens must be a positive multiple"):
+            check_step_tokens(bad, 528)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="step_price must be a finite number"):
+        h100(step_price=math.inf)
+    seg = 60 * H100_CHUNK
+    assert h100().cost(19 * H100_CHUNK, seg, 1.0) == pytest.approx(5016 + 4964.210526, abs=1e-5)
+
+
+def test_extra_step_ends_without_a_grid_or_segment_and_for_one_token() -> None:
+    """No grid: 0 extra step ends; a 0-token segment: 0; one token at I = C on a 15C grid:
+    1/528 snapshots x (1 − 1/15) = 0.0017677."""
+    plain = IntervalController(H100_CHUNK, 1572)
+    assert plain.extra_step_ends(H100_CHUNK, 60 * H100_CHUNK) == 0.0
+    assert h100().extra_step_ends(H100_CHUNK, 0) == 0.0
+    assert h100().extra_step_ends(H100_CHUNK, 1) == pytest.approx(1 / 528 * 14 / 15)
+
+
+def test_free_storage_with_no_interval_on_the_grid_takes_the_longest() -> None:
+    """F = 0 and a grid of 15C with intervals of 1C..4C only: none costs no step end, so
+    the choice is the longest (4C: the fewest extra step ends)."""
+    ctl = IntervalController(H100_CHUNK, 1572, [k * H100_CHUNK for k in (1, 2, 3, 4)],
+                             step_tokens=15 * H100_CHUNK)
+    assert ctl.choose(60 * H100_CHUNK, 0.0).interval == 4 * H100_CHUNK
