@@ -35,8 +35,8 @@ from lmcache_histate.sim.repeats import Spread, run_repeats, verdict
 from lmcache_histate.sim.report import HISTATE, OFFLOAD, REFERENCE, jsonable, pyplot
 from lmcache_histate.sim.runner import load_sim_trace, policy_factories, select_policies
 
-ROWS = (HISTATE, "histate-paper", "histate-refresh-hit", "lru", "file-lru", "lru-refresh-all",
-        OFFLOAD, "sglang-hicache", "sglang-hicache-l3", REFERENCE)
+ROWS = (HISTATE, "histate-paper", "histate-refresh-hit", "histate-refresh-used", "lru",
+        "file-lru", "lru-refresh-all", OFFLOAD, "sglang-hicache", "sglang-hicache-l3", REFERENCE)
 # metric key, title, digits, scale
 TABLES = (
     ("sensitive_mean", "Reuse-sensitive TTFT mean (s)", 3, 1.0),
@@ -46,7 +46,7 @@ TABLES = (
     ("token_hit_rate", "Token hit rate (%)", 2, 100.0),
 )
 # The rows whose ratio to the best baseline the heat map shows.
-HEAT_ROWS = (HISTATE, "histate-refresh-hit")
+HEAT_ROWS = (HISTATE, "histate-refresh-hit", "histate-refresh-used")
 # The rows histate's reuse-sensitive mean must beat by ≥ 5 % in the pressure cells.
 FIVE_PERCENT_ROWS = ("lru", "file-lru", OFFLOAD)
 

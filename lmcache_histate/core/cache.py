@@ -56,6 +56,7 @@ class HiStateCache:
             hit_model=self._hit_model,
             reaccess=self._reaccess,
             refresh_all=config.refresh_all,
+            refresh_used=config.refresh_used,
             attention_tokens=config.attention_tokens,
             positions=self._positions,
             recency_tiers=config.recency_tiers,

@@ -26,8 +26,10 @@ class CacheConfig:
     ``kv_chunk_bytes``: KV bytes of one chunk (chunk tokens × KV bytes per token);
     ``snapshot_bytes``: one recurrent-state snapshot. ``tau``: None calibrates the
     score's recency scale online (the design, ``score``); a number in seconds fixes it
-    (0 = LRU over units). ``attention_tokens``: the context length at which causal
-    attention costs as much per recomputed token as the rest of the prefill (linear cost
+    (0 = LRU over units). ``refresh_used``: an intermediate snapshot's unit ranks by
+    when its snapshot was last resumed from, not by when the prefix through it was
+    refreshed (``eviction`` NOTE 6). ``attention_tokens``: the context length at which
+    causal attention costs as much per recomputed token as the rest of the prefill (linear cost
     ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
     ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
@@ -55,6 +57,7 @@ class CacheConfig:
     rules: PlacementRules = field(default_factory=PlacementRules)
     tau: float | None = None
     refresh_all: bool = True
+    refresh_used: bool = False
     supported_intervals: tuple[int, ...] | None = None
     ema_alpha: float = EMA_ALPHA
     end_probability_prior: float = END_PROBABILITY_PRIOR

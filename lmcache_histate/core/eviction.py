@@ -64,6 +64,30 @@ re-ranked as after any change, the parent's other branches included, although th
 ranks do not read ``node``: a re-rank also refreshes a rank that drifted since it was
 queued (``τ``, ``p_end``, session densities: NOTE 1's lower bounds are approximate
 under drift), and skipping those moved decisions in the pinned simulations.
+
+NOTE 6 (refresh what a hit used: ``refresh_used``). A hit reads the KV of every chunk of
+its prefix and ONE snapshot, the one it resumed from. Refresh-all writes ``now`` into
+every node of the prefix, so a mid-prefix snapshot that no hit has resumed from for
+an hour ranks as hot as the KV it sits on for as long as the prefix is read: under
+pressure the cache keeps stale mid-prefix snapshots (and, in the upper tiers, where
+an intermediate snapshot's unit moves with its KV zone, that zone too) and drops the
+snapshots hits resume from (``lru-refresh-all`` loses to ``lru`` there). Each node
+therefore keeps two times: ``access`` (the prefix through it was read: refresh-all)
+and ``used`` (its snapshot was stored or resumed from). Under ``refresh_used`` the
+unit of an intermediate snapshot (kind ``KIND_SNAPSHOT``) ranks by ``used`` in every
+tier; bundles and dead tails, whose KV a hit through them reads, by ``access``. A
+zone's KV that leaves with a stale snapshot is still read by the hot prefix through
+it: it is found in the next tier down (tiers are exclusive and KV prefix-closed, so
+the chain stays a prefix), one tier slower, instead of holding a fast tier for a
+snapshot nobody resumes from. Worked example, τ = 100 s, last tier: a prefix
+A(snap)→B(snap, the session's end) is stored at t = 0 and hit from B at t = 300 s and
+t = 600 s. With refresh-all A ranks at 600 + τ·ln(C_A/M); with ``refresh_used`` at
+0 + τ·ln(C_A/M), 600 s lower: six e-folds of cost per byte, so it goes before any
+snapshot resumed from within the last ten minutes unless its cost per byte is
+e^6 ≈ 400 times theirs, while the bundle at B ranks by 600 under both. No constant:
+it is the paper's ``H`` with ``t`` the last time the thing being freed was needed.
+Stamps (NOTE 4) stay sound: ``used`` changes only where ``access`` becomes ``now``
+too (``touch`` clears the stamp of the hit node in case ``access`` already was ``now``).
 """
 
 from __future__ import annotations
@@ -98,7 +122,8 @@ class EvictionQueue:
     ``tau`` None calibrates ``τ`` online from ``reaccess`` (the design, ``score``); a
     number fixes it (0 = plain LRU over units). ``refresh_all`` controls whether a hit
     refreshes every unit on the prefix up to the hit (the paper's refresh-all) or only
-    the unit that was hit.
+    the unit that was hit; ``refresh_used`` ranks an intermediate snapshot's unit by when
+    it was last resumed from (NOTE 6).
     """
 
     def __init__(
@@ -111,6 +136,7 @@ class EvictionQueue:
         hit_model: HitModel | None = None,
         reaccess: ReaccessScale | None = None,
         refresh_all: bool = True,
+        refresh_used: bool = False,
         attention_tokens: float = math.inf,
         positions: HitPositions | None = None,
         recency_tiers: int = 0,
@@ -129,6 +155,7 @@ class EvictionQueue:
         self.hit_model = hit_model if hit_model is not None else HitModel()
         self.reaccess = reaccess if reaccess is not None else ReaccessScale()
         self.refresh_all = refresh_all
+        self.refresh_used = refresh_used
         self.attention_tokens = attention_tokens
         self.positions = positions
         self.recency_tiers = recency_tiers
@@ -181,8 +208,19 @@ class EvictionQueue:
     def _score(self, anchor: Node, freed: int, tau: float, tier: int) -> float:
         """The unit's rank in ``tier`` (``update`` computes the same, inline)."""
         if tier < self._first_cost_tier(tau):
-            return anchor.access
-        return score(anchor.access, self.cost_bytes(anchor), freed, tau)
+            return self._t_own(anchor, tier)
+        return score(self._t_own(anchor, tier), self.cost_bytes(anchor), freed, tau)
+
+    def _t_own(self, anchor: Node, tier: int) -> float:
+        """``t`` of the unit at ``anchor``: ``used`` for an intermediate snapshot's unit
+        under ``refresh_used`` (NOTE 6), ``access`` otherwise (the same in every tier)."""
+        if (
+            self.refresh_used
+            and anchor.snap_tiers
+            and anchor.kv_children
+        ):
+            return anchor.used
+        return anchor.access
 
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
         """``(t, C, M)`` of the unit at ``anchor`` for ``tier``: what the last tier's rank
@@ -190,7 +228,7 @@ class EvictionQueue:
         freed = self._freed_in(anchor, tier)
         if freed <= 0:
             return None
-        return anchor.access, self.cost_bytes(anchor), freed
+        return self._t_own(anchor, tier), self.cost_bytes(anchor), freed
 
     def _freed_in(self, anchor: Node, tier: int) -> int:
         """Bytes the unit at ``anchor`` frees in ``tier`` (``units.freed_in``)."""
@@ -259,12 +297,13 @@ class EvictionQueue:
         t, tie = anchor.access, -anchor.depth
         anchor.rank_stamp = (epoch, t)
         cost: float | None = None
+        t_own = anchor.used if self.refresh_used and kind == KIND_SNAPSHOT else t
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
             if m <= 0:
                 heap.discard(anchor)
             elif tier < first:
-                heap.set(anchor, t, tie)
+                heap.set(anchor, t_own, tie)
             else:
                 if cost is None:
                     # C does not depend on the tier: one zone walk per unit, at the
@@ -282,7 +321,7 @@ class EvictionQueue:
                 # ``score.score`` inline, the same operations in the same order (this
                 # runs for every re-ranked unit in every tier): τ > 0 here, and m > 0.
                 ratio = cost / m
-                heap.set(anchor, t + tau * log(ratio if ratio > MIN_RATIO else MIN_RATIO), tie)
+                heap.set(anchor, t_own + tau * log(ratio if ratio > MIN_RATIO else MIN_RATIO), tie)
 
     def remove(self, anchor: Node) -> None:
         for heap in self.heaps:
@@ -337,6 +376,10 @@ class EvictionQueue:
                 node.access = now
         else:
             path[hit_chunks - 1].access = now
+        if self.refresh_used:
+            hit = path[hit_chunks - 1]
+            hit.used = now
+            hit.rank_stamp = None
 
     # --------------------------------------------------------------- victims
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:

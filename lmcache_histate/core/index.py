@@ -63,6 +63,7 @@ class Node:
         "snap_bytes",
         "snap_since",
         "snap_tiers",
+        "used",
         "weight",
     )
 
@@ -82,6 +83,9 @@ class Node:
         self.passes = 0
         self.ends: set[Session] | None = None
         self.access = 0.0
+        # When its snapshot was last stored or resumed from (``eviction`` NOTE 6): a
+        # refresh of the prefix through it writes ``access``, not this.
+        self.used = 0.0
         self.pins = 0
         # Where its snapshot sits in its segment, in (0, 1] (1 = the segment's end);
         # -1 = not known (``hit_positions``, ``units.expected_recompute``).
@@ -264,6 +268,7 @@ class PrefixIndex:
         if not node.snap_tiers:
             node.snap_since = now
             node.access = max(node.access, now)
+            node.used = max(node.used, now)
         node.snap_tiers = tiers
         node.snap_bytes = nbytes
 

@@ -13,6 +13,9 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate-refresh-``    ``histate`` with a hit refreshing only the unit it resumed from
 ``hit``                (``refresh_all=False``): the candidate of the pressure matrix
                        (``benchmarks/sim_pressure.md``).
+``histate-refresh-``    ``histate`` with refresh-all for the KV path but an intermediate
+``used``               snapshot's unit ranked by when a hit last resumed from it
+                       (``refresh_used``, ``core.eviction`` NOTE 6).
 ``histate-fixed-tau``  the same with the set-up's fixed ``tau`` (``histate.tau`` in the
                        config, seconds per e-fold of cost per byte): what calibration buys.
 ``histate-align``      snapshots only where vLLM's align mode keeps them
@@ -89,6 +92,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate": {"tau": None},
     "histate-paper": {"tau": None, "refresh_all": True},
     "histate-refresh-hit": {"tau": None, "refresh_all": False},
+    "histate-refresh-used": {"tau": None, "refresh_all": True, "refresh_used": True},
     "histate-fixed-tau": {},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},

@@ -400,3 +400,31 @@ def test_a_snapshot_inside_a_segment_re_ranks_the_units_below_it() -> None:
     assert heap.priority(n[5]) == pytest.approx(83.035507, abs=1e-5)
     assert heap.priority(n[4]) == pytest.approx(96.988949, abs=1e-5)
     q.check(exact=True)
+
+
+def test_refresh_used_ranks_a_mid_prefix_snapshot_by_its_last_resume() -> None:
+    """``eviction`` NOTE 6: KV on tier 0 (the engine's pool, ranked by t), snapshots on
+    tier 1 (the last, ranked by H, τ = 10). Every snapshot is stored at t = 0 (``used``
+    0), every node read at 100; then a hit on a's whole prefix resumes from S6 at 200.
+
+    Refresh-all writes 200 into ``access`` of 1–6 under both rules; ``refresh_used``
+    also writes 200 into ``used`` of the hit node 6 only. S2 and S4 (intermediate
+    snapshots) then rank by ``used`` = 0: on tier 0 (t alone) 0 instead of 200, on
+    tier 1 exactly 200 below their refresh-all ranks (same C, same M). S6 (a bundle:
+    a hit through it reads its KV) reads ``access`` under both: 200 on tier 0, the
+    same H on tier 1.
+    """
+    ranks = {}
+    for used in (False, True):
+        index, n = tree(kv_tier=0, snap_tier=1)
+        q = queue(index, 2, tau=10.0, refresh_all=True, refresh_used=used, recency_tiers=1)
+        q.touch([n[k] for k in (1, 2, 3, 4, 5, 6)], 6, 200.0)
+        assert [n[k].access for k in (2, 4, 6)] == [200.0] * 3
+        assert [n[k].used for k in (2, 4, 6)] == [0.0, 0.0, 200.0 if used else 0.0]
+        q.check()
+        ranks[used] = {(k, t): q.rank(n[k], t) for k in (2, 4, 6) for t in (0, 1)}
+    for k in (2, 4):
+        assert ranks[True][(k, 1)] == pytest.approx(ranks[False][(k, 1)] - 200.0)
+        assert (ranks[True][(k, 0)], ranks[False][(k, 0)]) == (0.0, 200.0)
+    assert ranks[True][(6, 1)] == ranks[False][(6, 1)]
+    assert ranks[True][(6, 0)] == ranks[False][(6, 0)] == 200.0
