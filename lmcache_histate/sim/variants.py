@@ -68,6 +68,7 @@ from typing import Any
 from ..core.defaults import SimTier
 from ..core.interval import supported_intervals
 from ..core.placement import PlacementRules
+from .capture import SMALL_STEP_ROWS
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy
 
@@ -132,12 +133,20 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     """HiState over the set-up's gpu/cpu/disk tiers, with knob ``overrides``.
 
     ``fixed_interval_chunks`` (chunks) is accepted as a convenience for
-    ``fixed_interval`` (tokens).
+    ``fixed_interval`` (tokens). The rows plan on the engine's step grid at its step
+    price (``CostModel.step_grid``), as the live server does with the grid the connector
+    sends; the rows charged one-chunk steps (``capture.SMALL_STEP_ROWS``) run vLLM's own
+    scheduler, whose grid is one chunk.
     """
+    step, price = setup.cost.step_grid(setup.chunk_tokens)
+    if name in SMALL_STEP_ROWS:
+        step = setup.chunk_tokens
     knobs: dict[str, Any] = {
         "tau": setup.tau,
         "refresh_all": True,
         "ema_alpha": setup.ema_alpha,
+        "step_tokens": step,
+        "step_price": price,
         "supported_intervals": supported_intervals(
             setup.chunk_tokens, setup.max_interval_chunks
         ),
