@@ -24,9 +24,10 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate-neutral-``   ``histate`` starting from the paper's neutral pressure factor 1
 ``start``              instead of 0 while no snapshot has left the cache
                        (``core.interval`` NOTE 2): what free storage buys.
-``histate-small-``     ``histate`` charged every prefill in steps of one chunk (the budget in
-``steps``              [N, 2N) vLLM's own scheduler needs) instead of the planned step ends
-                       of HiState's scheduler (``sim.capture``): what the scheduler buys.
+``histate-small-``     ``histate`` with vLLM's own scheduler: a one-chunk step grid, every
+``steps``              prefill charged in steps of one chunk (the budget in [N, 2N) it
+                       needs) instead of the planned step ends of HiState's scheduler on
+                       the engine's grid (``sim.capture``): what the scheduler buys.
 =====================  =====================================================================
 
 The eviction ablations are baseline rows: ``lru`` is this same core with ``tau = 0`` and
