@@ -129,6 +129,18 @@ class CostModel:
     def decode_time(self, output_tokens: int) -> float:
         return self.decode_s_per_token * output_tokens
 
+    def step_grid(self, chunk_tokens: int) -> tuple[int, float]:
+        """``(B, σ)`` for ``CacheConfig.step_tokens`` / ``step_price``: the engine's step
+        grid, ``engine_step_tokens`` rounded down to whole chunks and at least one (vLLM's
+        align mode ends a step on a block boundary), and the price of one extra step end
+        in tokens of prefill time, ``step_overhead_s / prefill_s_per_token``
+        (``core/interval.py``, "the price of a step end": 8,192 → 15 × 528 = 7,920 and
+        2 ms / 80 µs = 25 tokens); σ is 0 when prefill is free (nothing to weigh it by)."""
+        step = max(1, self.engine_step_tokens // chunk_tokens) * chunk_tokens
+        if self.prefill_s_per_token <= 0:
+            return step, 0.0
+        return step, self.step_overhead_s / self.prefill_s_per_token
+
     def capture_time(
         self, capture: Capture, recomputed_tokens: int, snapshot_bytes: int
     ) -> tuple[float, float]:

@@ -123,6 +123,7 @@ def _call_registry(
         "seed": setup.seed,
         "max_interval_chunks": setup.max_interval_chunks,
         "ema_alpha": setup.ema_alpha,
+        "step_grid": setup.cost.step_grid(setup.chunk_tokens),
     }
     if same_memory:
         fields["same_memory"] = True

@@ -27,9 +27,10 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate-neutral-``   ``histate`` starting from the paper's neutral pressure factor 1
 ``start``              instead of 0 while no snapshot has left the cache
                        (``core.interval`` NOTE 2): what free storage buys.
-``histate-small-``     ``histate`` charged every prefill in steps of one chunk (the budget in
-``steps``              [N, 2N) vLLM's own scheduler needs) instead of the planned step ends
-                       of HiState's scheduler (``sim.capture``): what the scheduler buys.
+``histate-small-``     ``histate`` with vLLM's own scheduler: a one-chunk step grid, every
+``steps``              prefill charged in steps of one chunk (the budget in [N, 2N) it
+                       needs) instead of the planned step ends of HiState's scheduler on
+                       the engine's grid (``sim.capture``): what the scheduler buys.
 =====================  =====================================================================
 
 The eviction ablations are baseline rows: ``lru`` is this same core with ``tau = 0`` and
@@ -71,6 +72,7 @@ from typing import Any
 from ..core.defaults import SimTier
 from ..core.interval import supported_intervals
 from ..core.placement import PlacementRules
+from .capture import SMALL_STEP_ROWS
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy
 
@@ -136,12 +138,20 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     """HiState over the set-up's gpu/cpu/disk tiers, with knob ``overrides``.
 
     ``fixed_interval_chunks`` (chunks) is accepted as a convenience for
-    ``fixed_interval`` (tokens).
+    ``fixed_interval`` (tokens). The rows plan on the engine's step grid at its step
+    price (``CostModel.step_grid``), as the live server does with the grid the connector
+    sends; the rows charged one-chunk steps (``capture.SMALL_STEP_ROWS``) run vLLM's own
+    scheduler, whose grid is one chunk.
     """
+    step, price = setup.cost.step_grid(setup.chunk_tokens)
+    if name in SMALL_STEP_ROWS:
+        step = setup.chunk_tokens
     knobs: dict[str, Any] = {
         "tau": setup.tau,
         "refresh_all": True,
         "ema_alpha": setup.ema_alpha,
+        "step_tokens": step,
+        "step_price": price,
         "supported_intervals": supported_intervals(
             setup.chunk_tokens, setup.max_interval_chunks
         ),

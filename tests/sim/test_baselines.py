@@ -583,6 +583,13 @@ def test_baseline_rows_and_factories() -> None:
     assert lru.cache.config.tau == 0 and not lru.cache.config.refresh_all
     assert lra.cache.config.tau == 0 and lra.cache.config.refresh_all
     assert lru.tier_names == ["gpu", "cpu", "disk"]
+    # Without a grid the core plans per chunk; given one, both rows plan on it (NOTE 2).
+    assert lru.cache.config.step_tokens is None
+    grid = baseline_policies(**GEO, gpu_bytes=5000, cpu_bytes=5000, disk_bytes=5000,
+                             step_grid=(3 * C, 7.5))
+    for name in ("lru", "lru-refresh-all"):
+        config = grid[name]().cache.config  # type: ignore[attr-defined]
+        assert (config.step_tokens, config.step_price) == (300, 7.5)
 
 
 def test_memory_per_row_and_the_same_total_memory_view() -> None:
@@ -627,6 +634,7 @@ def test_lru_rows_share_the_histate_rows_object_model(refresh_all: bool) -> None
         setup.gpu_bytes,
         setup.cpu_bytes,
         setup.disk_bytes,
+        step_grid=(7920, 25.0),  # the shipped cost model's (CostModel.step_grid)
     )[name]()
     assert isinstance(ours, HiStatePolicy)
     assert ours.cache.config == ref.cache.config

@@ -111,6 +111,20 @@ def test_capture_time_by_hand() -> None:
     assert c.capture_time(Capture(528), 500, 1) == (0.0, 0.0)  # one step either way
 
 
+def test_step_grid_from_the_cost_model() -> None:
+    """The shipped model: 8,192 // 528 = 15 chunks = 7,920 tokens; 2 ms / 80 µs = 25
+    tokens. A budget below one chunk still ends a step per chunk; free prefill prices a
+    step end at 0."""
+    from dataclasses import replace
+
+    c = load_cost_model()
+    step, price = c.step_grid(528)
+    assert step == 7920 and price == pytest.approx(25.0)
+    assert c.step_grid(8192) == (8192, pytest.approx(25.0))
+    assert replace(c, engine_step_tokens=300).step_grid(528)[0] == 528
+    assert replace(c, prefill_s_per_token=0.0).step_grid(528) == (7920, 0.0)
+
+
 def test_capture_constants_can_be_overridden(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("capture:\n  step_overhead_s: 0.004\n")

@@ -224,9 +224,13 @@ def test_histate_rows_capture_their_planned_states() -> None:
     (r,) = tr.sessions[0].requests
     full = histate_policy(s)
     # 20,000 tokens = 37 full chunks (19,536 tokens). A fresh core has seen no snapshot
-    # leave: factor 0, a state at every chunk: 36 mid-prefill states and the final.
+    # leave: factor 0, a state at every step end of the engine's grid, 8,192 rounded down
+    # to 15 chunks = 7,920 tokens: @7,920 @15,840 and the final @19,536.
+    grid = Capture(step_ends=(7920, 15840), host_states=2)
+    assert capture_of(full, r, full.begin(r, 0.0)) == grid
+    # vLLM's own scheduler (the ablation): a grid of one chunk, a state at every chunk,
+    # 36 mid-prefill states and the final, charged one-chunk steps.
     every = tuple(528 * k for k in range(1, 37))
-    assert capture_of(full, r, full.begin(r, 0.0)) == Capture(step_ends=every, host_states=36)
     small = histate_policy(s, "histate-small-steps")
     assert capture_of(small, r, small.begin(r, 0.0)) == Capture(step_tokens=528,
                                                                  host_states=36)
@@ -240,6 +244,8 @@ def test_histate_rows_capture_their_planned_states() -> None:
     # / 8,192) = 3: no extra step. A state at every chunk: 36 pieces of 528 + 992 = 37
     # steps, 34 more.
     assert planned_extra_steps(cap.step_ends, 20_000, 8192) == 0
+    # The fresh core's grid plan (factor 0) is the same: no extra step end either.
+    assert planned_extra_steps(grid.step_ends, 20_000, 8192) == 0
     assert planned_extra_steps(every, 20_000, 8192) == 34
     align = histate_policy(s, "histate-align", **dict(VARIANTS["histate-align"]))
     assert capture_of(align, r, align.begin(r, 0.0)) == Capture()

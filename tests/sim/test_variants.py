@@ -30,6 +30,13 @@ def test_variant_knobs() -> None:
     assert pols["histate-neutral-start"].cache.stats().pressure_factor == 1.0
     assert [t.name for t in cfg["histate"].tiers] == ["gpu", "cpu", "disk"]
     assert all(p.promote_tier == 0 for p in pols.values())
+    # The engine's step grid: 8,192 rounded down to 15 chunks of 528; a step end's price
+    # 2 ms / 80 µs = 25 tokens of prefill. vLLM's own scheduler (the small-steps
+    # ablation) ends a step at every chunk: a one-chunk grid.
+    assert {n: c.step_tokens for n, c in cfg.items() if n != "histate-small-steps"} == {
+        n: 7920 for n in cfg if n != "histate-small-steps"}
+    assert cfg["histate-small-steps"].step_tokens == 528
+    assert {c.step_price for c in cfg.values()} == {25.0}
 
 
 def test_hits_are_promoted_to_the_gpu_and_the_core_stays_consistent() -> None:

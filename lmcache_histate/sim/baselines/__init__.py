@@ -46,6 +46,16 @@ they take the set-up's ``histate.max_interval_chunks`` (the supported snapshot i
 and ``ema_alpha`` (the residence-time EMAs behind the pressure factor), as the
 ``histate`` row does (``variants.histate_policy``); left at the core's defaults they
 would place snapshots differently from ``histate`` under any other configuration.
+
+NOTE 2 (the ``lru`` rows plan on the step grid). ``lru`` and ``lru-refresh-all`` are
+HiState's core with recency eviction, and ``capture`` charges them as it charges
+``histate``: HiState's scheduler, the engine's step budget and a step end at each planned
+state. They are the eviction ablation, not a model of vLLM (that is ``vllm_align_policy``,
+whose states are the align-mode ones the default scheduler leaves anyway), so they plan
+on the same step grid at the same step price as ``histate``: without it they would
+plan a state per chunk while the cache warms up and pay step ends ``histate`` does not,
+a difference in scheduling, not eviction. ``file-lru`` keeps its own capture (a state at
+every chunk, one-chunk steps: the paper's baseline with vLLM's own scheduler).
 """
 
 from __future__ import annotations
@@ -100,6 +110,7 @@ def baseline_policies(
     same_memory: bool = False,
     max_interval_chunks: int = MAX_INTERVAL_CHUNKS,
     ema_alpha: float = EMA_ALPHA,
+    step_grid: tuple[int | None, float] = (None, 0.0),
 ) -> dict[str, Callable[[], Policy]]:
     """Row name → factory of a fresh policy, in report order (``BASELINES``).
 
@@ -107,7 +118,8 @@ def baseline_policies(
     ``host_kv_fraction``: SGLang's host KV share (None: in proportion to its device
     pools); ``same_memory``: every row gets GPU + CPU + disk bytes in all (module doc);
     ``max_interval_chunks``, ``ema_alpha``: the interval control of the rows that keep
-    HiState's (NOTE 1).
+    HiState's (NOTE 1); ``step_grid``: their engine's step grid and step price
+    (``CostModel.step_grid``; NOTE 2).
     """
     del seed  # no baseline is randomised
     geo = {
@@ -119,6 +131,8 @@ def baseline_policies(
     interval = {
         "supported_intervals": supported_intervals(chunk_tokens, max_interval_chunks),
         "ema_alpha": ema_alpha,
+        "step_tokens": step_grid[0],
+        "step_price": step_grid[1],
     }
     total = gpu_bytes + cpu_bytes + disk_bytes
     # The slowest tier of each row: as configured, or grown to the common total.
