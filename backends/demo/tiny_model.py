@@ -23,7 +23,35 @@ The directory is cached under ``$HISTATE_CACHE_DIR`` (default ``~/.cache/lmcache
 keyed by a hash of everything that determines its content, and written atomically (tmp dir +
 rename), so concurrent callers are safe.
 
-CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--out DIR]`` prints the path.
+Sizes (:data:`MODEL_SIZES`, ``--size``): ``tiny`` is :data:`TINY_CONFIG`; ``production`` is the
+same generator at a geometry whose *ratios* are Qwen3.5-9B's on an H100 (below).
+
+Production proportions, from ``lmcache_histate/data/cost_model_qwen35_9b_h100.yaml`` (prefill
+``t = 80 µs`` per token, host DRAM -> GPU ``50 GB/s``, NVMe ``5 GB/s``) and the 9B geometry
+(8 attention layers x 4 KV heads x 256 dims, bf16; 24 GDN layers of 32 value heads x 128 x 128
+fp32 plus a 3 x 8192 bf16 conv state):
+
+* KV bytes per token ``b = 8 * 2 * 4 * 256 * 2 = 32,768``; one GDN layer's state row
+  ``r = 32*128*128*4 + 3*8192*2 = 2,146,304``; a snapshot ``24 r = 51,511,296 B`` (51.5 MB).
+* Prefill vs KV bytes: ``R = t * B / b``, how many tokens' KV move in one token's prefill
+  time. DRAM tier: ``80e-6 * 50e9 / 32,768 = 122``; disk tier: ``12.2``.
+* Snapshot vs KV: ``N_s = 24 r / b = 1,572`` tokens of KV per snapshot (bandwidth-free; the
+  interval choice, docs/design.md §4, depends on it only). Moving one takes
+  ``51.5 MB / 50 GB/s = 1.03 ms`` (DRAM) or ``10.3 ms`` (NVMe), the prefill of ``12.9`` or
+  ``129`` tokens; a 528-token chunk it saves costs ``42 ms`` of prefill.
+* Fixed cost vs prefill: ``request_overhead_s = 20 ms`` is the prefill of ``250`` tokens.
+
+The ``production`` preset keeps 9B's per-layer shapes and its 3:1 GDN:attention mix at 8
+layers (6 GDN + 2 attention), so ``b = 2 * 2 * 4 * 256 * 2 = 8,192`` and a snapshot is
+``6 r = 12,877,824 B``: ``N_s = 1,572`` as for 9B, on any machine. ``R`` depends on the
+machine: on the 2-core CPU box the CPU tier copies a snapshot at ~3.3 GB/s
+(``benchmarks/live/results/live.md``, I/O table), so ``R = 122`` needs ``t = 122 * 8,192 /
+3.3e9 ≈ 300 µs`` of prefill per token; ``hidden_size`` 512 is the guess for that. The tiny
+model (``512 B`` of KV per token, ~171 µs per token) has ``R ≈ 1,100`` and its ~0.1 s fixed
+connector cost is ~585 tokens' prefill, over twice 9B's 250.
+
+CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--size S] [--cache-dir D]``
+prints the path.
 """
 
 from __future__ import annotations
@@ -40,9 +68,12 @@ from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MODEL_SIZES",
+    "PRODUCTION_OVERRIDES",
     "TINY_CONFIG",
     "TOKENIZER_VOCAB",
     "ensure_tiny_model",
+    "size_overrides",
     "tiny_config",
 ]
 
@@ -99,6 +130,37 @@ TINY_CONFIG: Mapping[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+
+PRODUCTION_OVERRIDES: Mapping[str, Any] = {
+    # Qwen3.5-9B's per-layer shapes, its 3:1 GDN:attention mix at 8 layers (module docstring).
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    # MoE only where vLLM needs one (layers 3 and 7); dense MLPs elsewhere.
+    "mlp_only_layers": [0, 1, 2, 4, 5, 6],
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+}
+"""``config.json`` fields the ``production`` size changes in :data:`TINY_CONFIG`."""
+
+MODEL_SIZES: Mapping[str, Mapping[str, Any]] = {"tiny": {}, "production": PRODUCTION_OVERRIDES}
+"""Model sizes by name: the overrides of :data:`TINY_CONFIG` each one applies."""
+
+
+def size_overrides(size: str) -> dict[str, Any]:
+    """The ``config.json`` overrides of the named size (a fresh dict); ValueError if unknown."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
+    return json.loads(json.dumps(dict(MODEL_SIZES[size])))
+
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")
 """Ids 0..3 in this order (config: pad 0, bos 1, eos 2)."""
@@ -349,9 +411,11 @@ def ensure_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=list(MODEL_SIZES), default="tiny")
     parser.add_argument("--cache-dir", default=None, help="parent directory of the model dir")
     args = parser.parse_args(argv)
-    print(ensure_tiny_model(seed=args.seed, cache_dir=args.cache_dir))
+    print(ensure_tiny_model(seed=args.seed, cache_dir=args.cache_dir,
+                            **size_overrides(args.size)))
     return 0
 
 
