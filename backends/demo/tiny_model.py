@@ -41,14 +41,35 @@ fp32 plus a 3 x 8192 bf16 conv state):
   ``129`` tokens; a 528-token chunk it saves costs ``42 ms`` of prefill.
 * Fixed cost vs prefill: ``request_overhead_s = 20 ms`` is the prefill of ``250`` tokens.
 
-The ``production`` preset keeps 9B's per-layer shapes and its 3:1 GDN:attention mix at 8
-layers (6 GDN + 2 attention), so ``b = 2 * 2 * 4 * 256 * 2 = 8,192`` and a snapshot is
-``6 r = 12,877,824 B``: ``N_s = 1,572`` as for 9B, on any machine. ``R`` depends on the
-machine: on the 2-core CPU box the CPU tier copies a snapshot at ~3.3 GB/s
-(``benchmarks/live/results/live.md``, I/O table), so ``R = 122`` needs ``t = 122 * 8,192 /
-3.3e9 ≈ 300 µs`` of prefill per token; ``hidden_size`` 512 is the guess for that. The tiny
-model (``512 B`` of KV per token, ~171 µs per token) has ``R ≈ 1,100`` and its ~0.1 s fixed
-connector cost is ~585 tokens' prefill, over twice 9B's 250.
+The ``production`` size keeps 9B's head dims (attention 256, GDN 128) and its 3:1
+GDN:attention mix at 8 layers (6 GDN + 2 attention) with a quarter of its heads (1 KV head,
+4 / 8 GDN key / value heads) at hidden size 256: ``b = 2 * 2 * 1 * 256 * 2 = 2,048``, a GDN row
+``r' = 8*128*128*4 + 3*2048*2 = 536,576`` (= ``r / 4``), a snapshot ``6 r' = 3,219,456 B``, so
+``N_s = 1,572`` exactly as for 9B, on any machine (every head count scaled by the same 1/4).
+
+``R`` and the fixed-cost ratio depend on the machine. Measured on the 2-core CPU box (vLLM CPU,
+``LLM`` class at its default budget, median of 3 fresh 2,048-token prompts after a warm-up,
+load average ~8; CPU-tier copy rate ``B = 3.3 GB/s`` from ``benchmarks/live/results/live.md``):
+
+=========================  ===========  ======  =============  ======================
+model                      t per token  R       N_s            0.1 s fixed cost as
+                                                               tokens of prefill
+=========================  ===========  ======  =============  ======================
+Qwen3.5-9B / H100 (yaml)   80 µs        122     1,572          250 (at its 20 ms)
+tiny                       64 µs        417     268            1,560
+production (this size)     278 µs       452     1,572          360
+9B's full head counts      3,924 µs     1,593   1,572          25
+=========================  ===========  ======  =============  ======================
+
+NOTE 1 (why ``R = 122`` is out of reach on this CPU): ``R = (FLOP per token / b) * (B / F)``
+for a compute rate ``F``. An H100 has ``B / F = 50e9 / 225e12``; this CPU ``3.3e9 / ~40e9``,
+about 400x more bytes per FLOP, so a model would need ~400x fewer FLOP per KV byte than 9B's
+18 GFLOP / 32 KiB; attention alone costs ~``L`` FLOP per KV byte at context ``L`` and a GDN
+layer ~1 FLOP per state byte (``N_s`` of them per KV byte), so no geometry with 9B's ``N_s``
+gets there. 9B's full head counts (row 4) move ``R`` the wrong way: GDN with 32 value heads is
+slow on CPU. The production size matches what can be matched: ``N_s`` exactly, the fixed
+cost within 1.5x (360 vs 250 tokens, against 6x for the tiny model), ``R`` within the tiny
+model's (452 vs 417), at 0.57 s per 2K-token prompt, so a live run stays short.
 
 CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--size S] [--cache-dir D]``
 prints the path.
@@ -132,22 +153,21 @@ TINY_CONFIG: Mapping[str, Any] = {
 }
 
 PRODUCTION_OVERRIDES: Mapping[str, Any] = {
-    # Qwen3.5-9B's per-layer shapes, its 3:1 GDN:attention mix at 8 layers (module docstring).
-    "hidden_size": 512,
-    "intermediate_size": 1024,
+    # Qwen3.5-9B's head dims and 3:1 GDN:attention mix at 8 layers, a quarter of its heads
+    # (module docstring: N_s as 9B's, prefill cost per token ~4x the tiny model's).
+    "hidden_size": 256,
+    "intermediate_size": 512,
     "num_hidden_layers": 8,
     "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,
     # MoE only where vLLM needs one (layers 3 and 7); dense MLPs elsewhere.
     "mlp_only_layers": [0, 1, 2, 4, 5, 6],
-    "moe_intermediate_size": 256,
-    "shared_expert_intermediate_size": 256,
 }
 """``config.json`` fields the ``production`` size changes in :data:`TINY_CONFIG`."""
 
