@@ -23,7 +23,56 @@ The directory is cached under ``$HISTATE_CACHE_DIR`` (default ``~/.cache/lmcache
 keyed by a hash of everything that determines its content, and written atomically (tmp dir +
 rename), so concurrent callers are safe.
 
-CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--out DIR]`` prints the path.
+Sizes (:data:`MODEL_SIZES`, ``--size``): ``tiny`` is :data:`TINY_CONFIG`; ``production`` is the
+same generator at a geometry whose *ratios* are Qwen3.5-9B's on an H100 (below).
+
+Production proportions, from ``lmcache_histate/data/cost_model_qwen35_9b_h100.yaml`` (prefill
+``t = 80 µs`` per token, host DRAM -> GPU ``50 GB/s``, NVMe ``5 GB/s``) and the 9B geometry
+(8 attention layers x 4 KV heads x 256 dims, bf16; 24 GDN layers of 32 value heads x 128 x 128
+fp32 plus a 3 x 8192 bf16 conv state):
+
+* KV bytes per token ``b = 8 * 2 * 4 * 256 * 2 = 32,768``; one GDN layer's state row
+  ``r = 32*128*128*4 + 3*8192*2 = 2,146,304``; a snapshot ``24 r = 51,511,296 B`` (51.5 MB).
+* Prefill vs KV bytes: ``R = t * B / b``, how many tokens' KV move in one token's prefill
+  time. DRAM tier: ``80e-6 * 50e9 / 32,768 = 122``; disk tier: ``12.2``.
+* Snapshot vs KV: ``N_s = 24 r / b = 1,572`` tokens of KV per snapshot (bandwidth-free; the
+  interval choice, docs/design.md §4, depends on it only). Moving one takes
+  ``51.5 MB / 50 GB/s = 1.03 ms`` (DRAM) or ``10.3 ms`` (NVMe), the prefill of ``12.9`` or
+  ``129`` tokens; a 528-token chunk it saves costs ``42 ms`` of prefill.
+* Fixed cost vs prefill: ``request_overhead_s = 20 ms`` is the prefill of ``250`` tokens.
+
+The ``production`` size keeps 9B's head dims (attention 256, GDN 128) and its 3:1
+GDN:attention mix at 8 layers (6 GDN + 2 attention) with a quarter of its heads (1 KV head,
+4 / 8 GDN key / value heads) at hidden size 256: ``b = 2 * 2 * 1 * 256 * 2 = 2,048``, a GDN row
+``r' = 8*128*128*4 + 3*2048*2 = 536,576`` (= ``r / 4``), a snapshot ``6 r' = 3,219,456 B``, so
+``N_s = 1,572`` exactly as for 9B, on any machine (every head count scaled by the same 1/4).
+
+``R`` and the fixed-cost ratio depend on the machine. Measured on the 2-core CPU box (vLLM CPU,
+``LLM`` class at its default budget, median of 3 fresh 2,048-token prompts after a warm-up,
+load average ~8; CPU-tier copy rate ``B = 3.3 GB/s`` from ``benchmarks/live/results/live.md``):
+
+=========================  ===========  ======  =============  ======================
+model                      t per token  R       N_s            0.1 s fixed cost as
+                                                               tokens of prefill
+=========================  ===========  ======  =============  ======================
+Qwen3.5-9B / H100 (yaml)   80 µs        122     1,572          250 (at its 20 ms)
+tiny                       64 µs        417     268            1,560
+production (this size)     278 µs       452     1,572          360
+9B's full head counts      3,924 µs     1,593   1,572          25
+=========================  ===========  ======  =============  ======================
+
+NOTE 1 (why ``R = 122`` is out of reach on this CPU): ``R = (FLOP per token / b) * (B / F)``
+for a compute rate ``F``. An H100 has ``B / F = 50e9 / 225e12``; this CPU ``3.3e9 / ~40e9``,
+about 400x more bytes per FLOP, so a model would need ~400x fewer FLOP per KV byte than 9B's
+18 GFLOP / 32 KiB; attention alone costs ~``L`` FLOP per KV byte at context ``L`` and a GDN
+layer ~1 FLOP per state byte (``N_s`` of them per KV byte), so no geometry with 9B's ``N_s``
+gets there. 9B's full head counts (row 4) move ``R`` the wrong way: GDN with 32 value heads is
+slow on CPU. The production size matches what can be matched: ``N_s`` exactly, the fixed
+cost within 1.5x (360 vs 250 tokens, against 6x for the tiny model), ``R`` within the tiny
+model's (452 vs 417), at 0.57 s per 2K-token prompt, so a live run stays short.
+
+CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--size S] [--cache-dir D]``
+prints the path.
 """
 
 from __future__ import annotations
@@ -40,9 +89,12 @@ from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MODEL_SIZES",
+    "PRODUCTION_OVERRIDES",
     "TINY_CONFIG",
     "TOKENIZER_VOCAB",
     "ensure_tiny_model",
+    "size_overrides",
     "tiny_config",
 ]
 
@@ -99,6 +151,36 @@ TINY_CONFIG: Mapping[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+
+PRODUCTION_OVERRIDES: Mapping[str, Any] = {
+    # Qwen3.5-9B's head dims and 3:1 GDN:attention mix at 8 layers, a quarter of its heads
+    # (module docstring: N_s as 9B's, prefill cost per token ~4x the tiny model's).
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    # MoE only where vLLM needs one (layers 3 and 7); dense MLPs elsewhere.
+    "mlp_only_layers": [0, 1, 2, 4, 5, 6],
+}
+"""``config.json`` fields the ``production`` size changes in :data:`TINY_CONFIG`."""
+
+MODEL_SIZES: Mapping[str, Mapping[str, Any]] = {"tiny": {}, "production": PRODUCTION_OVERRIDES}
+"""Model sizes by name: the overrides of :data:`TINY_CONFIG` each one applies."""
+
+
+def size_overrides(size: str) -> dict[str, Any]:
+    """The ``config.json`` overrides of the named size (a fresh dict); ValueError if unknown."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
+    return json.loads(json.dumps(dict(MODEL_SIZES[size])))
+
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")
 """Ids 0..3 in this order (config: pad 0, bos 1, eos 2)."""
@@ -349,9 +431,11 @@ def ensure_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=list(MODEL_SIZES), default="tiny")
     parser.add_argument("--cache-dir", default=None, help="parent directory of the model dir")
     args = parser.parse_args(argv)
-    print(ensure_tiny_model(seed=args.seed, cache_dir=args.cache_dir))
+    print(ensure_tiny_model(seed=args.seed, cache_dir=args.cache_dir,
+                            **size_overrides(args.size)))
     return 0
 
 

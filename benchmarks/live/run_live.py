@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import client
 import io_check
 import stacks
+from lmcache_histate.backends.demo.tiny_model import MODEL_SIZES
 
 GUARD_TOP = 5
 GUARD_TOKENS = 4
@@ -142,14 +143,14 @@ def _median_rows(runs: list[list[client.Row]]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
-    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model, size_overrides
     from lmcache_histate.backends.demo.workload import build_workload, unique_chunks
     from lmcache_histate.backends.vllm.engine_facts import probe
 
     out = Path(args.out).resolve()  # servers run in their own working directories
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    model = ensure_tiny_model()
+    model = ensure_tiny_model(**size_overrides(args.model_size))
     layout = probe(model, dtype=ENGINE_DTYPE)
     chunk = layout.block_size
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
@@ -217,7 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {k: summarize(v, sensitive) for k, v in per_stack.items()}
     io = io_check.measure(work, args.io_mb)
     _plot(per_stack, out / "ttft_cdf.png")
-    return {"layout": layout.__dict__, "budget": budget.__dict__, "footprint": footprint,
+    return {"model_size": args.model_size, "layout": layout.__dict__, "budget": budget.__dict__,
+            "footprint": footprint,
             "requests": len(workload), "sensitive": sorted(sensitive), "summary": summary,
             "rows": per_stack, "errors": errors, "guard_mismatches": mismatches,
             "guard": guard, "guard_reference": reference,
@@ -228,7 +230,7 @@ def markdown(data: dict[str, Any], command: str) -> str:
     lay, b = data["layout"], data["budget"]
     hs = data["summary"].get("histate")
     lines = [
-        "# Live benchmark (`vllm serve` stacks, tiny hybrid model, CPU)", "",
+        f"# Live benchmark (`vllm serve` stacks, {data['model_size']} hybrid model, CPU)", "",
         f"Command: `{command}`", "",
         f"CPU {lay['isa']} ({lay['kernel_library']}), vLLM {lay['vllm_version']}, block size "
         f"{lay['block_size']}, state dtypes {'/'.join(lay['state_dtypes'])}. "
@@ -267,6 +269,9 @@ def markdown(data: dict[str, Any], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-size", choices=list(MODEL_SIZES), default="tiny",
+                   help="random-weight hybrid model: tiny, or production (Qwen3.5-9B's "
+                        "per-layer shapes and ratios, backends/demo/tiny_model.py)")
     p.add_argument("--sessions", type=int, default=6)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--block-tokens", type=int, default=8)
