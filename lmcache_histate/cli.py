@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .core.geometry import GeometryError
+    from .core.model_geometry import GeometryError
     from .sim.config import ConfigError
     from .sim.traces import TraceFormatError
 

@@ -40,7 +40,8 @@ from .core.defaults import (
     HIT_POSITION_MODES,
     MAX_INTERVAL_CHUNKS,
 )
-from .core.geometry import GeometryError, ModelGeometry, load_geometry
+from .core.model_geometry import GeometryError, ModelGeometry
+from .core.model_presets import load_geometry
 from .exposure import check_exposure
 from .shared_index_config import SharedIndexConfig, parse_shared_index
 from .yamlfile import read_yaml

@@ -52,10 +52,3 @@ if os.environ.get("HISTATE_TEST_ISA", "").lower() == "avx2":
     _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _FORCE not in _paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([_FORCE, *_paths])
-
-# Every test's eviction queue re-ranks a top that its stamp says is current anyway and
-# asserts that the stamp told the truth (``core/eviction.py`` NOTE 4): any operation
-# sequence a test runs also checks that no input of a rank changes unnoticed.
-from lmcache_histate.core.eviction import EvictionQueue  # noqa: E402
-
-EvictionQueue.verify_stamps = True

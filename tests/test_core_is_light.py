@@ -10,7 +10,7 @@ def test_core_sim_and_cli_import_without_engines() -> None:
     code = (
         "import sys\n"
         "import lmcache_histate.cli, lmcache_histate.config\n"
-        "import lmcache_histate.core.cache, lmcache_histate.core.geometry\n"
+        "import lmcache_histate.core.cache, lmcache_histate.core.model_presets\n"
         "import lmcache_histate.sim.runner, lmcache_histate.sim.server\n"
         "import lmcache_histate.sim.baselines\n"
         "heavy = sorted(m for m in ('lmcache', 'vllm', 'torch') if m in sys.modules)\n"

@@ -13,10 +13,10 @@ BASE = {"cpu_gib": 1, "disk_path": "/tmp/histate-test-disk", "disk_gib": 1}
 
 
 def _tiny_config_dir(tmp_path: Path) -> Path:
-    from lmcache_histate.core import geometry
+    from lmcache_histate.core.model_presets import PRESET_CONFIGS
 
     (tmp_path / "config.json").write_text(
-        json.dumps(geometry._PRESET_CONFIGS["tiny-qwen3-next"])  # a model directory's config
+        json.dumps(PRESET_CONFIGS["tiny-qwen3-next"])  # a model directory's config
     )
     return tmp_path
 

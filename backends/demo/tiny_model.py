@@ -7,7 +7,7 @@ the same GDN layer as Qwen3.5 without the Qwen3.5 classes' torchvision import (d
 What is generated, deterministically from ``seed`` (same seed -> byte-identical files):
 
 * ``config.json``: the geometry of the core preset ``tiny-qwen3-next``
-  (``lmcache_histate/core/geometry.py``) plus the MoE and misc fields vLLM needs. vLLM refuses a
+  (``lmcache_histate/core/hf_config.py``) plus the MoE and misc fields vLLM needs. vLLM refuses a
   Qwen3-Next without MoE layers (``QwenNextMixtureOfExperts.set_moe_parameters``: "No Qwen3Next
   layer found"), so layers 1 and 3 are MoE (``mlp_only_layers=[0, 2]``) with 4 experts, top-2.
 * ``model.safetensors``: random weights in the *original checkpoint* naming vLLM's loader expects

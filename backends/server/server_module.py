@@ -219,6 +219,7 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
         logger.warning("HiState server module loaded without the HiState launcher: inactive")
         return HiStateServerModule(ctx, None)
     runtime.attach_server(ctx)
+    runtime.start_janitor()
     wrapped = []
     for module in build.modules:
         if isinstance(module, LMCacheDrivenTransferModule):

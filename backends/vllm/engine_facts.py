@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_histate.core.geometry import ModelGeometry, StateTensor, from_hf_config
+from lmcache_histate.core.hf_config import from_hf_config
+from lmcache_histate.core.model_geometry import ModelGeometry, StateTensor
 
 __all__ = [
     "OFFLINE_ENV",

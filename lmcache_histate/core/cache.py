@@ -15,7 +15,7 @@ interval controller are private. Callers (the simulator's policy, the live runti
 use the verbs below: queries (``lookup``, ``node``, ``tiers_of``, ``holds_kv_prefix``,
 ``stats``, ``used_bytes`` / ``free_bytes``), the request life (``begin``, ``promote``,
 ``complete``, ``release``) and the live-server hooks (``attach``, ``lose``, ``adopt``,
-``evict``, ``rerank``, ``set_capacity``, ``force_pressure_factor``) and the two verbs of
+``evict``, ``rerank``, ``set_capacity``) and the two verbs of
 a deployment that shares its last tier (``eviction_inputs``, ``follow_residence``).
 """
 
@@ -330,23 +330,11 @@ class HiStateCache:
         """Make the interval controller plan with these residence-time EMAs (a
         deployment's, pooled over servers that share a tier) instead of this core's own;
         eviction keeps feeding the core's own tracker. Returns the pressure factor in
-        effect. ``force_pressure_factor(None)`` goes back to the core's own EMAs."""
+        effect: ``kv_s / snapshot_s`` once both have samples (``ResidenceTracker``)."""
         pooled = ResidenceTracker(self.config.ema_alpha, self.config.initial_pressure_factor)
         pooled.kv_ema, pooled.kv_samples = float(kv_s), int(kv_samples)
         pooled.snapshot_ema, pooled.snapshot_samples = float(snapshot_s), int(snapshot_samples)
         self._interval.residence = pooled
-        return self._interval.pressure_factor
-
-    def force_pressure_factor(self, factor: float | None) -> float:
-        """TEST HOOK: make the interval controller use pressure factor ``factor`` (None:
-        back to the learned one). Eviction keeps its residence tracker. Returns the factor
-        in effect."""
-        if factor is None:
-            self._interval.residence = self._residence
-        elif not factor > 0:
-            raise ValueError(f"factor must be positive, got {factor}")
-        else:
-            self._interval.residence = _FixedPressure(float(factor))  # type: ignore[assignment]
         return self._interval.pressure_factor
 
     def score_status(self) -> dict[str, float | int | bool]:
@@ -380,15 +368,6 @@ class HiStateCache:
         self._index.check()
         self._store.check()
         self._queue.check()
-
-
-class _FixedPressure:
-    """Stands in for the interval controller's residence tracker (``force_pressure_factor``)."""
-
-    __slots__ = ("pressure_factor",)
-
-    def __init__(self, factor: float) -> None:
-        self.pressure_factor = factor
 
 
 def _with_capacity(tiers: tuple[TierSpec, ...], tier: int, nbytes: int) -> tuple[TierSpec, ...]:

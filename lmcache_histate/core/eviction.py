@@ -52,8 +52,8 @@ and a change of structure whose re-ranking a caller defers (``rerank=False`` in
 ``TieredStore``) by ``deferred``: while it is set no stamp is trusted. ``victim``'s
 own re-rank of one tier resets the stamp (the unit's other tiers were not re-ranked).
 A returning session's ``begin`` samples ``p_end`` and ``τ``: under a stream of requests a
-stamp lasts until the next one. The tests re-rank every top a stamp vouches for and
-assert that it was current (``verify_stamps``).
+stamp lasts until the next one. ``check`` re-ranks every unit a stamp vouches for and
+asserts that its queued rank is the fresh one.
 
 NOTE 5 (a snapshot dropped alone, the common eviction). When only a node's snapshot
 comes or goes, the node's parent keeps its KV and its children, so unless the parent
@@ -95,7 +95,6 @@ from __future__ import annotations
 import math
 from math import log
 
-from .eviction_checks import check_queue, verify_stamp
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
@@ -169,10 +168,6 @@ class EvictionQueue:
         self._basis: tuple[object, ...] | None = None
         self._tau, self._first = 0.0, num_tiers
         self.deferred = False
-
-    # Tests set this: ``victim`` then re-ranks a stamped top anyway and asserts that
-    # the stamp told the truth (NOTE 4), over every test's sequence of operations.
-    verify_stamps = False
 
     # ----------------------------------------------------------------- ranking
     @property
@@ -410,13 +405,10 @@ class EvictionQueue:
             anchor, pri = top
             if below is not None and pri >= below:
                 break
-            if anchor.rank_stamp == (epoch, anchor.access):
-                # Nothing its rank reads changed since it was queued (NOTE 4).
-                if self.verify_stamps:
-                    verify_stamp(self, anchor, tier, pri)
-            else:
-                # Queued ranks are lower bounds after lazy refreshes (NOTE 1): re-rank
-                # the top until it is current. Terminates: a re-ranked entry is current.
+            if anchor.rank_stamp != (epoch, anchor.access):
+                # Not stamped current (NOTE 4). Queued ranks are lower bounds after lazy
+                # refreshes (NOTE 1): re-rank the top until it is current. Terminates: a
+                # re-ranked entry is current.
                 fresh = self.rank(anchor, tier)
                 if fresh is None:
                     heap.discard(anchor)
@@ -442,6 +434,42 @@ class EvictionQueue:
         return found
 
     def check(self, exact: bool = False) -> None:
-        """``eviction_checks.check_queue``: every unit queued in exactly the tiers where it
-        frees bytes, at a rank consistent with a fresh ``rank()`` (O(n); tests)."""
-        check_queue(self, exact)
+        """Assert the queue's invariants (O(n)).
+
+        Every unit is queued in exactly the tiers where it frees bytes, and at a rank
+        consistent with a fresh ``rank()``: in the tiers ranked by ``t`` alone (every tier
+        when ``τ = 0``) a queued rank is never above the fresh one (accesses only raise
+        ``t``, NOTE 1). On the cost-ranked tiers ``τ`` and ``p_end`` drift both ways, so
+        there only ``exact`` checks: every queued rank *equals* the fresh one, which holds
+        whenever no access and no sample happened since the last structural change (a
+        quiescent point). In every tier, a unit whose stamp ``victim`` would trust has a
+        queued rank equal to the fresh one (NOTE 4), whether or not ``exact``.
+
+        Reads the epoch as ``victim`` would (``_epoch_now``: a new epoch iff an input
+        changed, the same one the next ``victim`` or ``update`` would start).
+        """
+        live = set(self.index.nodes.values())
+        for heap in self.heaps:
+            for anchor in heap:
+                assert anchor in live, f"queued node {anchor} is not in the index"
+        first = self._first_cost_tier(self.tau)
+        epoch = None if self.deferred else self._epoch_now()
+        for node in live:
+            # Per tier through ``units.unit_parts``: the hot path's ``tier_bytes`` computes
+            # all tiers in one walk, so this also checks that walk against the definition.
+            freed = [self._freed_in(node, tier) for tier in range(len(self.heaps))]
+            stamped = epoch is not None and node.rank_stamp == (epoch, node.access)
+            for tier, heap in enumerate(self.heaps):
+                assert (freed[tier] > 0) == (node in heap), (node, tier, freed)
+                if node not in heap:
+                    continue
+                queued, fresh = heap.priority(node), self.rank(node, tier)
+                assert fresh is not None
+                tol = 1e-9 * max(1.0, abs(fresh))
+                if exact:
+                    assert abs(queued - fresh) <= tol, f"stale rank {queued} ≠ {fresh}: {node}"
+                    continue
+                if tier < first:
+                    assert queued <= fresh + tol, f"rank {queued} above fresh {fresh}: {node}"
+                if stamped:
+                    assert abs(queued - fresh) <= tol, f"stamped rank {queued} ≠ {fresh}: {node}"

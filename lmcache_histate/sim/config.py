@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS, PAPER_TAU_S
-from ..core.geometry import GeometryError, ModelGeometry, load_geometry
+from ..core.model_geometry import GeometryError, ModelGeometry
+from ..core.model_presets import load_geometry
 from ..yamlfile import read_yaml
 from .capture import ENGINE_STEP_TOKENS, STEP_OVERHEAD_S, Capture, capture_time
 

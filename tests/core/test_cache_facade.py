@@ -81,24 +81,6 @@ def test_set_capacity_evicts_until_it_fits_and_keeps_what_is_pinned() -> None:
     cache.check()
 
 
-def test_force_pressure_factor_moves_the_interval_choice() -> None:
-    """Segment L = 64, N_s = 12.5, supported I = 4 or 8, cost I/2 + F·N_s·L/I:
-    F = 0 (learned: no snapshot has left the cache): I = 4 → 2, I = 8 → 4: 4;
-    F = 1 (forced): I = 4 → 2 + 200 = 202, I = 8 → 4 + 100 = 104: 8;
-    F = 0.01: I = 4 → 2 + 2 = 4, I = 8 → 4 + 1 = 5: 4."""
-    cache = stored()
-    assert cache.interval_for(64) == 4
-    assert cache.force_pressure_factor(1.0) == 1.0
-    assert cache.interval_for(64) == 8
-    assert cache.force_pressure_factor(0.01) == 0.01
-    assert cache.interval_for(64) == 4
-    assert cache.stats().pressure_factor == 0.01
-    assert cache.force_pressure_factor(None) == 0.0
-    assert cache.interval_for(64) == 4
-    with pytest.raises(ValueError, match="factor must be positive"):
-        cache.force_pressure_factor(0.0)
-
-
 def test_eviction_inputs_are_the_units_t_c_and_m_on_the_disk() -> None:
     cache = stored()
     # S102 (intermediate, on disk): p = 8, nothing above: delta = 8. Its zone: 103, then the
@@ -134,10 +116,9 @@ def test_follow_residence_sets_the_pressure_factor_the_interval_uses() -> None:
     # No KV sample in the pooled EMAs: the neutral factor 1 (8).
     assert cache.follow_residence(1.0, 0, 100.0, 2) == 1.0
     assert cache.interval_for(64) == 8
-    # The pooled EMAs replace the core's own only for planning: back to them on request.
-    cache.follow_residence(1.0, 0, 100.0, 2)
-    assert cache.force_pressure_factor(None) == 0.0  # the core itself saw nothing leave
-    assert cache.interval_for(64) == 4
+    # The pooled EMAs replace the core's own only for planning: the core itself saw
+    # nothing leave.
+    assert cache.stats().kv_residence_s == cache.stats().snapshot_residence_s == 0.0
 
 
 def test_eviction_inputs_edges() -> None:
@@ -170,7 +151,7 @@ def test_eviction_inputs_edges() -> None:
 def test_initial_pressure_factor_is_the_factor_until_a_snapshot_leaves() -> None:
     """``stored()``'s segment (L = 64, N_s = 12.5, I in {4, 8}) under a core configured
     with ``initial_pressure_factor`` 1: cost(4) = 2 + 200 = 202, cost(8) = 4 + 100 = 104
-    -> 8 (the default 0 gives 4: test_force_pressure_factor_moves_the_interval_choice).
+    -> 8 (the default 0 gives 4: test_follow_residence_sets_the_pressure_factor_the_interval_uses).
     A negative or infinite value is refused at construction, naming the key."""
     base = stored().config
     cache = HiStateCache(replace(base, initial_pressure_factor=1.0))

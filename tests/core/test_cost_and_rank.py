@@ -254,8 +254,10 @@ def test_check_catches_a_rank_above_the_fresh_one_on_tiers_ranked_by_t() -> None
     q.heaps[0].set(n[4], 101.0, -n[4].depth)
     with pytest.raises(AssertionError, match="above fresh"):
         q.check()
-    # A queued rank *below* the fresh one is a lazy refresh, accepted (NOTE 1).
+    # A queued rank *below* the fresh one is a lazy refresh, accepted (NOTE 1); the
+    # refresh also voids the unit's stamp (NOTE 4), as here.
     q.heaps[0].set(n[4], 99.0, -n[4].depth)
+    n[4].rank_stamp = None
     q.check()
 
 

@@ -9,16 +9,9 @@ from typing import Any
 
 import pytest
 
-from lmcache_histate.core import geometry
-from lmcache_histate.core.geometry import (
-    GeometryError,
-    ModelGeometry,
-    StateTensor,
-    from_hf_config,
-    load_geometry,
-    preset,
-    preset_names,
-)
+from lmcache_histate.core.hf_config import from_hf_config
+from lmcache_histate.core.model_geometry import GeometryError, ModelGeometry, StateTensor
+from lmcache_histate.core.model_presets import PRESET_CONFIGS, load_geometry, preset, preset_names
 
 
 def _tiny_next(**overrides: Any) -> dict[str, Any]:
@@ -73,11 +66,11 @@ def test_qwen35_9b_exact_numbers() -> None:
 def test_qwen35_9b_bf16_ssm_override() -> None:
     # The override goes through the same parser (and transcribed config) as the preset.
     base = preset("qwen3.5-9b")
-    g = from_hf_config(geometry._PRESET_CONFIGS["qwen3.5-9b"], ssm_dtype="bfloat16")
+    g = from_hf_config(PRESET_CONFIGS["qwen3.5-9b"], ssm_dtype="bfloat16")
     assert g.snapshot_bytes == 26_345_472
     assert g.kv_bytes_per_token == base.kv_bytes_per_token
     assert g.state_tensors[1].dtype == "bfloat16"
-    g8 = from_hf_config(geometry._PRESET_CONFIGS["qwen3.5-9b"], kv_dtype="fp8")
+    g8 = from_hf_config(PRESET_CONFIGS["qwen3.5-9b"], kv_dtype="fp8")
     assert g8.kv_bytes_per_token == 16_384
 
 

@@ -21,9 +21,7 @@ LN_6 = -1.358123  # ln(72 / 280): the bundle
 
 
 def no_rank(q: EvictionQueue, monkeypatch: pytest.MonkeyPatch) -> list[Node]:
-    """Record every ``rank`` call of ``q`` (and stop the tests' stamp verification,
-    which re-ranks a trusted top on purpose)."""
-    monkeypatch.setattr(EvictionQueue, "verify_stamps", False)
+    """Record every ``rank`` call of ``q``."""
     calls: list[Node] = []
     rank = q.rank
 
@@ -123,14 +121,12 @@ def test_no_stamp_is_trusted_while_a_re_ranking_is_deferred(
     assert calls == [found[0]]
 
 
-def test_the_tests_stamp_verification_catches_an_input_changed_behind_the_queue() -> None:
-    """``verify_stamps`` (set for every test by ``tests/conftest.py``): S4's boundary
-    snapshot 6 gains hit density without the index or the queue knowing."""
-    assert EvictionQueue.verify_stamps
+def test_check_catches_an_input_changed_behind_the_queue() -> None:
+    """S4's boundary snapshot 6 gains hit density without the index or the queue
+    knowing: S4's stamp still vouches for its queued rank, which is no longer fresh."""
     index, n = tree()
     q = queue(index, 1, tau=10.0)
-    for key in (1, 2, 3, 6, 7, 8):
-        q.remove(n[key])
+    q.check()
     n[6].weight += 1.0
     with pytest.raises(AssertionError, match="stamped"):
-        q.victim(0)
+        q.check()

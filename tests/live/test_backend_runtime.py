@@ -101,15 +101,15 @@ class Ctx:
 
 
 def runtime_on_fake_l1(tmp_path: Path, clock: Callable[[], float]) -> HiStateRuntime:
-    """A runtime with its disk tier in ``tmp_path``, attached to a ``FakeL1``, janitor off
-    (tests call ``tick()``)."""
+    """A runtime with its disk tier in ``tmp_path``, attached to a ``FakeL1``, no janitor
+    thread started (tests call ``tick()``)."""
     cfg = parse_config(
         {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
          "disk_path": str(tmp_path), "disk_gib": 1}
     )
     runtime = HiStateRuntime(cfg, clock=clock)
     l1 = FakeL1()
-    runtime.attach_server(Ctx(StorageManager(l1)), janitor=False)
+    runtime.attach_server(Ctx(StorageManager(l1)))
     l1.runtime = runtime
     return runtime
 

@@ -28,7 +28,7 @@ def production_config() -> dict:
 def test_production_geometry_has_the_9b_ratios() -> None:
     """6 GDN + 2 attention layers; 2,048 B of KV per token; a snapshot of 6 rows; the
     snapshot-to-KV ratio N_s equals Qwen3.5-9B's (24 rows over 32,768 B per token = 1,572)."""
-    from lmcache_histate.core.geometry import from_hf_config
+    from lmcache_histate.core.hf_config import from_hf_config
     from lmcache_histate.core.model_presets import preset
 
     geometry = from_hf_config(production_config())

@@ -231,7 +231,7 @@ def test_tiny_model_is_deterministic_and_parses(tmp_path: Path) -> None:
     """Same seed -> byte-identical files; the core parses it; vLLM-CPU constraints hold."""
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
 
-    from lmcache_histate.core.geometry import from_hf_config
+    from lmcache_histate.core.hf_config import from_hf_config
 
     first = ensure_tiny_model(seed=3, cache_dir=tmp_path / "a")
     second = ensure_tiny_model(seed=3, cache_dir=tmp_path / "b")

@@ -304,7 +304,6 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     print("\nturns:", json.dumps(stack.turns, indent=1))
     counts = [len(t["plan"]) for t in stack.turns]
     assert counts == [3, 2, 1]  # sparser snapshots as the pressure factor grows
-    rpc(zmq, "histate_test.force_pressure", {"factor": None})
 
 
 @needs_live

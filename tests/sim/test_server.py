@@ -237,7 +237,7 @@ def test_histate_rows_capture_their_planned_states() -> None:
     # Factor 1: N_s = 51,511,296 / 32,768 = 1,572 tokens, I* = sqrt(2 · 19,536 · 1,572) ≈
     # 7,837 tokens → 15 chunks (7,920): states @15 @30, final @37: two mid-prefill states.
     full = histate_policy(s)
-    full.cache.force_pressure_factor(1.0)
+    full.cache.follow_residence(1.0, 1, 1.0, 1)  # T_KV / T_state = 1 / 1
     cap = capture_of(full, r, full.begin(r, 0.0))
     assert cap == Capture(step_ends=(7920, 15840), host_states=2)
     # At the 8,192-token budget: pieces 7,920 / 7,920 / 4,160, one step each = ceil(20,000

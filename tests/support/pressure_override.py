@@ -3,10 +3,11 @@
 The interval controller's pressure factor ``F = T_KV / T_state`` is learned from eviction
 residence times (``lmcache_histate.core.interval.ResidenceTracker``); a short test cannot
 produce a chosen value through real evictions. This module adds one RPC,
-``histate_test.force_pressure`` (JSON ``{"factor": F}`` or ``{"factor": null}`` to go back
-to the learned value), which makes the server's interval controller use ``F`` for every
-following ``histate.plan`` (``HiStateCache.force_pressure_factor``, the core's test hook).
-Nothing else changes: eviction keeps its own residence tracker.
+``histate_test.force_pressure`` (JSON ``{"factor": F}``, ``F > 0``), which makes the
+server's interval controller plan every following ``histate.plan`` with ``F``, through
+the core's public verb for pooled residence times (``HiStateCache.follow_residence`` with
+``T_KV = F`` s and ``T_state = 1`` s, one sample each). Nothing else changes: eviction
+keeps feeding the core's own residence tracker.
 
 Load it next to HiState's own module, with ``tests/support`` on the server's ``PYTHONPATH``
 (``support.lmcache_mp.support_pythonpath``), e.g. in a test configuration::
@@ -55,13 +56,17 @@ class PressureOverrideModule:
     def force_pressure(self, payload: bytes) -> bytes:
         request = json.loads(payload or b"{}")
         factor = request.get("factor")
+        if factor is None or not float(factor) > 0:
+            raise ValueError(f"factor must be a positive number, got {factor}")
         runtime = registry.current()
         if runtime is None:
             raise RuntimeError("no HiState runtime in this server")
-        if factor is not None and float(factor) <= 0:
-            raise ValueError(f"factor must be positive, got {factor}")
-        effective = runtime.force_pressure_factor(None if factor is None else float(factor))
-        self.forced = None if factor is None else float(factor)
+        with runtime.lock:
+            core = runtime.core
+            if core is None:
+                raise RuntimeError("HiState runtime has no core yet (serve one request first)")
+            effective = core.follow_residence(float(factor), 1, 1.0, 1)
+        self.forced = float(factor)
         logger.warning("TEST ONLY: HiState pressure factor forced to %s", self.forced)
         return json.dumps({"forced_factor": self.forced, "pressure_factor": effective}).encode()
 

@@ -132,9 +132,9 @@ class HiStateRuntime:
         """Also tell ``observer`` every placement event of the core (``CoreListener``)."""
         self.actions.listener.observers.append(observer)
 
-    def attach_server(self, ctx: Any, *, janitor: bool = True) -> None:
-        """Called by the server module once the server context exists (``janitor=False``:
-        tests drive ``tick`` themselves)."""
+    def attach_server(self, ctx: Any) -> None:
+        """Called by the server module once the server context exists; ``start_janitor``
+        then runs ``tick`` in the background."""
         self.ctx = ctx
         sm = ctx.storage_manager
         # LMCache 0.5.6 exposes no public per-key L1 delete/read-lock API on the storage
@@ -150,7 +150,10 @@ class HiStateRuntime:
                 ctx.chunk_size, self.model.chunk, ctx.chunk_size,
             )
             self.model.chunk = ctx.chunk_size
-        if janitor and self._janitor is None:
+
+    def start_janitor(self) -> None:
+        """Run ``tick`` every 0.25 s on a daemon thread until ``close`` (once)."""
+        if self._janitor is None:
             self._janitor = threading.Thread(target=self._janitor_loop, name="histate-janitor",
                                              daemon=True)
             self._janitor.start()
@@ -316,18 +319,9 @@ class HiStateRuntime:
                 if self.model.core is not None:
                     self.deployment.apply(self.model.core, emas)
 
-    # ================================================================ tests
-    def force_pressure_factor(self, factor: float | None) -> float:
-        """TEST HOOK (``tests/support/pressure_override``): see
-        ``HiStateCache.force_pressure_factor``."""
-        with self.lock:
-            core = self.model.core
-            if core is None:
-                raise RuntimeError("HiState runtime has no core yet (serve one request first)")
-            return core.force_pressure_factor(factor)
-
+    # ================================================================ checks
     def check(self) -> None:
-        """Core invariants plus object bookkeeping consistency (tests)."""
+        """Assert the core's invariants and the object bookkeeping's (O(n))."""
         with self.lock:
             core = self.model.core
             if core is None:
@@ -357,4 +351,6 @@ class HiStateRuntime:
         link = self._shared()
         if link is not None:
             self._sync_deployment(link)
-        self.stats["janitor_ticks"] += 1  # /status janitor_ticks: tests wait for a tick to pass
+        # /status janitor_ticks: the background thread is alive (a stalled count is a
+        # janitor stuck on the lock or on I/O).
+        self.stats["janitor_ticks"] += 1
