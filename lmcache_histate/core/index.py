@@ -355,7 +355,7 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- checking
     def check(self) -> None:
-        """Assert every invariant in the module docstring (O(n); for tests)."""
+        """Assert every invariant in the module docstring (O(n): a check, not for the hot path)."""
         for key, node in self.nodes.items():
             assert node.key == key
             parent = node.parent

@@ -93,7 +93,7 @@ class EndStatePolicy:
         return out
 
     def resident(self, node: Node) -> tuple[str | None, str | None]:
-        """(KV tier, state tier) names of ``node``, for tests and debugging."""
+        """(KV tier, state tier) names of ``node``, for inspection."""
         e = self.engine
         kv = e.tier_names[e.tier(node, KV)] if node.kv_tiers else None
         st = e.tier_names[e.tier(node, STATE)] if node.snap_tiers else None
