@@ -36,7 +36,7 @@ class CacheConfig:
     ``hit_positions``: ``"uniform"`` (default) is the paper's model; ``"measured"`` learns
     where internal hits land inside segments and uses it for ``C`` and for placing
     interval snapshots (``hit_positions``; off by default: it lost mean and p99 on the
-    whole Weka folder under pressure, ``benchmarks/sim_eviction.md`` round 3).
+    whole Weka folder under pressure, ``benchmarks/sim_eviction.md``).
     ``recency_tiers``: how many leading tiers are the engine's own block pool, which
     ranks by recency alone (vLLM's prefix cache is LRU); the simulator's GPU tier is
     one, the live server has none. Every other tier ranks by ``H`` (``score`` NOTE 3).

@@ -38,7 +38,7 @@ order, the heap's default, would take the head first: it was stored earliest.)
 NOTE 4 (stamps: a top whose inputs did not change is not re-ranked). Re-ranking the top
 in ``victim`` (NOTE 1) was one of the three zone walks of an eviction, and between
 requests it only confirms ranks that nothing has touched since they were queued
-(``benchmarks/README.md`` "core_ops" round 8: evict ×0.93). ``update`` stamps the node
+(``benchmarks/README.md`` "core_ops": evict ×0.93). ``update`` stamps the node
 with the queue's ``epoch`` and the ``access`` it ranked with, and ``victim`` takes a
 top as current, without re-ranking it, only if both still match: the inputs of its
 rank are then those it was queued with, so a fresh rank would equal the queued one.
@@ -59,7 +59,7 @@ NOTE 5 (a snapshot dropped alone, the common eviction). When only a node's snaps
 comes or goes, the node's parent keeps its KV and its children, so unless the parent
 holds a snapshot (whose zone changed) it is still no unit and holds no entry:
 ``update_around(snapshot_only=True)`` skips its re-rank, one of the four in such an
-eviction (``benchmarks/README.md`` "core_ops" round 10). Everything else is
+eviction (``benchmarks/README.md`` "core_ops"). Everything else is
 re-ranked as after any change, the parent's other branches included, although their
 ranks do not read ``node``: a re-rank also refreshes a rank that drifted since it was
 queued (``τ``, ``p_end``, session densities: NOTE 1's lower bounds are approximate

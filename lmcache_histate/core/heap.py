@@ -30,16 +30,16 @@ Invariants:
   * ``_entries`` counts the entries in all buckets; at most ``max(len(_live),
     COMPACT_MIN)`` of them are stale, and at most as many priorities in ``_heap``.
 
-NOTE 1 (why a heap of floats). Until round 11 the heap was one ``heapq`` list of entry
-tuples ``(priority, tie, order, version, key)``. Comparing two tuples costs an equality
+NOTE 1 (why a heap of floats). A heap of entry tuples ``(priority, tie, order, version,
+key)`` would be the plain design. Comparing two tuples costs an equality
 and an order comparison of their first items, behind a pointer to each tuple, and the
 pops of a heap of 10⁵–10⁶ entries are bound by those reads: a pop of 372K tuples took
 about 3 µs, a pop of 372K floats 0.7–0.9 µs (``benchmarks/heap_pops.py``), and the
 victim search of an eviction pops about three times (``benchmarks/README.md``
-"core_ops" round 11). Where ranks are ``H`` (sums of floats) equal priorities are rare,
+"core_ops"). Where ranks are ``H`` (sums of floats) equal priorities are rare,
 so a bucket is the entry itself (no list) and costs a dict lookup; where they tie (``t``
 alone: refresh-all gives a prefix one ``t``) a bucket is a small ``heapq`` list of
-tuples, the old cost.
+tuples, the plain design's cost.
 
 NOTE 2 (the order). It is the one of whole entries ``(priority, tie, order, version)``:
 ``version`` is unique, so a comparison never reaches the key (keys need not be
@@ -51,7 +51,7 @@ and ``0.0`` share a bucket, as they compared equal in a tuple) and must not be N
 NOTE 3 (an entry alone leaves at once). Most stale entries were alone at their
 priority, and taking them out of the dict when they go stale (one lookup) keeps the
 common rebuild to the floats: ``list(_buckets)`` and a ``heapify``, 0.04 s for 400K
-live keys, as the ``heapify`` of 400K entry tuples before round 11 (a rebuild of the
+live keys, as fast as a ``heapify`` of 400K entry tuples (a rebuild of the
 buckets themselves hashes every live priority anew: 0.11 s; it runs only when stale
 entries of shared buckets pile up). It also means that a bucket of one entry is live,
 which ``peek`` takes without a lookup.

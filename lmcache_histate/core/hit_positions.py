@@ -72,7 +72,7 @@ shared subset at 1/8 of the paper's CPU+disk (p99 −3 %) and on the whole Weka 
 the paper's capacity (p99 −3.6 %), and lowered the whole folder's reuse-sensitive mean at
 1/8, 1/4 and 1× (−3 to −4 %), but lost on its mean and p99 at 1/8 (+12 %, +7 %) and 1/4
 (+8.5 %, +3.8 %), with placement alone and with ``C`` alone
-(``benchmarks/sim_eviction.md`` round 3); why was not traced. One candidate, not
+(``benchmarks/sim_eviction.md``); why was not traced. One candidate, not
 tested: with the divergence floored to the simulator's 528-token chunks (re-binned
 offline), 31 % of the offsets above fall in a segment's first twentieth or before its
 start, a flooring artefact this histogram cannot tell from a genuine early cut.

@@ -47,7 +47,7 @@ span it recomputes: when eviction took the states of earlier segments the recomp
 covers several of them, and one warp over it would put the segments' hit clusters at
 the span's two ends only. The earlier part keeps the plain grid, plus a state where the
 new segment starts (the previous request's final state, recomputed). Measured effect:
-``benchmarks/sim_eviction.md`` round 3 (it did not rescue the whole-folder loss at 1/8).
+``benchmarks/sim_eviction.md`` (it does not rescue the whole-folder loss at 1/8).
 
 NOTE 2 (free storage). The storage term prices a snapshot by what it displaces, and the
 residence times measure that only once something has been displaced. A snapshot tier
@@ -66,7 +66,7 @@ follows it.
 8K segment is a 5K interval: a rewrite inside the segment would resume up to 5K tokens
 before its cut on an empty disk. Measured, ``benchmarks/sim_weka.md`` "sim_rewrite": the
 rewrite test goes from −13 % to −19 % vs vLLM; under pressure the start-up transient
-moves the rows within their run-to-run spread, ``benchmarks/sim_eviction.md`` round 5.)
+moves the rows within their run-to-run spread, ``benchmarks/sim_eviction.md``.)
 Snapshots leaving
 while no KV has is evidence the snapshot side is the tighter one, but not of by how
 much: ``F`` stays at the neutral 1 until KV leaves too. A deployment that would rather

@@ -15,15 +15,15 @@ own ranking, demoting further. The last tier is where units leave the cache, and
 decides by ``H``: a unit arriving there evicts only units ranked below its own ``H``
 there (``EvictionQueue.arrival_rank``); if that is not enough it is the one that leaves
 (NOTE 1). Capacities are never exceeded; ``check()`` recomputes the accounting.
-NOTE 1 (one scale where units leave). A demotion used to evict below only units ranked
-under the demoted one, by the demoted unit's rank in the tier it left: ``t`` (fast tiers
-rank by recency, ``score`` NOTE 3) against the last tier's ``t + τ·ln(C/M)``, where a deep
-snapshot of a long session sits minutes above its ``t``. Demotions into the last tier then
-failed and dropped units by fast-tier recency, and a refused demotion between fast tiers
-dropped a unit that the last tier never saw. Now a fast tier always admits (nothing is
-lost: it demotes further) and the last tier compares ``H`` with ``H``. Measured on the
-whole Weka folder at 1/8 of the paper's CPU+disk (``benchmarks/sim_eviction.md`` round
-4): mean TTFT 9.51 → 7.63 s with recency from release (``request_path`` NOTE 1); always
+NOTE 1 (one scale where units leave). A fast tier always admits a demoted unit (nothing
+is lost: it demotes further), and the last tier compares ``H`` with ``H``. Comparing a
+demoted unit's rank in the tier it left (``t``: fast tiers rank by recency, ``score``
+NOTE 3) against the last tier's ``t + τ·ln(C/M)``, where a deep snapshot of a long session
+sits minutes above its ``t``, would mix two scales: demotions into the last tier would
+fail and drop units by fast-tier recency, and a refused demotion between fast tiers would
+drop a unit the last tier never saw. Measured on the whole Weka folder at 1/8 of the
+paper's CPU+disk (``benchmarks/sim_eviction.md``): mean TTFT 7.63 s with this rule and
+recency from release (``request_path`` NOTE 1), 9.51 s with mixed scales; always
 admitting at every tier gave 8.30 s, refusing at every tier 10.47 s.
 """
 

@@ -34,7 +34,7 @@ finished request's blocks to the tail of its free queue (``v1/core/block_pool.py
 behind a long prefill (minutes, for a 500K-token prompt under load) came out of it as
 the oldest thing in the cache: on the whole Weka folder at 1/8 of the paper's CPU+disk a
 session's hit prefix, snapshots first, left within seconds of the request finishing,
-and with them the whole context (``benchmarks/sim_eviction.md`` round 4).
+and with them the whole context (``benchmarks/sim_eviction.md``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ deciding by ``H`` (``placement`` NOTE 1), at three load offsets (sessions 55, 60
 apart), mean TTFT: CPU by recency 8.05 / 8.12 / 8.06 s, CPU by ``H`` 7.92 / 7.62 / 7.78 s
 (``file-lru`` 8.46 / 8.04 / 9.01 s); the GPU ranked by ``H`` as well 7.84 s (60 s
 apart): it pushed active sessions' history out of the engine's pool, as measured before
-on the compressed subset (``benchmarks/sim_eviction.md`` round 4).
+on the compressed subset (``benchmarks/sim_eviction.md``).
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ server's own view disagrees. Its local entry, if any, is stale (another server's
 deleted the file, or the entry was forgotten as corrupt) and is replaced; and the local
 capacity check is skipped, because this server's view still counts files other servers
 evicted (it is told only of its own claims, shared_link NOTE 1) and the deployment's
-budget already bounds the folder. Before, such an object was reported present or not
-persisted while its reservation stayed ``writing`` until its deadline, holding budget.
+budget already bounds the folder. Without this, such an object would be reported present
+or not persisted while its reservation stayed ``writing`` until its deadline, holding
+budget.
 """
 
 from __future__ import annotations

@@ -41,10 +41,9 @@ NOTE 1 (events are stamped under the lock). The core assumes its clock never run
 (a session's re-access gap is ``now − last access``; a negative one is clamped to 0). An
 entry point that read the clock before taking the lock could apply its event after a
 later-stamped one from another thread (LMCache serves stores and lookups on different
-threads), and a session's re-access gap would come out negative. A CI run under load once
-read a calibrated ``τ`` of exactly 0 where every gap is milliseconds or more, which is
-what a lone negative gap gives. So every ``now`` is read once the lock is held, and
-events reach the core in the order of their stamps.
+threads), and a session's re-access gap would come out negative: a lone negative gap
+calibrates ``τ`` to exactly 0. So every ``now`` is read once the lock is held, and events
+reach the core in the order of their stamps.
 """
 
 from __future__ import annotations

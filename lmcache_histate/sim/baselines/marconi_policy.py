@@ -2,8 +2,8 @@
 
 Marconi's score ``recency + α · flop_efficiency`` needs α, and the right α depends on the
 workload, so Marconi tunes it by replaying recent requests (``config_tuner.py``; the
-repository was not reachable from here: the rule below is the one described by the
-audit in issue 8 and by docs/design.md §6):
+repository was not reachable from here: the rule below is the one docs/design.md §6
+describes):
 
 * Until the cache first has to evict, α does not matter; it starts at 0 (pure recency).
 * At the first eviction the *window* is sized: ``window_factor`` (default 5) × the

