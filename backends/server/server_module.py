@@ -41,6 +41,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
     server_module_handler,
 )
 
+from lmcache_histate.core.interval import check_step_tokens
 from lmcache_histate.exposure import read_secret
 from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 
@@ -91,10 +92,11 @@ def parse_plan_request(
     if start > end:
         raise RpcRefused(f"histate.plan: start_tokens {start} is after input_tokens {end}")
     step = request.get("step_tokens")
-    if step is not None and (
-        isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= max_tokens
-        or step % chunk_tokens
-    ):
+    try:
+        valid = check_step_tokens(step, chunk_tokens) is None or step <= max_tokens
+    except ValueError:
+        valid = False
+    if not valid:
         raise RpcRefused(
             f"histate.plan: step_tokens must be a positive multiple of the chunk size "
             f"{chunk_tokens} up to {max_tokens}, got {step!r}"[:300]
