@@ -35,7 +35,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_histate.backends.demo.process_group import stop_group
+from lmcache_histate.backends.demo.servers import free_ports
 
 BIN = Path(sys.executable).parent  # the venv's console scripts: histate-server, histate
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -53,12 +53,6 @@ QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STA
 TEXT = ("the cache keeps every token of the session but a recurrent layer keeps one state "
         "read the file apply the patch run the tests and report what changed")
 """Words the first user message is drawn from (the tiny tokenizer was trained on such text)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get(url: str, timeout: float = 5.0) -> str:
@@ -137,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_and_converse(model: Path, work: Path, words: int, timeout: float) -> dict[str, Any]:
     """Start both servers (stopped on the way out, whatever happens), then converse."""
-    vllm_port, zmq_port, http_port = free_port(), free_port(), free_port()
+    vllm_port, zmq_port, http_port = free_ports(3)
 
     # 1. The server: configs/histate.yaml's keys, sized for a laptop. chunk_size: auto asks
     #    vLLM which block size it will use for this model on this machine.

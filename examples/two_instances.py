@@ -75,11 +75,10 @@ def redis_server(workdir: Path, port: int) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-def server_config(name: str, model: Path, work: Path, url: str, layout: Any) -> Path:
+def server_config(name: str, model: Path, work: Path, url: str, layout: Any,
+                  ports: tuple[int, int]) -> Path:
     """``configs/shared-index-<name>.yaml`` made runnable here: the tiny model, its layout,
-    free ports, a temporary shared folder, this Redis."""
-    from lmcache_histate.backends.demo.servers import free_port
-
+    ``ports`` (request, HTTP), a temporary shared folder, this Redis."""
     cfg = yaml.safe_load((CONFIGS / f"shared-index-{name}.yaml").read_text())
     cfg.update({
         "model": str(model / "config.json"),
@@ -90,8 +89,8 @@ def server_config(name: str, model: Path, work: Path, url: str, layout: Any) -> 
         "disk_gib": 0.2,
         "disk_fsync": False,
         "tau": 3600.0,
-        "port": free_port(),
-        "http_port": free_port(),
+        "port": ports[0],
+        "http_port": ports[1],
         "platform": "cpu",
         "kv_connector": "HiStateConnector",
         "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
@@ -104,7 +103,7 @@ def server_config(name: str, model: Path, work: Path, url: str, layout: Any) -> 
 
 def run(work: Path) -> dict[str, Any]:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
-    from lmcache_histate.backends.demo.servers import ServerProcess, free_port
+    from lmcache_histate.backends.demo.servers import ServerProcess, free_ports
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
     from lmcache_histate.backends.server.launcher import kv_transfer_config
     from lmcache_histate.backends.vllm.engine_facts import probe
@@ -119,8 +118,12 @@ def run(work: Path) -> dict[str, Any]:
     turn1 = [rng.randrange(4, vocab) for _ in range(3 * chunk + chunk // 2)]
     ask = {"cached_token_stats": True}
     out: dict[str, Any] = {"chunk_tokens": chunk}
-    with redis_server(work, free_port()) as url:
-        configs = {n: server_config(n, model, work, url, layout) for n in ("a", "b")}
+    # Every port at once: ports picked one after the other can be equal.
+    redis_port, *server_ports = free_ports(5)
+    with redis_server(work, redis_port) as url:
+        configs = {n: server_config(n, model, work, url, layout,
+                                    (server_ports[2 * i], server_ports[2 * i + 1]))
+                   for i, n in enumerate(("a", "b"))}
         servers = {n: ServerProcess(configs[n], work, f"server-{n}") for n in configs}
         try:
             for server in servers.values():

@@ -51,10 +51,12 @@ class RunResult:
 
 
 def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: float,
-                  disk_gib: float, layout: EngineFacts) -> Path:
-    """``workdir/<key>.yaml``: a histate-server config for the tiny model on free loopback
-    ports, with the layout ``chunk_size: auto`` would resolve (probed once by the caller)."""
-    port, http_port = free_ports(2)
+                  disk_gib: float, layout: EngineFacts,
+                  ports: tuple[int, int] | None = None) -> Path:
+    """``workdir/<key>.yaml``: a histate-server config for the tiny model on ``ports``
+    (request, HTTP; by default two free loopback ports), with the layout ``chunk_size: auto``
+    would resolve (probed once by the caller)."""
+    port, http_port = ports if ports is not None else free_ports(2)
     cfg: dict[str, Any] = {
         "policy": policy,
         "model": str(model / "config.json"),

@@ -23,15 +23,15 @@ import yaml
 __all__ = ["ServerProcess", "free_port", "free_ports"]
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports. Every socket stays bound until all are
-    chosen: a port closed at once can be handed out again by the next bind (a server
-    config then got the same number for ``port`` and ``http_port``)."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports on ``host`` (loopback by default). Every socket stays
+    bound until all are chosen: a port closed at once can be handed out again by the next
+    bind (a server config then got the same number for ``port`` and ``http_port``)."""
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(count):
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((host, 0))
             ports.append(int(sock.getsockname()[1]))
         return ports
 

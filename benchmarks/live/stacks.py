@@ -47,7 +47,7 @@ from typing import Any
 
 from lmcache_histate.backends.demo.process_group import stop_group
 from lmcache_histate.backends.demo.runs import server_config
-from lmcache_histate.backends.demo.servers import ServerProcess, free_port
+from lmcache_histate.backends.demo.servers import ServerProcess, free_ports
 from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV, EngineFacts
 
 STACKS = ("vllm", "vllm-offload", "lmcache", "histate")
@@ -177,7 +177,8 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
     from lmcache_histate.config import load_config
 
     work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    # All three at once: ports picked one after the other can be equal.
+    port, server_port, server_http_port = free_ports(3)
     # The reference has the same flags as `vllm` (same kernels, same steps); its prefix cache
     # is reset before every guard prompt through the dev endpoint, so it computes from zero.
     base = _vllm_argv(model, port, layout, max_model_len, budget, caching=True)
@@ -193,7 +194,8 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
     else:
         policy = "histate" if key == "histate" else "lru"
         config = server_config(key, policy, model, work, budget.cpu_bytes / 2**30,
-                               budget.disk_bytes / 2**30, layout)
+                               budget.disk_bytes / 2**30, layout,
+                               ports=(server_port, server_http_port))
         server = ServerProcess(config, work, key)
         server.wait_ready()
         cfg = load_config(config)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.lmcache_mp import free_port
+from lmcache_histate.backends.demo.servers import free_port, free_ports
 from support.redis_server import RedisServer
 
 LAUNCHER = "lmcache_histate.backends.server.launcher"
@@ -184,7 +184,7 @@ def run(tmp: Path, values: dict[str, Any], argv: list[str] = ()) -> tuple[int, s
     (tmp / "file").write_text("x")
     cfg = {"model": "tiny-qwen3-next", "chunk_size": 16, "cpu_gib": 0.05,
            "disk_path": str(tmp / "disk"), "disk_gib": 0.01, "platform": "cpu",
-           "port": free_port(), "http_port": free_port()}
+           **dict(zip(("port", "http_port"), free_ports(2), strict=True))}
     cfg.update(values)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     path = tmp / "bad.yaml"

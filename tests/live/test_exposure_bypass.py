@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.lmcache_mp import free_port
+from lmcache_histate.backends.demo.servers import free_ports
 from test_backend_server import LAUNCHER, histate
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def launch(tmp_path: Path, extra: list[str], argv: list[str]) -> tuple[int, str, int, int]:
     """(exit status, stderr, zmq port, http port) of one start."""
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     cfg = {"model": "tiny-qwen3-next", "chunk_size": 16, "cpu_gib": 0.05,
            "disk_path": str(tmp_path / "disk"), "disk_gib": 0.01, "platform": "cpu",
            "port": port, "http_port": http_port, "extra_server_args": extra}

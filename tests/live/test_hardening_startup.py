@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from lmcache_histate.backends.demo.servers import free_port
 from support.filesystems import tmpfs
 
 LAUNCHER = "lmcache_histate.backends.server.launcher"
@@ -46,12 +47,6 @@ def one_line(stderr: str) -> str:
     assert len(lines) == 1, stderr
     assert "Traceback" not in stderr
     return lines[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,7 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
     stack: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     so = serve_openai()
-    vllm_port, zmq_port, http_port = so.free_port(), so.free_port(), so.free_port()
+    vllm_port, zmq_port, http_port = so.free_ports(3)
     config = tmp_path / "server.yaml"
     config.write_text(json.dumps({
         "policy": "histate" if stack == "histate" else "lru",

@@ -285,7 +285,8 @@ def test_unreachable_redis_or_another_budget_refuses_the_start(
     """A server whose Redis cannot be reached does not start serving a shared folder from a
     partial view; nor does one configured with another disk budget than the deployment's:
     both fail at start, the message naming the key."""
-    from support.lmcache_mp import LMCacheServerError, free_port
+    from lmcache_histate.backends.demo.servers import free_port
+    from support.lmcache_mp import LMCacheServerError
 
     disk = tmp_path / "disk"
     closed = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there

@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+from lmcache_histate.backends.demo.servers import free_port
 from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.backends.server.shared_index.budget import local_delete_allowed
 from lmcache_histate.backends.server.shared_index.connection import IndexConnection
 from lmcache_histate.backends.server.shared_index.reconcile import reconcile
 from lmcache_histate.backends.server.shared_index.registration import Registrar
-from support.redis_server import RedisServer, free_port
+from support.redis_server import RedisServer
 from support.shared_index import hold_lease, make_index, settings, write
 
 LOGGER = "lmcache_histate.shared_index"

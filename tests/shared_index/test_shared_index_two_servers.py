@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from lmcache_histate.backends.demo.servers import free_port
 from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.backends.server.shared_index.budget import (
     delete_victims,
@@ -18,7 +19,7 @@ from lmcache_histate.backends.server.shared_index.index import (
     SharedIndex,
 )
 from lmcache_histate.backends.server.shared_index.layout import KeySpace
-from support.redis_server import RedisServer, free_port
+from support.redis_server import RedisServer
 from support.shared_index import make_index, oid, record_size, settings, write
 
 

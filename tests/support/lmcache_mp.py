@@ -35,7 +35,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache.v1.multiprocess.transfer_context import TransferContext, create_transfer_context
 from lmcache.v1.multiprocess.transport.base import RequestClient
+from lmcache_histate.backends.demo.servers import free_ports
 
 from support.request_client import OwnedRequestClient
 
@@ -82,13 +82,6 @@ def support_pythonpath() -> dict[str, str]:
 
 class LMCacheServerError(RuntimeError):
     """The server failed to start, died, or answered an HTTP call with an error."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free a moment ago (the OS picks it; tiny race accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def default_server_command() -> list[str]:
@@ -341,7 +334,8 @@ def lmcache_server(
         LMCacheServerError: If the server exits or is not healthy within ``startup_timeout``;
             the message carries the tail of its log.
     """
-    endpoints = ServerEndpoints(host=host, zmq_port=free_port(host), http_port=free_port(host))
+    zmq_port, http_port = free_ports(2, host)
+    endpoints = ServerEndpoints(host=host, zmq_port=zmq_port, http_port=http_port)
     argv = [
         *(command if command is not None else default_server_command()),
         "--host",

@@ -17,14 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lmcache_histate.backends.demo.servers import free_ports
 
-__all__ = ["RedisServer", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["RedisServer"]
 
 
 class RedisServer:
@@ -47,8 +42,8 @@ class RedisServer:
         self.workdir = workdir
         self.extra = extra
         self.config = config
-        self.port = free_port()
-        self.tls_port = free_port() if tls else None
+        self.port, *tls_ports = free_ports(2 if tls else 1)
+        self.tls_port = tls_ports[0] if tls_ports else None
         if tls is not None:
             cert, key = tls
             self.extra = (*extra, "--tls-port", str(self.tls_port), "--tls-cert-file", str(cert),
