@@ -98,10 +98,15 @@ expected recompute of 1,056 tokens (2,673 fewer, 267.3 per prefill at ``q`` = 0.
 15C: 118.8: 7C, states at 3,696, 7,392 and 8,448 (one extra step end). What it leaves
 out: the live scheduler pins a planned state's block from its step end until its store
 has the data, and the simulator charges each mid-prefill state's device → host copy
-(``sim/capture.py``); neither is priced here (the live plans are unpriced and keep the
-grid, NOTE 2). At ``F > 0`` the step term is added to the paper's per-hit cost
-unweighted (the example above), i.e. a step end is priced ``q`` times lower there than
-here; pricing both per prefill would divide ``σ`` by ``q`` at every factor.
+(``sim/capture.py``: 51.5 MB at 50 GB/s, 1 ms ≈ 13 tokens at the H100's 80 µs); neither
+is priced here (the live plans are unpriced and keep the grid, NOTE 2). Nor is the room
+a denser plan takes: storage is free only until the tier fills, and a denser start may
+fill it sooner (not traced: on the bundled Weka sample at 2 + 2 + 4 GiB,
+``tests/data/pinned``, HiState's mean goes 0.476 → 0.499 s against the grid alone, at the
+paper's capacities 0.237 → 0.230 s). At
+``F > 0`` the step term is added to the paper's per-hit cost unweighted (the example
+above): against the recompute a step end weighs ``q`` times less there than here;
+pricing both per prefill would divide ``σ`` by ``q`` at every factor.
 """
 
 from __future__ import annotations
