@@ -71,6 +71,7 @@ class HiStateCache:
             self._residence,
             step_tokens=config.step_tokens,
             step_price=config.step_price,
+            hits=self._hit_model,
         )
         self._requests = RequestPath(
             config,

@@ -39,7 +39,7 @@ it, 19C costs 25·(31,680/10,032)·(ceil(19/15) − 19/15) = 25·3.158·0.733 = 
 (10,038.1), and 15C = B, on the grid, costs 3,960 + 6,288.0 + 0 = 10,248.0; 20C: 25·3·(2 −
 20/15) = 50.0 more (10,046.0); 18C: 25·3.333·0.8 = 66.7 (10,058.7): the choice stays 19C
 (three snapshots, two extra step ends, 4 ms). The price moves the choice when the interior
-states are many and the curve is flat: at F = 0 (NOTE 2) it decides the grid.
+states are many and the curve is flat; at F = 0 it decides it (NOTE 3).
 
 NOTE 1 (a warp per segment). Measured hit positions (``hit_positions``) are offsets inside
 one segment, so their warp applies to the segment a request appends, not to the whole
@@ -53,35 +53,73 @@ NOTE 2 (free storage). The storage term prices a snapshot by what it displaces, 
 residence times measure that only once something has been displaced. A snapshot tier
 that has never evicted a snapshot has room: storing one more displaces nothing, so its
 price is 0, which is also ``T_KV / T_state`` read literally (a snapshot residence that
-has not ended is longer than any observed KV one): the densest free grid. Free storage
-does not make a step end free: with a known step grid (``step_tokens``) the free grid is
-a state at every step end, ``I = B`` (cost ``B/2``), not one per chunk, which would end
-every prefill step after one block for every request while the cache warms up (in the
-H100 example a 32K segment would take 60 steps instead of 4: 56 more step ends, 112 ms,
-for a recompute saving only a later hit inside it collects). So at ``F = 0`` the choice
-is among the intervals with no step price (multiples of ``B``); without a step grid it is
-one state per chunk. The first snapshot that leaves starts the average and the grid
-follows it.
-(With F = 1 here, the paper's worked optimum for Qwen3.5-9B's 1,572-token snapshot and an
-8K segment is a 5K interval: a rewrite inside the segment would resume up to 5K tokens
-before its cut on an empty disk. Measured, ``benchmarks/sim_weka.md`` "sim_rewrite": the
-rewrite test goes from −13 % to −19 % vs vLLM; under pressure the start-up transient
-moves the rows within their run-to-run spread, ``benchmarks/sim_eviction.md``.)
-Snapshots leaving
-while no KV has is evidence the snapshot side is the tighter one, but not of by how
-much: ``F`` stays at the neutral 1 until KV leaves too. A deployment that would rather
-start from the paper's neutral factor sets ``initial_pressure_factor: 1``.
+has not ended is longer than any observed KV one). Free storage does not make a step end
+free, and with the storage term gone nothing in the paper's cost bounds the step ends:
+``I/2`` alone is least at one state per chunk, which would end every prefill step after
+one block for every request while the cache warms up (in the H100 example a 32K segment
+would take 60 steps instead of 4: 56 more step ends, 112 ms). So at ``F = 0`` with a
+step grid the step ends are weighed against what they buy, per prefill (NOTE 3); where
+their price is unknown (``step_price`` 0: the live server, whose engine does not report
+it) the choice is among the intervals that cost no step end (multiples of ``B``, the
+longest supported one if none is); without a step grid it is one state per chunk. The
+first snapshot that leaves starts the average and the paper's cost follows it.
+Snapshots leaving while no KV has is evidence the snapshot side is the tighter one, but
+not of by how much: ``F`` stays at the neutral 1 until KV leaves too. A deployment that
+would rather start from the paper's neutral factor sets ``initial_pressure_factor: 1``.
+
+NOTE 3 (free storage on a priced step grid). The step price is paid on every prefill of
+the segment; the recompute a state saves is collected only by an access that lands
+inside the segment. So at ``F = 0`` both are priced per prefill, the recompute weighted
+by ``q = 1 − p_end``, the measured share of accesses that land inside their session's
+context instead of continuing it from its end (``units.HitModel``: an EMA over every
+access, prior ``p_end`` 0.9):
+
+    cost₀(I) = q·I/2 + σ·(L/I)·(ceil(I/B) − I/B)        (``free_storage_cost``)
+
+(the storage term is 0: NOTE 2). A state between two grid points is planned only where
+the recompute it saves, weighted by ``q``, exceeds the step end it costs: for ``I < B``
+the minimiser of the smooth form is ``I ≈ √(2σL/q)``. With ``q = 0`` every interval
+costs its step ends alone and the choice is ``B`` (the smallest interval with none):
+the grid. One-block steps come back only where they pay: ``I = C`` beats ``2C`` iff
+``q·C/2 > σ·L/(2C)``, i.e. ``q > σ·(L/C)/C``; at the H100's ``σ/C`` = 25/528 that takes
+``q > 0.047`` per chunk of the segment (a 16-chunk segment would need ``q > 0.76``;
+``q ≤ 1`` never allows it above 21 chunks); whatever the choice, a planned state costs
+at most one extra step end (``ceil(I/B) − I/B < 1``).
+Worked example (H100: C = 528, B = 15C = 7,920, σ = 25; an 8K turn, L = 16C = 8,448):
+with the grid alone the states are at 7,920 and 8,448, and a hit uniform in the segment
+recomputes (7,920²/2 + 528²/2)/8,448 = 3,729 tokens. A fresh server (``q`` = 0.1, the
+prior) costs 1C: 26.4 + 25·16·(14/15) = 399.7; 2C: 52.8 + 25·8·(13/15) = 226.1; 3C:
+79.2 + 25·5.333·(12/15) = 185.9; 4C: 105.6 + 25·4·(11/15) = 178.9; 5C: 132 + 25·3.2·
+(10/15) = 185.3; 15C: 396 + 0 = 396: the choice is 4C, states at 2,112, 4,224, 6,336
+and 8,448: four steps instead of two (two extra step ends, 50 tokens, 4 ms) for an
+expected recompute of 1,056 tokens (2,673 fewer, 267.3 per prefill at ``q`` = 0.1). At
+``q`` = 0.03 (the Weka folder's ``p_end`` ≈ 0.97): 5C: 39.6 + 53.3 = 92.9; 6C: 47.5 +
+25·2.667·0.6 = 87.5; 7C: 55.4 + 25·2.286·(8/15) = 85.9; 8C: 63.4 + 25·2·(7/15) = 86.7;
+15C: 118.8: 7C, states at 3,696, 7,392 and 8,448 (one extra step end). What it leaves
+out: the live scheduler pins a planned state's block from its step end until its store
+has the data, and the simulator charges each mid-prefill state's device → host copy
+(``sim/capture.py``: 51.5 MB at 50 GB/s, 1 ms ≈ 13 tokens at the H100's 80 µs); neither
+is priced here (the live plans are unpriced and keep the grid, NOTE 2). Nor is the room
+a denser plan takes: storage is free only until the tier fills, and a denser start may
+fill it sooner (not traced: on the bundled Weka sample at 2 + 2 + 4 GiB,
+``tests/data/pinned``, HiState's mean goes 0.476 → 0.499 s against the grid alone, at the
+paper's capacities 0.237 → 0.230 s). At
+``F > 0`` the step term is added to the paper's per-hit cost unweighted (the example
+above): against the recompute a step end weighs ``q`` times less there than here;
+pricing both per prefill would divide ``σ`` by ``q`` at every factor.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from .defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
 from .ema import check_alpha, seeded_step
 from .hit_positions import HitPositions
+from .units import HitModel
 
 __all__ = ["IntervalController", "ResidenceTracker", "check_step_tokens", "supported_intervals"]
 
@@ -168,7 +206,8 @@ class IntervalController:
     """Chooses a segment's snapshot interval from ``supported`` (token counts)."""
 
     __slots__ = (
-        "chunk_tokens", "residence", "snapshot_tokens", "step_price", "step_tokens", "supported"
+        "chunk_tokens", "hits", "residence", "snapshot_tokens", "step_price", "step_tokens",
+        "supported",
     )
 
     def __init__(
@@ -179,10 +218,13 @@ class IntervalController:
         residence: ResidenceTracker | None = None,
         step_tokens: int | None = None,
         step_price: float = 0.0,
+        hits: HitModel | None = None,
     ) -> None:
         """``step_tokens``: the engine's step grid ``B`` (its step budget rounded down to
         whole chunks; None: unknown, steps priced 0); ``step_price``: ``σ``, one step end's
-        fixed time in tokens of prefill time (module docstring)."""
+        fixed time in tokens of prefill time (module docstring; 0: unpriced, NOTE 2);
+        ``hits``: where accesses land (``q = 1 − p_end``, NOTE 3; None: a fresh
+        ``HitModel`` at its prior)."""
         if snapshot_tokens <= 0:
             raise ValueError(f"snapshot_tokens (N_s) must be positive, got {snapshot_tokens}")
         check_step_tokens(step_tokens, chunk_tokens)
@@ -201,6 +243,7 @@ class IntervalController:
             )
         self.supported = sup
         self.residence = residence if residence is not None else ResidenceTracker()
+        self.hits = hits if hits is not None else HitModel()
 
     @property
     def pressure_factor(self) -> float:
@@ -232,19 +275,39 @@ class IntervalController:
             return 0.0
         return segment_tokens / interval * (-(-interval // grid) - interval / grid)
 
+    @property
+    def internal_probability(self) -> float:
+        """``q = 1 − p_end``: the measured probability that an access lands inside its
+        session's context instead of continuing it from its end (``units.HitModel``)."""
+        return 1.0 - self.hits.end_probability
+
+    def free_storage_cost(self, interval: int, segment_tokens: float) -> float:
+        """The cost at ``F = 0`` on a priced step grid (NOTE 3): ``q·I/2`` expected
+        recompute per prefill of the segment + ``σ`` per extra step end."""
+        if segment_tokens <= 0:
+            return 0.0
+        return (self.internal_probability * interval / 2.0
+                + self.step_price * self.extra_step_ends(interval, segment_tokens))
+
     def choose(self, segment_tokens: float, factor: float | None = None) -> IntervalChoice:
         f = self.pressure_factor if factor is None else factor
         candidates = self.supported
-        if f == 0.0 and self.step_tokens is not None:
-            # NOTE 2: free storage; the states that cost no step end either.
-            free = tuple(i for i in candidates if i % self.step_tokens == 0)
-            candidates = free or (max(candidates),)
-        best = min(candidates, key=lambda i: (self.cost(i, segment_tokens, f), i))
+        cost: Callable[[int], float] = partial(self.cost, segment_tokens=segment_tokens, factor=f)
+        step = self.step_tokens
+        if f == 0.0 and step is not None:
+            if self.step_price > 0.0:
+                # NOTE 3: storage is free and a step end is not; both priced per prefill.
+                cost = partial(self.free_storage_cost, segment_tokens=segment_tokens)
+            else:
+                # NOTE 2: a step end of unknown price: only the states that cost none.
+                free = tuple(i for i in candidates if i % step == 0)
+                candidates = free or (max(candidates),)
+        best = min(candidates, key=lambda i: (cost(i), i))
         return IntervalChoice(
             interval=best,
             continuous_optimum=self.continuous_optimum(segment_tokens, f),
             pressure_factor=f,
-            cost=self.cost(best, segment_tokens, f),
+            cost=cost(best),
         )
 
     def boundaries(

@@ -190,6 +190,26 @@ def test_a_step_grid_keeps_free_snapshots_on_step_ends() -> None:
             replace(base, step_tokens=bad)
 
 
+def test_a_priced_step_grid_buys_the_states_internal_hits_pay_for() -> None:
+    """The segment of the test above (L = 40 from token 8, chunks of 4, grid 12) with a
+    step end priced σ = 0.5 tokens (``interval`` NOTE 3): cost₀(I) = q·I/2 + 0.5·(40/I)·
+    (ceil(I/12) − I/12). The core's own hit model gives ``q``: at ``p_end`` 0.5, 4 ->
+    1 + 3.333, 8 -> 2 + 0.833 = 2.833, 12 -> 3 + 0 -> 8 (states every 8 tokens); at
+    ``p_end`` 1 (q = 0) the grid; unpriced (σ = 0) the grid whatever q. With α = 1 one
+    internal access sets ``p_end`` to 0 (q = 1): 4 -> 2 + 3.333, 8 -> 4 + 0.833, 12 -> 6
+    -> 8 again."""
+    base = replace(stored().config, supported_intervals=None, step_tokens=12, step_price=0.5)
+    half = HiStateCache(replace(base, end_probability_prior=0.5))
+    assert half.snapshot_plan(8, 48) == [16, 24, 32, 40, 48]
+    unpriced = HiStateCache(replace(base, step_price=0.0, end_probability_prior=0.5))
+    assert unpriced.snapshot_plan(8, 48) == [20, 32, 44, 48]
+    live = HiStateCache(replace(base, end_probability_prior=1.0, ema_alpha=1.0))
+    assert live.snapshot_plan(8, 48) == [20, 32, 44, 48]
+    live.note_internal_access()
+    assert live.stats().end_probability == 0.0
+    assert live.snapshot_plan(8, 48) == [16, 24, 32, 40, 48]
+
+
 def test_a_step_grid_does_not_move_a_plan_under_pressure() -> None:
     """With the pressure factor 1 the storage term decides (step_price 0 prices no step
     end): the 64-token segment's cost I/2 + 12.5·64/I is lowest at I = 40 (20 + 20 = 40;

@@ -11,6 +11,7 @@ from lmcache_histate.core.interval import (
     ResidenceTracker,
     supported_intervals,
 )
+from lmcache_histate.core.units import HitModel
 
 
 def test_continuous_optimum_matches_brief_example() -> None:
@@ -186,8 +187,9 @@ def test_the_initial_factor_holds_until_a_snapshot_leaves() -> None:
 H100_CHUNK = 528
 
 
-def h100(**kw: float) -> IntervalController:
-    return IntervalController(H100_CHUNK, 1572, step_tokens=15 * H100_CHUNK, **kw)
+def h100(step_price: float = 0.0, hits: HitModel | None = None) -> IntervalController:
+    return IntervalController(H100_CHUNK, 1572, step_tokens=15 * H100_CHUNK,
+                              step_price=step_price, hits=hits)
 
 
 def test_extra_step_ends_are_zero_on_the_grid_and_below_one_per_snapshot_off_it() -> None:
@@ -219,16 +221,89 @@ def test_a_high_step_price_moves_the_choice_onto_the_step_grid() -> None:
 
 
 def test_free_storage_puts_a_state_at_every_step_end_not_every_chunk() -> None:
-    """NOTE 2: F = 0 prices storage at 0, not step ends: with a step grid the densest free
-    grid is one state per step (I = B), without one it is one per chunk."""
+    """NOTE 2: F = 0 prices storage at 0, not step ends: with a step grid whose price is
+    unknown (σ = 0) or with no access ever landing inside a context (q = 0) the plan is
+    one state per step (I = B); without a grid it is one per chunk."""
     seg = 60 * H100_CHUNK
-    assert h100(step_price=25).boundaries(0, seg + 100, factor=0.0) == [
+    at_end = HitModel(prior=1.0)  # q = 0: every access continues from its end
+    assert h100(step_price=25, hits=at_end).boundaries(0, seg + 100, factor=0.0) == [
         7920, 15840, 23760, 31680]
-    assert h100().choose(seg, 0.0).interval == 15 * H100_CHUNK  # even at σ = 0
+    assert h100().choose(seg, 0.0).interval == 15 * H100_CHUNK  # σ = 0, at the prior q
     plain = IntervalController(H100_CHUNK, 1572)
     assert plain.choose(seg, 0.0).interval == H100_CHUNK
     # A segment shorter than one step: the final state only.
     assert h100().boundaries(0, 10 * H100_CHUNK, factor=0.0) == [10 * H100_CHUNK]
+
+
+# NOTE 3's worked example: an 8K turn, L = 16C = 8,448, on the H100 grid at σ = 25.
+TURN = 16 * H100_CHUNK
+
+
+def test_free_storage_cost_is_the_weighted_recompute_plus_the_step_ends() -> None:
+    """cost₀(I) = q·I/2 + σ·(L/I)·(ceil(I/B) − I/B) at the prior q = 0.1 (p_end 0.9):
+    1C 26.4 + 25·16·14/15 = 399.733; 4C 105.6 + 25·4·11/15 = 178.933; 15C 396 + 0;
+    16C 422.4 + 25·1·(2 − 16/15) = 445.733. An empty segment costs nothing."""
+    ctl = h100(step_price=25)
+    assert ctl.internal_probability == pytest.approx(0.1)
+    assert ctl.free_storage_cost(H100_CHUNK, TURN) == pytest.approx(399.733333, abs=1e-5)
+    assert ctl.free_storage_cost(4 * H100_CHUNK, TURN) == pytest.approx(178.933333, abs=1e-5)
+    assert ctl.free_storage_cost(15 * H100_CHUNK, TURN) == pytest.approx(396.0)
+    assert ctl.free_storage_cost(16 * H100_CHUNK, TURN) == pytest.approx(445.733333, abs=1e-5)
+    assert ctl.free_storage_cost(4 * H100_CHUNK, 0) == 0.0
+    # A 1-token segment at 4C: q·I/2 = 105.6 plus 1/2,112 snapshots x 11/15 extra ends.
+    assert ctl.free_storage_cost(4 * H100_CHUNK, 1) == pytest.approx(
+        105.6 + 25 / 2112 * 11 / 15)
+
+
+@pytest.mark.parametrize(
+    ("end_probability", "chunks", "plan", "cost"),
+    [
+        # q = 0.1: 2C 226.133, 3C 185.867, 4C 178.933, 5C 185.333 -> 4C.
+        (0.9, 4, [2112, 4224, 6336, 8448], 178.933333),
+        # q = 0.03: 6C 87.52, 7C 55.44 + 30.476 = 85.916, 8C 86.693, 15C 118.8 -> 7C.
+        (0.97, 7, [3696, 7392, 8448], 85.916190),
+        # q = 0: σ·extra alone, 0 on the grid -> 15C (the smallest with no step end).
+        (1.0, 15, [7920, 8448], 0.0),
+    ],
+)
+def test_free_storage_on_a_priced_grid_buys_states_the_hits_pay_for(
+    end_probability: float, chunks: int, plan: list[int], cost: float
+) -> None:
+    ctl = h100(step_price=25, hits=HitModel(prior=end_probability))
+    choice = ctl.choose(TURN, 0.0)
+    assert choice.interval == chunks * H100_CHUNK
+    assert choice.cost == pytest.approx(cost, abs=1e-5)
+    assert choice.pressure_factor == 0.0
+    assert ctl.boundaries(0, TURN + 100, factor=0.0) == plan
+
+
+def test_the_free_storage_choice_follows_the_hit_model_it_is_given() -> None:
+    """α = 0.5 from p_end 0.9: one internal access -> 0.45 (q = 0.55): 1C 145.2 + 373.333
+    = 518.533, 2C 290.4 + 173.333 = 463.733, 3C 435.6 + 106.667 -> 2C; a second ->
+    0.225 (q = 0.775 > σ·16/C = 0.758, NOTE 3): 1C 204.6 + 373.333 = 577.933 beats 2C
+    409.2 + 173.333 = 582.533 -> one state per chunk. At F = 1 the paper's cost ignores q."""
+    hits = HitModel(alpha=0.5, prior=0.9)
+    ctl = h100(step_price=25, hits=hits)
+    assert ctl.choose(TURN, 0.0).interval == 4 * H100_CHUNK
+    at_one = ctl.choose(TURN, 1.0).interval
+    hits.observe(False)
+    assert ctl.internal_probability == pytest.approx(0.55)
+    assert ctl.choose(TURN, 0.0).interval == 2 * H100_CHUNK
+    hits.observe(False)
+    assert ctl.choose(TURN, 0.0).interval == H100_CHUNK
+    assert ctl.choose(TURN, 0.0).cost == pytest.approx(577.933333, abs=1e-5)
+    assert ctl.choose(TURN, 1.0).interval == at_one
+
+
+def test_free_storage_with_a_price_and_no_interval_on_the_grid_weighs_them_all() -> None:
+    """Intervals 1C..4C only, q = 0 (p_end 1): no interval is free of step ends, so the
+    price alone decides: 1C 25·16·14/15 = 373.3 ... 4C 25·4·11/15 = 73.3 -> 4C (the
+    unpriced rule takes the longest too, test below)."""
+    ctl = IntervalController(H100_CHUNK, 1572, [k * H100_CHUNK for k in (1, 2, 3, 4)],
+                             step_tokens=15 * H100_CHUNK, step_price=25,
+                             hits=HitModel(prior=1.0))
+    choice = ctl.choose(TURN, 0.0)
+    assert (choice.interval, choice.cost) == (4 * H100_CHUNK, pytest.approx(73.333333))
 
 
 @pytest.mark.parametrize("bad", [{"step_tokens": 1000}, {"step_tokens": 0},

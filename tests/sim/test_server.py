@@ -224,10 +224,12 @@ def test_histate_rows_capture_their_planned_states() -> None:
     (r,) = tr.sessions[0].requests
     full = histate_policy(s)
     # 20,000 tokens = 37 full chunks (19,536 tokens). A fresh core has seen no snapshot
-    # leave: factor 0, a state at every step end of the engine's grid, 8,192 rounded down
-    # to 15 chunks = 7,920 tokens: @7,920 @15,840 and the final @19,536.
-    grid = Capture(step_ends=(7920, 15840), host_states=2)
-    assert capture_of(full, r, full.begin(r, 0.0)) == grid
+    # leave: factor 0 on the engine's grid, 8,192 rounded down to 15 chunks = 7,920
+    # tokens, at σ = 25 and the prior q = 0.1 (core/interval.py NOTE 3): cost₀(kC) =
+    # 0.05·528k + 25·(37/k)·(1 − k/15): 5C 132 + 123.333 = 255.333, 6C 158.4 + 92.5 =
+    # 250.9, 7C 184.8 + 70.476 = 255.276, 15C 396 -> 6C: six mid states and the final.
+    priced = Capture(step_ends=(3168, 6336, 9504, 12672, 15840, 19008), host_states=6)
+    assert capture_of(full, r, full.begin(r, 0.0)) == priced
     # vLLM's own scheduler (the ablation): a grid of one chunk, a state at every chunk,
     # 36 mid-prefill states and the final, charged one-chunk steps.
     every = tuple(528 * k for k in range(1, 37))
@@ -244,8 +246,9 @@ def test_histate_rows_capture_their_planned_states() -> None:
     # / 8,192) = 3: no extra step. A state at every chunk: 36 pieces of 528 + 992 = 37
     # steps, 34 more.
     assert planned_extra_steps(cap.step_ends, 20_000, 8192) == 0
-    # The fresh core's grid plan (factor 0) is the same: no extra step end either.
-    assert planned_extra_steps(grid.step_ends, 20_000, 8192) == 0
+    # The fresh core's priced plan (factor 0): six pieces of 3,168 and 992 = 7 steps,
+    # 4 more than 3 (at most one per planned state).
+    assert planned_extra_steps(priced.step_ends, 20_000, 8192) == 4
     assert planned_extra_steps(every, 20_000, 8192) == 34
     align = histate_policy(s, "histate-align", **dict(VARIANTS["histate-align"]))
     assert capture_of(align, r, align.begin(r, 0.0)) == Capture()
