@@ -56,11 +56,26 @@ class Registry:
                 for g, k in enumerate(self.kinds)}
 
 
+class Obj:
+    """Stands in for LMCache's MemoryObj: the disk tier only touches ``byte_array``."""
+
+    def __init__(self, size: int) -> None:
+        self.byte_array = bytearray(size)
+
+
 @dataclass
 class FakeL1:
     runtime: HiStateRuntime | None = None
     resident: set[ObjectKey] = field(default_factory=set)
     locked: set[ObjectKey] = field(default_factory=set)
+
+    def reserve_read(self, keys: list[ObjectKey]) -> dict[ObjectKey, tuple[L1Error, Any]]:
+        """A resident object reads as zero bytes of its group's size (group 0: KV)."""
+        return {k: (L1Error.SUCCESS, Obj(KV_BYTES if k.object_group_id == 0 else SNAP_BYTES))
+                if k in self.resident else (L1Error.KEY_NOT_EXIST, None) for k in keys}
+
+    def finish_read(self, keys: list[ObjectKey]) -> None:
+        return None
 
     def delete(self, keys: list[ObjectKey], force: bool = False) -> dict[ObjectKey, L1Error]:
         out, gone = {}, []
@@ -87,6 +102,7 @@ class FakeL1:
 @dataclass
 class StorageManager:
     _l1_manager: FakeL1
+    _l2_adapters: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
