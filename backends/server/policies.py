@@ -79,7 +79,7 @@ class HiStateStorePolicy(StorePolicy):
         return {disk[0]: [k for k in keys if k in route]}
 
     def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
-        self.runtime.after_persisted(keys)  # deletes itself, retrying keys a reader locked
+        self.runtime.on_persisted(keys)  # deletes itself, retrying keys a reader locked
         return []
 
 
@@ -118,7 +118,7 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
         with self._lock:
             for key in keys:
                 self._order.pop(key, None)
-        self.runtime.note_l1_removed(keys)
+        self.runtime.on_l1_removed(keys)
 
     def get_eviction_actions(
         self,

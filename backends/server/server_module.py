@@ -226,7 +226,7 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
         if isinstance(module, LMCacheDrivenTransferModule):
             _wrap(
                 module, "store",
-                lambda key, *a, **k: _guarded(runtime, "store", runtime.note_store, key),
+                lambda key, *a, **k: _guarded(runtime, "store", runtime.on_store, key),
             )
             _wrap(module, "retrieve", LoadCounter(runtime.stats))
             wrapped += ["store", "retrieve"]

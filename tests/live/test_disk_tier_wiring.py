@@ -136,7 +136,7 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
             t = toks(6, p + 1)
             key = ipc(t, 0, len(t), f"w{p}")
             expected.update(expected_headers(key, 6))
-            runtime.note_store(key)
+            runtime.on_store(key)
             keys = objects(runtime, key, [0, 1, 2, 3, 4, 5], 0) + objects(
                 runtime, key, [1, 3, 5], 1)
             runtime.actions.l1.resident.update(keys)

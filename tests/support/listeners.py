@@ -43,11 +43,11 @@ class DiskReports:
         self.lost: list[Any] = []
         self.capacities: list[int] = []
 
-    def disk_written(self, stored: list[Any], failed: list[Any]) -> None:
+    def on_disk_written(self, stored: list[Any], failed: list[Any]) -> None:
         self.written.append((list(stored), list(failed)))
 
-    def disk_lost(self, keys: list[Any]) -> None:
+    def on_disk_lost(self, keys: list[Any]) -> None:
         self.lost.extend(keys)
 
-    def disk_capacity(self, capacity_bytes: int) -> None:
+    def on_disk_capacity(self, capacity_bytes: int) -> None:
         self.capacities.append(capacity_bytes)

@@ -104,14 +104,14 @@ class DiskTierListener(Protocol):
     not call back into the tier's write path from under it.
     """
 
-    def disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
+    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
         """A write batch finished: ``stored`` are on disk now, ``failed`` were not
         persisted (capacity, I/O error, budget)."""
 
-    def disk_lost(self, keys: list[ObjectKey]) -> None:
+    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
         """Files found corrupted or missing on load (already forgotten and removed)."""
 
-    def disk_capacity(self, capacity_bytes: int) -> None:
+    def on_disk_capacity(self, capacity_bytes: int) -> None:
         """The effective capacity changed (ENOSPC lowered it, freed space raised it)."""
 
 
@@ -151,7 +151,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             lambda: self._max_capacity_bytes,
             lambda nbytes: setattr(self, "_max_capacity_bytes", nbytes),
             self._notify_keys_stored, self._notify_keys_deleted,
-            lambda nbytes: self._tell("capacity", "disk_capacity", nbytes),
+            lambda nbytes: self._tell("capacity", "on_disk_capacity", nbytes),
         ))
         if config.shared_index is None:
             self._recover_index(claimed)
@@ -256,7 +256,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             _ok, failed, stored, written = self.writer.write_batch(
                 keys, [o.byte_array for o in objects], self._take_headers(keys))
             result = L2StoreResult(not failed, written)
-            self._tell("write", "disk_written", stored, failed)  # before the task completes
+            self._tell("write", "on_disk_written", stored, failed)  # before the task completes
         except BaseException as exc:  # the task must complete whatever happened
             self.writer.not_persisted_all(keys, exc)
         finally:
@@ -279,7 +279,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             try:
                 ok, failed, stored, _ = self.writer.write_batch(
                     list(keys), list(buffers), self._take_headers(keys))
-                self._tell("write", "disk_written", stored, failed)
+                self._tell("write", "on_disk_written", stored, failed)
             except BaseException as exc:
                 self.writer.not_persisted_all(keys, exc)
             finally:
@@ -372,7 +372,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             self._forget(corrupt, unlink=True)
             if self.shared is not None:
                 self.shared.lost(corrupt)
-            self._tell("loss", "disk_lost", corrupt)
+            self._tell("loss", "on_disk_lost", corrupt)
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)

@@ -16,9 +16,16 @@ every other part reaches it through what LMCache built, never through a module g
   asks for victims when LMCache's eviction loop finds L1 above its watermark;
 * the disk tier (``disk.tier.HiStateDiskAdapter``) is told the header of every write the
   runtime decides (``TierActions.run``, before the write is submitted) and reports to
-  the runtime as its one ``DiskTierListener`` (``disk_written``, ``disk_lost``,
-  ``disk_capacity``): writes failed, files lost, capacity changed. It never asks the
+  the runtime as its one ``DiskTierListener`` (``on_disk_written``, ``on_disk_lost``,
+  ``on_disk_capacity``): writes failed, files lost, capacity changed. It never asks the
   runtime anything.
+
+Its verbs, named by who calls them: ``on_<event>`` for what LMCache or the disk tier saw
+(``on_store``, ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
+``on_l1_removed``, ``on_disk_written``, ``on_disk_lost``, ``on_disk_capacity``); a plain
+verb for what a caller asks of it (``plan``, ``status``, ``evict_cpu``, ``tick``,
+``check``, and the reads ``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_*`` /
+``start_janitor`` / ``close`` for its wiring.
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
@@ -40,7 +47,7 @@ Locking: ``self.lock`` guards the core and every part. It is never held while ca
 into LMCache's L1 manager or waiting on disk I/O: each entry point that changes the core
 runs inside ``TierActions.step`` (lock → drain queued L1 removals → the parts → take the
 collected ``Actions`` → release → run them), the one place that sequence is written.
-Callbacks that LMCache makes while holding its own L1 lock (``note_l1_removed``) only
+Callbacks that LMCache makes while holding its own L1 lock (``on_l1_removed``) only
 append to a queue; the janitor thread drains it too. The disk tier's reports arrive on its
 I/O threads with none of its locks held and take ``self.lock`` like any entry point; the
 runtime calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with
@@ -195,7 +202,7 @@ class HiStateRuntime:
         return core
 
     # ============================================================ server module
-    def note_store(self, key: Any) -> None:
+    def on_store(self, key: Any) -> None:
         """STORE received (before its objects are committed): record the chain."""
         if self.ctx is None:
             return
@@ -266,15 +273,15 @@ class HiStateRuntime:
                 return set()
             return self.commits.place(core, keys, now)
 
-    def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+    def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
-        leave L1 now (``TierActions.after_persisted``)."""
-        return self.actions.after_persisted(keys)
+        leave L1 now (``TierActions.on_persisted``)."""
+        return self.actions.on_persisted(keys)
 
     # ======================================================= L1 eviction policy
-    def note_l1_removed(self, keys: list[ObjectKey]) -> None:
+    def on_l1_removed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock: queue only."""
-        self.actions.note_l1_removed(keys)
+        self.actions.on_l1_removed(keys)
 
     def is_cpu_tracked(self, key: ObjectKey) -> bool:
         return self.catalogue.is_cpu_tracked(key)
@@ -293,15 +300,15 @@ class HiStateRuntime:
             return self.evictor.evict(core, need_bytes, now)
 
     # ================================================= disk tier (DiskTierListener)
-    def disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
+    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
         """A write batch finished (disk I/O thread): the failed ones are lost on disk."""
         self.actions.on_disk_written(stored, failed)
 
-    def disk_lost(self, keys: list[ObjectKey]) -> None:
+    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
         """Files found corrupted or missing on load (disk I/O thread)."""
         self.actions.on_disk_lost(keys)
 
-    def disk_capacity(self, capacity_bytes: int) -> None:
+    def on_disk_capacity(self, capacity_bytes: int) -> None:
         """The disk tier's real capacity changed (ENOSPC, space freed): resize the core's."""
         with self.actions.step():
             self.model.resize_disk(capacity_bytes, self.clock())

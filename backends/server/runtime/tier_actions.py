@@ -18,7 +18,7 @@ NOTE 2).
 Threads: ``step`` and the loss reports (``on_disk_written``, ``on_disk_lost``) run on
 whichever thread calls them (LMCache's request and controller threads, the janitor, the
 disk tier's I/O threads for its reports) and serialise on the runtime lock; ``run`` and
-``l1_delete`` are called with it released; ``note_l1_removed`` is called under LMCache's L1
+``l1_delete`` are called with it released; ``on_l1_removed`` is called under LMCache's L1
 lock and only appends to a queue.
 
 State owned here: the pending ``Actions``, the chunk nodes touched since the last
@@ -248,7 +248,7 @@ class TierActions:
                 self.touched.add(where[0])
 
     # ================================================================ L1 events
-    def note_l1_removed(self, keys: list[ObjectKey]) -> None:
+    def on_l1_removed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock: queue only."""
         if keys:
             self.events.append(list(keys))
@@ -273,7 +273,7 @@ class TierActions:
                     core.lose(where[0], where[1], CPU)
                     self.touched.add(where[0])
 
-    def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+    def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
         leave L1 now. Deleted here rather than by the store controller, which ignores a
         delete refused because a lookup holds a read lock; here it is retried.
