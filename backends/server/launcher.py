@@ -19,10 +19,11 @@
    from the file, never ``--run-script-api-enabled``) and decides, on the complete list,
    that every listening address is loopback unless ``allow_remote`` + ``auth_token_file``.
 3. Prints the vLLM ``--kv-transfer-config`` JSON (``kv_transfer_config(cfg)``) and flags.
-4. With ``policy: histate``: installs the HiState runtime, registers the ``histate`` store
-   policy (LMCache validates ``--l2-store-policy`` against its registry when the CLI
-   parser is built, so this must happen first, in this process) and hooks L1 eviction
-   (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy registry). With
+4. With ``policy: histate``: builds the HiState runtime and hands it to LMCache bound into
+   the ``histate`` store policy (LMCache validates ``--l2-store-policy`` against its
+   registry when the CLI parser is built, so this must happen first, in this process) and
+   the L1 eviction hook (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy
+   registry); the server module finds it there and attaches the disk tier to it. With
    ``auth_token_file`` it guards the HTTP API (``access``); it always installs the
    shared-memory release on engine close (``upstream.install_shm_release``, an lmcache
    0.5.6 leak). Then
@@ -328,11 +329,10 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
-        from . import policies, registry
+        from . import policies
         from .runtime.runtime import HiStateRuntime
 
-        registry.install(HiStateRuntime(cfg))
-        policies.install()
+        policies.install(HiStateRuntime(cfg))
     try:
         confirm_with_lmcache(lmcache_args, bindings)
     except ConfigError as exc:

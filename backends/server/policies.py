@@ -20,6 +20,11 @@ LMCache 0.5.6 has no registry for L1 eviction policies: ``install`` routes the L
 controller's policy to ``HiStateL1EvictionPolicy`` through
 ``upstream.route_l1_eviction_policy`` (L2 adapters configured with LMCache eviction keep
 LMCache's policies), and the launcher passes ``--eviction-policy LRU`` to satisfy the CLI.
+
+How the runtime gets here: ``install(runtime)`` registers both factories bound to the
+launcher's runtime (LMCache calls each with no argument we choose), so each policy holds
+the runtime from its construction. The server module, built later from a module path,
+finds it as the store policy of its server context (``runtime_of``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
@@ -41,12 +46,12 @@ from lmcache.v1.distributed.storage_controllers.store_policy import (
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 from lmcache_histate.backends.upstream import route_l1_eviction_policy
 
-from . import registry
 from .runtime.runtime import HiStateRuntime
 
 logger = init_logger(__name__)
 
-__all__ = ["STORE_POLICY_NAME", "HiStateL1EvictionPolicy", "HiStateStorePolicy", "install"]
+__all__ = ["STORE_POLICY_NAME", "HiStateL1EvictionPolicy", "HiStateStorePolicy", "install",
+           "runtime_of"]
 
 STORE_POLICY_NAME = "histate"
 DISK_ADAPTER_CLASS = "HiStateDiskAdapter"
@@ -59,13 +64,13 @@ def _is_disk_tier(desc: L2AdapterDescriptor) -> bool:
 class HiStateStorePolicy(StorePolicy):
     """Which committed objects go to the disk tier, and which then leave L1."""
 
+    def __init__(self, runtime: HiStateRuntime) -> None:
+        self.runtime = runtime
+
     def select_store_targets(
         self, keys: list[ObjectKey], adapters: list[L2AdapterDescriptor]
     ) -> dict[int, list[ObjectKey]]:
-        runtime = registry.current()
-        if runtime is None:
-            return {}
-        route = runtime.on_committed(keys)
+        route = self.runtime.on_committed(keys)
         if not route:
             return {}
         disk = [d.index for d in adapters if _is_disk_tier(d)]
@@ -74,9 +79,7 @@ class HiStateStorePolicy(StorePolicy):
         return {disk[0]: [k for k in keys if k in route]}
 
     def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
-        runtime = registry.current()
-        if runtime is not None:
-            runtime.after_persisted(keys)  # deletes itself, retrying keys a reader locked
+        self.runtime.on_persisted(keys)  # deletes itself, retrying keys a reader locked
         return []
 
 
@@ -115,7 +118,7 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
         with self._lock:
             for key in keys:
                 self._order.pop(key, None)
-        self.runtime.note_l1_removed(keys)
+        self.runtime.on_l1_removed(keys)
 
     def get_eviction_actions(
         self,
@@ -149,19 +152,36 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
             return len(self._order)
 
 
-def install() -> None:
-    """Register the store policy and route L1 eviction (before the CLI parser is built).
+def install(runtime: HiStateRuntime) -> None:
+    """Register the store policy and route L1 eviction, both bound to ``runtime`` (before
+    the CLI parser is built: it checks ``--l2-store-policy`` against the registry).
 
-    Both entry points find the runtime in ``registry`` when LMCache calls them.
+    Raises:
+        RuntimeError: a store policy ``histate`` is registered already (one runtime per
+            process).
     """
-    if STORE_POLICY_NAME not in get_registered_store_policies():
-        register_store_policy(STORE_POLICY_NAME, HiStateStorePolicy)
+    if STORE_POLICY_NAME in get_registered_store_policies():
+        raise RuntimeError("a HiState runtime is installed in this process already")
+    # LMCache calls the registered class with no argument; a bound factory is one.
+    register_store_policy(STORE_POLICY_NAME,
+                          cast("type[StorePolicy]", lambda: HiStateStorePolicy(runtime)))
 
     def l1_policy(_eviction_config: Any) -> EvictionPolicy | None:
-        runtime = registry.current()
-        if runtime is None or runtime.cfg.policy != "histate":
+        if runtime.cfg.policy != "histate":
             return None  # LMCache's own policy
         logger.info("HiState L1 eviction policy installed (unified H queue)")
         return HiStateL1EvictionPolicy(runtime)
 
     route_l1_eviction_policy(l1_policy)
+
+
+def runtime_of(ctx: Any) -> HiStateRuntime | None:
+    """The HiState runtime of a server context: its storage manager's store policy's
+    (None under a stock ``lmcache server``, whose store policy is another).
+
+    NOTE 1: LMCache 0.5.6 keeps the store controller and its policy private
+    (``_store_controller._policy``); no public accessor exists.
+    """
+    controller = getattr(getattr(ctx, "storage_manager", None), "_store_controller", None)
+    policy = getattr(controller, "_policy", None)
+    return policy.runtime if isinstance(policy, HiStateStorePolicy) else None

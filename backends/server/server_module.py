@@ -3,8 +3,9 @@
 Loaded by LMCache after its built-in modules exist and before the request server binds
 handlers (``v1/multiprocess/ext_server_module.py``). It:
 
-* hands the server context to the HiState runtime (storage manager, layout registry with
-  each object group's kind, token hasher, chunk size);
+* finds the HiState runtime as the store policy of the server context's storage manager
+  (``policies.runtime_of``: the launcher bound it there) and hands it the context (storage
+  manager, layout registry with each object group's kind, token hasher, chunk size);
 * observes the requests the policy core must see, by wrapping four handlers of the
   built-in module *instances* it is given (``ExtServerModuleBuildContext.modules``): the
   wrapper calls the runtime, then the original handler, with the same signature, so the
@@ -45,9 +46,9 @@ from lmcache_histate.core.interval import check_step_tokens
 from lmcache_histate.exposure import read_secret
 from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 
-from . import registry
 from .access import RpcRefused, check_rpc_token
 from .metrics import register_metrics
+from .policies import runtime_of
 from .runtime.runtime import HiStateRuntime
 
 logger = logging.getLogger("lmcache_histate.server_module")
@@ -216,7 +217,7 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
     from lmcache.v1.multiprocess.modules.lookup import LookupModule
 
     ctx = build.server_context
-    runtime = registry.current()
+    runtime = runtime_of(ctx)
     if runtime is None or runtime.cfg.policy != "histate":
         logger.warning("HiState server module loaded without the HiState launcher: inactive")
         return HiStateServerModule(ctx, None)
@@ -227,7 +228,7 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
         if isinstance(module, LMCacheDrivenTransferModule):
             _wrap(
                 module, "store",
-                lambda key, *a, **k: _guarded(runtime, "store", runtime.note_store, key),
+                lambda key, *a, **k: _guarded(runtime, "store", runtime.on_store, key),
             )
             _wrap(module, "retrieve", LoadCounter(runtime.stats))
             wrapped += ["store", "retrieve"]

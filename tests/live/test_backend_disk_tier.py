@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache_histate.backends.server.disk import file_format as df
+from lmcache_histate.backends.server.disk.entries import ObjectMeta
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
+from support.listeners import DiskReports
 
 MODEL = "org/model"
 
@@ -131,8 +133,9 @@ def test_restart_rebuilds_index_and_removes_leftovers(tmp_path: Path) -> None:
 
 def test_corrupted_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
     a = adapter(tmp_path)
-    lost: list[ObjectKey] = []
-    a.loss_listener = lost.extend
+    reports = DiskReports()
+    a.attach(reports)
+    lost = reports.lost
     try:
         assert store(a, [key(1), key(2)], [b"a" * 4000, b"b" * 4000])
         path = a.path_of(key(1))
@@ -155,8 +158,9 @@ def test_corrupted_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
 
 def test_capacity_full_is_not_persisted(tmp_path: Path) -> None:
     a = adapter(tmp_path, capacity=2 * 4300)
-    written: list[tuple[list, list]] = []
-    a.write_listener = lambda ok, failed: written.append((ok, failed))
+    reports = DiskReports()
+    a.attach(reports)
+    written = reports.written
     try:
         assert store(a, [key(1), key(2)], [b"a" * 4000, b"b" * 4000])
         assert not store(a, [key(3)], [b"c" * 4000])  # the task reports the failure
@@ -186,13 +190,17 @@ def test_delete_waits_for_unlock(tmp_path: Path) -> None:
 
 
 def test_header_carries_prefix_structure(tmp_path: Path) -> None:
+    """The header holds what the write's decider handed down before submitting it; a write
+    nobody described gets the unknown header (kind other, depth -1, no parent)."""
     a = adapter(tmp_path, fsync=False)
-    a.meta_provider = lambda k: (df.KIND_SNAPSHOT, 7, b"p" * 32)
+    a.expect_headers({key(1): ObjectMeta(df.KIND_SNAPSHOT, 7, b"p" * 32)})
     try:
-        assert store(a, [key(1)], [b"a" * 10])
+        assert store(a, [key(1), key(2)], [b"a" * 10, b"b" * 10])
         header = df.read_header(a.path_of(key(1)))
         assert (header.kind, header.depth, header.parent) == (df.KIND_SNAPSHOT, 7, b"p" * 32)
         assert header.oid == df.ObjectId(MODEL, 0x01000100, 1, key(1).chunk_hash)
+        other = df.read_header(a.path_of(key(2)))
+        assert (other.kind, other.depth, other.parent) == (df.KIND_OTHER, -1, b"")
     finally:
         a.close()
 

@@ -56,11 +56,26 @@ class Registry:
                 for g, k in enumerate(self.kinds)}
 
 
+class Obj:
+    """Stands in for LMCache's MemoryObj: the disk tier only touches ``byte_array``."""
+
+    def __init__(self, size: int) -> None:
+        self.byte_array = bytearray(size)
+
+
 @dataclass
 class FakeL1:
     runtime: HiStateRuntime | None = None
     resident: set[ObjectKey] = field(default_factory=set)
     locked: set[ObjectKey] = field(default_factory=set)
+
+    def reserve_read(self, keys: list[ObjectKey]) -> dict[ObjectKey, tuple[L1Error, Any]]:
+        """A resident object reads as zero bytes of its group's size (group 0: KV)."""
+        return {k: (L1Error.SUCCESS, Obj(KV_BYTES if k.object_group_id == 0 else SNAP_BYTES))
+                if k in self.resident else (L1Error.KEY_NOT_EXIST, None) for k in keys}
+
+    def finish_read(self, keys: list[ObjectKey]) -> None:
+        return None
 
     def delete(self, keys: list[ObjectKey], force: bool = False) -> dict[ObjectKey, L1Error]:
         out, gone = {}, []
@@ -74,19 +89,20 @@ class FakeL1:
                 gone.append(k)
                 out[k] = L1Error.SUCCESS
         if gone and self.runtime is not None:
-            self.runtime.note_l1_removed(gone)  # what the L1 eviction-policy bridge does
+            self.runtime.on_l1_removed(gone)  # what the L1 eviction-policy bridge does
         return out
 
     def clear(self) -> None:
         gone = [k for k in self.resident if k not in self.locked]
         self.resident -= set(gone)
         assert self.runtime is not None
-        self.runtime.note_l1_removed(gone)
+        self.runtime.on_l1_removed(gone)
 
 
 @dataclass
 class StorageManager:
     _l1_manager: FakeL1
+    _l2_adapters: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,7 +153,7 @@ def objects(rt: Any, key: IPCCacheServerKey, chunks: list[int], group: int) -> l
 
 def commit(rt: Any, key: IPCCacheServerKey, kv: list[int], snaps: list[int]) -> set[ObjectKey]:
     """STORE then commit: what LMCache does for one request."""
-    rt.note_store(key)
+    rt.on_store(key)
     keys = objects(rt, key, kv, 0) + objects(rt, key, snaps, 1)
     rt.actions.l1.resident.update(keys)
     return rt.on_committed(keys)
@@ -154,7 +170,7 @@ def test_store_routes_snapshots_and_keeps_finals(rt: Any) -> None:
     assert route == set(objects(rt, key, [1, 3], 1))  # both snapshots go to disk
     # After persisting, the intermediate snapshot leaves L1, the final stays.
     rt.actions.l1.locked.add(objects(rt, key, [1], 1)[0])  # a lookup holds it: retried later
-    leave = rt.after_persisted(sorted(route, key=str))
+    leave = rt.on_persisted(sorted(route, key=str))
     assert leave == objects(rt, key, [1], 1)
     assert rt.actions.retry_l1 == set(leave)
     rt.actions.l1.locked.clear()
@@ -175,7 +191,7 @@ def test_tensor_parallel_shards_join_their_chunk(rt: Any) -> None:
     # One shard vanishing from L1 makes the chunk unusable: the other shard goes too.
     shard0, shard1 = objects(rt, k0, [1], 0)[0], objects(rt, k1, [1], 0)[0]
     rt.actions.l1.resident.discard(shard0)
-    rt.note_l1_removed([shard0])
+    rt.on_l1_removed([shard0])
     with rt.lock:
         rt.actions.drain()
         actions = rt.actions.take()
@@ -190,7 +206,7 @@ def test_a_store_past_a_gap_is_rejected_and_deleted(rt: Any) -> None:
     t = toks(8, 3)
     key = ipc(t, 4 * CHUNK, len(t), "gap")  # chunks 0-3 were never cached
     keys = objects(rt, key, [4, 5, 6, 7], 0)
-    rt.note_store(key)
+    rt.on_store(key)
     rt.actions.l1.resident.update(keys)
     assert rt.on_committed(keys) == set()
     assert not rt.actions.l1.resident  # deleted from L1
@@ -214,7 +230,7 @@ def test_l1_removal_behind_our_back_drops_what_depends_on_it(rt: Any) -> None:
     commit(rt, key, [0, 1, 2, 3], [3])
     first = objects(rt, key, [0], 0)
     rt.actions.l1.resident -= set(first)
-    rt.note_l1_removed(first)  # e.g. POST /cache/clear
+    rt.on_l1_removed(first)  # e.g. POST /cache/clear
     actions = None
     with rt.lock:
         rt.actions.drain()
@@ -231,7 +247,7 @@ def test_own_deletes_are_not_mistaken_for_losses(rt: Any) -> None:
     key = ipc(t, 0, len(t), "own")
     commit(rt, key, [0, 1], [0, 1])
     snap0, snap1 = objects(rt, key, [0, 1], 1)
-    leave = rt.after_persisted([snap0, snap1])  # deleted from L1 right away
+    leave = rt.on_persisted([snap0, snap1])  # deleted from L1 right away
     assert leave == [snap0]
     assert snap0 not in rt.actions.l1.resident and snap1 in rt.actions.l1.resident
     with rt.lock:
@@ -284,13 +300,13 @@ def test_group_kinds_come_from_the_registration_not_the_ids(rt: Any) -> None:
     rt.ctx.layout_desc_registry = Registry(("recurrent", "attention"))
     t = toks(2, 12)
     key = ipc(t, 0, len(t), "rev")
-    rt.note_store(key)
+    rt.on_store(key)
     kv, snaps = objects(rt, key, [0, 1], 1), objects(rt, key, [0, 1], 0)
     rt.actions.l1.resident.update(kv + snaps)
     route = rt.on_committed(kv + snaps)
     assert route == set(snaps)  # both snapshots to disk, no KV
     assert rt.model.kv_chunk_bytes == KV_BYTES and rt.model.snapshot_bytes == SNAP_BYTES
-    assert rt.after_persisted(snaps) == snaps[:1]  # chunk 1's is the final: stays in L1
+    assert rt.on_persisted(snaps) == snaps[:1]  # chunk 1's is the final: stays in L1
     rt.check()
 
 

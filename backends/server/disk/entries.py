@@ -1,6 +1,9 @@
 """The disk tier's in-memory entries, and their rebuild from an own folder at start.
 
 One ``DiskEntry`` per object file the tier indexes; lookups read these, never the disk.
+An ``ObjectMeta`` is what a write carries down from whoever decided it (the HiState
+runtime, under its lock, at the routing decision): the header fields that the payload
+alone does not say, and the score a shared index commits the object with.
 ``recover_entries`` rebuilds them from the files of a folder only this server uses
 (``file_format.scan``: leftover temporaries and invalid files are removed, nothing else
 is touched). A folder shared by several servers is never scanned this way
@@ -11,13 +14,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from lmcache.v1.distributed.api import ObjectKey
 
 from . import file_format as df
 from .keys import to_key
 
-__all__ = ["DiskEntry", "recover_entries"]
+__all__ = ["UNKNOWN_META", "DiskEntry", "ObjectMeta", "recover_entries"]
+
+
+class ObjectMeta(NamedTuple):
+    """What a write of one object carries down to the disk tier.
+
+    ``kind`` / ``depth`` / ``parent`` go into the file header (``file_format``: a restart
+    rebuilds the prefix tree from them); ``score`` is the core's ``(C, M)`` a shared index
+    commits the object with (``shared_link`` NOTE 2), None without one.
+    """
+
+    kind: int
+    depth: int
+    parent: bytes
+    score: tuple[float, float] | None = None
+
+
+UNKNOWN_META = ObjectMeta(df.KIND_OTHER, -1, b"")
+"""The header of a write nobody described (a stock ``lmcache server``, no runtime)."""
 
 
 @dataclass(slots=True)

@@ -31,8 +31,9 @@ at that moment, and the deployment's ranking, not one server's, decides which fi
 so ``forget_local`` drops the object from this server's view only, and the file stays
 registered until the deployment's ``H`` ranking claims it at a write that needs room.
 
-NOTE 2 (``C`` and ``M``): an object is committed with its core's ``C`` and ``M``
-(``score_of``, set by the HiState runtime: the unit it leaves the disk with), so the
+NOTE 2 (``C`` and ``M``): an object is committed with its core's ``C`` and ``M`` (the
+unit it leaves the disk with), which the HiState runtime computed under its lock when it
+decided the write and which came down with it (``entries.ObjectMeta.score``), so the
 deployment ranks it by the same ``H`` from its first second; the runtime re-publishes
 them on its janitor tick when they change (``shared_index/deployment``). Without a
 runtime (a stock ``lmcache server``), or for an object the core does not hold, ``C`` =
@@ -125,8 +126,6 @@ class SharedIndexLink:
         self.registrar = Registrar(self.index, budget_bytes)
         self.stats: Counter[str] = Counter()
         self._forget_local = forget_local  # own objects whose files a claim deleted
-        # (C, M) of an object as the server's core ranks it (the runtime sets it; NOTE 2).
-        self.score_of: Callable[[ObjectKey], tuple[float, float] | None] | None = None
         self._own: dict[str, ObjectKey] = {}  # id -> key of the objects this server wrote
         self._own_lock = threading.Lock()
         self._releases: list[str] = []  # lease ids to give back (background thread)
@@ -210,12 +209,13 @@ class SharedIndexLink:
         self.stats["unreserved"] += given or 0
 
     def commit_written(
-        self, written: Sequence[tuple[ObjectKey, int, Any, int, int, bytes]]
+        self,
+        written: Sequence[tuple[ObjectKey, int, Any, int, int, bytes, tuple[float, float] | None]],
     ) -> None:
-        """Files renamed into place: ``(key, file size, payload, kind, depth, parent)``."""
+        """Files renamed into place: ``(key, file size, payload, kind, depth, parent,
+        (C, M) or None)``."""
         records = []
-        for k, size, payload, kind, depth, parent in written:
-            score = None if self.score_of is None else self.score_of(k)
+        for k, size, payload, kind, depth, parent, score in written:
             cost, freed = score if score is not None else (float(size), float(size))  # NOTE 2
             records.append(ObjectRecord(
                 df.encode_id(to_oid(k)), self._relative(k), size,

@@ -21,12 +21,30 @@ found again after a restart) with what HiState needs on top:
   the HiState runtime is told per key, and ENOSPC lowers the capacity (the runtime's core
   follows);
 * a torn or corrupted file found on load is a miss, never served, and is deleted;
-* per-key lookup locks: a delete that races a lookup→load waits for the unlock.
+* per-key lookup locks: a delete that races a lookup→load waits for the unlock;
+* one listener (``DiskTierListener``, given by ``attach``) told what happened below: writes
+  done or failed, files lost, capacity changes. The tier asks nothing of it: what a file's
+  header holds comes down with the write (``expect_headers``, NOTE 2).
 * with a ``shared_index`` section, one folder (held with a shared lock) for a deployment's
   servers: the Redis index answers lookups, reserves writes, picks victims (``shared_link``).
 
 NOTE 1: a shared folder is never scanned at start (``file_format.scan`` would delete the
 other servers' writes in progress); ``shared_link`` reconciles it instead.
+
+NOTE 2 (headers travel down): the HiState runtime decides which objects are written (its
+store policy's routing, a demotion) under its lock, where it knows each object's kind, prefix
+depth and parent; it hands them to ``expect_headers`` before the write is submitted
+(LMCache's ``submit_store_task`` carries keys and buffers only), and the write takes them.
+An I/O thread so never reads the runtime's state, which it could only do without its lock.
+Headers of writes that never come (an object LMCache could not read back from L1) are
+bounded (``HEADERS_MAX``, oldest dropped).
+
+Threads and locks: LMCache calls the ``submit_*`` / ``query_*`` / ``pop_*`` / ``delete``
+methods from its controller threads; reads and writes run on the I/O pool
+(``histate-disk-*``). ``self._lock`` guards the index, the lookup locks, the expected
+headers and the task results, and is never held across file I/O or while the listener is
+called. The listener is called on an I/O thread (written, lost, capacity) or on the
+caller's; it takes whatever lock its own state needs.
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
@@ -42,11 +60,11 @@ import contextlib
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.logging import init_logger
@@ -55,14 +73,13 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
-from .. import registry
 from . import file_format as df
 from .config import HiStateDiskAdapterConfig
-from .entries import DiskEntry, recover_entries
+from .entries import DiskEntry, ObjectMeta, recover_entries
 from .folder import FolderError, claim, hold
 from .keys import to_oid
 from .shared_link import SharedIndexLink
-from .writes import CapacityListener, DiskWriter, TierAccess, tell
+from .writes import DiskWriter, TierAccess
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -70,12 +87,32 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["DiskEntry", "HiStateDiskAdapter", "HiStateDiskAdapterConfig"]
+__all__ = ["DiskEntry", "DiskTierListener", "HiStateDiskAdapter", "HiStateDiskAdapterConfig",
+           "ObjectMeta"]
 
-# (kind, depth, parent chunk hash) written into each file's header; see file_format.
-ObjectMeta = tuple[int, int, bytes]
-MetaProvider = Callable[[ObjectKey], ObjectMeta]
 WriteCallback = Callable[[list[ObjectKey], list[ObjectKey]], None]
+
+HEADERS_MAX = 1 << 16
+"""Expected headers kept for writes not yet submitted (NOTE 2); the oldest go first."""
+
+
+class DiskTierListener(Protocol):
+    """What the disk tier reports to the one who drives it (the HiState runtime).
+
+    Each call comes from the thread that saw the event (an I/O thread for writes, loads and
+    capacity), with no lock of the tier held; an implementation takes its own lock and must
+    not call back into the tier's write path from under it.
+    """
+
+    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
+        """A write batch finished: ``stored`` are on disk now, ``failed`` were not
+        persisted (capacity, I/O error, budget)."""
+
+    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
+        """Files found corrupted or missing on load (already forgotten and removed)."""
+
+    def on_disk_capacity(self, capacity_bytes: int) -> None:
+        """The effective capacity changed (ENOSPC lowered it, freed space raised it)."""
 
 
 class HiStateDiskAdapter(L2AdapterInterface):
@@ -105,17 +142,16 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
         self._load_done: dict[L2TaskId, Bitmap] = {}
         self.stats: Counter[str] = Counter()
-        self.meta_provider: MetaProvider | None = None
-        self.write_listener: WriteCallback | None = None
-        self.loss_listener: Callable[[list[ObjectKey]], None] | None = None
-        self.capacity_listener: CapacityListener | None = None
+        self.listener: DiskTierListener | None = None
+        self._headers: OrderedDict[ObjectKey, ObjectMeta] = OrderedDict()
         self._closed = False
         self.shared: SharedIndexLink | None = None
-        self.writer = DiskWriter(self, TierAccess(
+        self.writer = DiskWriter(config, self.root, self.stats, TierAccess(
             self._lock, self._index, lambda: self._total_bytes_used,
             lambda: self._max_capacity_bytes,
             lambda nbytes: setattr(self, "_max_capacity_bytes", nbytes),
             self._notify_keys_stored, self._notify_keys_deleted,
+            lambda nbytes: self._tell("capacity", "on_disk_capacity", nbytes),
         ))
         if config.shared_index is None:
             self._recover_index(claimed)
@@ -129,10 +165,42 @@ class HiStateDiskAdapter(L2AdapterInterface):
                 lambda keys: self._forget(keys, unlink=False),
                 own_bytes=lambda: int(self._total_bytes_used + self.writer.reserved),
             )
+            self.writer.shared = self.shared
             logger.info("HiState disk tier at %s (%s folder), shared through Redis at %s",
                         self.root, claimed, self.shared.index.conn.where)
 
-        registry.announce_disk_tier(self)  # the HiState runtime, if any, drives it
+    # ------------------------------------------------------------------ wiring
+    def attach(self, listener: DiskTierListener | None) -> None:
+        """The one told what happens below from now on (None: nobody). A stock ``lmcache
+        server`` never attaches one."""
+        self.listener = listener
+
+    def expect_headers(self, metas: Mapping[ObjectKey, ObjectMeta]) -> None:
+        """The headers of writes about to be submitted (NOTE 2)."""
+        if not metas:
+            return
+        with self._lock:
+            self._headers.update(metas)
+            for key in metas:
+                self._headers.move_to_end(key)
+            while len(self._headers) > HEADERS_MAX:
+                self._headers.popitem(last=False)
+                self.stats["headers_dropped"] += 1
+
+    def _take_headers(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, ObjectMeta]:
+        with self._lock:
+            return {k: m for k in keys if (m := self._headers.pop(k, None)) is not None}
+
+    def _tell(self, what: str, method: str, *args: Any) -> None:
+        """Report to the listener (no lock of the tier held); its failure is logged,
+        never the tier's."""
+        listener = self.listener
+        if listener is None:
+            return
+        try:
+            getattr(listener, method)(*args)
+        except Exception:
+            logger.exception("HiState disk tier: %s listener failed", what)
 
     def _recover_index(self, claimed: str) -> None:
         """Index the files of an own folder (one server); leftovers removed."""
@@ -185,8 +253,10 @@ class HiStateDiskAdapter(L2AdapterInterface):
     def _store_task(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         result = L2StoreResult(False, 0)
         try:
-            _ok, failed, written = self.writer.write_batch(keys, [o.byte_array for o in objects])
+            _ok, failed, stored, written = self.writer.write_batch(
+                keys, [o.byte_array for o in objects], self._take_headers(keys))
             result = L2StoreResult(not failed, written)
+            self._tell("write", "on_disk_written", stored, failed)  # before the task completes
         except BaseException as exc:  # the task must complete whatever happened
             self.writer.not_persisted_all(keys, exc)
         finally:
@@ -200,13 +270,16 @@ class HiStateDiskAdapter(L2AdapterInterface):
         """Persist objects outside LMCache's store path (demotion of KV from the CPU tier).
 
         ``buffers`` must stay valid until ``done(ok_keys, failed_keys)`` runs (on an I/O
-        thread).
+        thread); the headers are the ones ``expect_headers`` was given. The listener hears
+        of the batch before ``done`` runs.
         """
         def run() -> None:
             ok: list[ObjectKey] = []
             failed = list(keys)
             try:
-                ok, failed, _ = self.writer.write_batch(list(keys), list(buffers))
+                ok, failed, stored, _ = self.writer.write_batch(
+                    list(keys), list(buffers), self._take_headers(keys))
+                self._tell("write", "on_disk_written", stored, failed)
             except BaseException as exc:
                 self.writer.not_persisted_all(keys, exc)
             finally:
@@ -299,7 +372,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             self._forget(corrupt, unlink=True)
             if self.shared is not None:
                 self.shared.lost(corrupt)
-            tell(self.loss_listener, "loss", corrupt)
+            self._tell("loss", "on_disk_lost", corrupt)
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)
@@ -384,7 +457,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
-        registry.withdraw_disk_tier(self)
+        self.listener = None
         self._pool.shutdown(wait=True, cancel_futures=False)
         if self.shared is not None:
             self.shared.close()

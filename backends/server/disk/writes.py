@@ -4,7 +4,14 @@
 (``write_batch``, ``cancel``, ``recheck_capacity``). It owns the writes in flight and the
 bytes they reserve; it shares with its tier, through ``TierAccess``, the tier's lock and
 index (a written object's entry is added under the lock) and its byte accounting and
-capacity (held by LMCache's adapter base class, which ``get_usage`` reads).
+capacity (held by LMCache's adapter base class, which ``get_usage`` reads). It holds no
+reference to the tier and calls nothing above it: each write gets its header fields
+(``entries.ObjectMeta``) from its caller, and the outcome is returned for the tier to report.
+
+Threads and locks: ``write_batch`` runs on the tier's I/O threads; ``cancel`` on any thread,
+under the tier's lock; the tier's lock is never held across file I/O, and nothing outside
+the disk tier is called from here (``TierAccess.capacity_changed`` is the tier's own
+method, which reports with no lock held).
 
 Invariants:
 
@@ -15,7 +22,7 @@ Invariants:
   is counted per cause (``stats["not_persisted_<cause>"]``) and logged once per cause,
   so a full disk does not flood the log with one warning per object;
 * the effective capacity (``_max_capacity_bytes``, what ``get_usage`` reports and what the
-  HiState core is told through ``capacity_listener``) never exceeds what the filesystem
+  HiState core is told through the tier's listener) never exceeds what the filesystem
   can hold: ENOSPC lowers it to the bytes held + the free space (NOTE 1), and while it
   is below the configured capacity it is re-measured at most every ``RECHECK_S`` seconds,
   so it grows back when space is freed.
@@ -43,7 +50,8 @@ import errno
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,15 +59,14 @@ from typing import TYPE_CHECKING, Any
 from lmcache.logging import init_logger
 
 from . import file_format as df
-from .entries import DiskEntry
+from .config import HiStateDiskAdapterConfig
+from .entries import UNKNOWN_META, DiskEntry, ObjectMeta
 from .folder import capacity_limit
 from .keys import to_oid
-from .shared_link import key_id
+from .shared_link import SharedIndexLink, key_id
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
-
-    from .tier import HiStateDiskAdapter
 
 logger = init_logger(__name__)
 
@@ -67,7 +74,6 @@ RECHECK_S = 5.0
 """While the capacity is below the configured one, free space is re-measured this often."""
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
-CapacityListener = Callable[[int], None]
 Accounting = Callable[[list["ObjectKey"], list[int]], None]
 
 
@@ -82,6 +88,7 @@ class TierAccess:
     set_capacity: Callable[[int], None]
     stored: Accounting  # ``_notify_keys_stored`` of the base class
     deleted: Accounting  # ``_notify_keys_deleted``
+    capacity_changed: Callable[[int], None]  # the tier reports the new capacity up
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -96,28 +103,21 @@ def failure_cause(exc: BaseException) -> str:
 class DiskWriter:
     """The write path and capacity feedback of one ``HiStateDiskAdapter``."""
 
-    def __init__(self, tier: HiStateDiskAdapter, access: TierAccess) -> None:
-        self.tier = tier
-        self.config = tier.config
-        self.root = tier.root
-        self.stats = tier.stats
+    def __init__(
+        self, config: HiStateDiskAdapterConfig, root: Path, stats: Counter[str],
+        access: TierAccess,
+    ) -> None:
+        self.config = config
+        self.root = root
+        self.stats = stats
         self._access = access
         self._lock = access.lock
         self._index = access.index
+        self.shared: SharedIndexLink | None = None  # set by the tier once it has built it
         self.writing: dict[ObjectKey, bool] = {}  # key -> cancelled
         self.reserved = 0
         self._logged_causes: set[str] = set()
         self._capacity_checked = 0.0
-
-    def _meta(self, key: ObjectKey) -> tuple[int, int, bytes]:
-        """(kind, depth, parent) for the header, from the tier's ``meta_provider``."""
-        provider = self.tier.meta_provider
-        if provider is not None:
-            try:
-                return provider(key)
-            except Exception:
-                logger.exception("HiState disk tier: meta provider failed")
-        return df.KIND_OTHER, -1, b""
 
     def cancel(self, key: ObjectKey) -> bool:
         """Under the tier's lock: a write of ``key`` in flight is cancelled (its file is
@@ -128,22 +128,26 @@ class DiskWriter:
         return True
 
     def write_batch(
-        self, keys: list[ObjectKey], buffers: list[Any]
-    ) -> tuple[list[ObjectKey], list[ObjectKey], int]:
-        """Write ``keys``; returns (ok, failed, payload bytes written). Never raises."""
+        self, keys: list[ObjectKey], buffers: list[Any], metas: Mapping[ObjectKey, ObjectMeta]
+    ) -> tuple[list[ObjectKey], list[ObjectKey], list[ObjectKey], int]:
+        """Write ``keys`` with the headers ``metas`` gives (``UNKNOWN_META`` for a key it
+        lacks); returns (ok, failed, stored, payload bytes written): ``ok`` = stored or
+        present already. Never raises."""
         ok: list[ObjectKey] = []
         failed: list[ObjectKey] = []
         stored: list[ObjectKey] = []
         written = 0
         dirs: set[Path] = set()
         self._maybe_recheck_capacity()
-        reserved, skip = self._shared_reserve(keys, buffers)
+        meta = [metas.get(key, UNKNOWN_META) for key in keys]
+        reserved, skip = self._shared_reserve(keys, buffers, meta)
         for i, key in enumerate(keys):
             if key in skip:  # shared: another server stored it, or over the budget
                 (ok if skip[key] == "present" else failed).append(key)
                 continue
             try:
-                outcome, nbytes, path = self._write_one(key, buffers[i], key in reserved)
+                outcome, nbytes, path = self._write_one(key, buffers[i], meta[i],
+                                                        key in reserved)
             except BaseException as exc:  # its local reservation released; unreserved below
                 self.not_persisted(key, exc)
                 failed.append(key)
@@ -161,29 +165,30 @@ class DiskWriter:
                 with contextlib.suppress(OSError):
                     df.fsync_dir(d)
         self.stats["objects_written"] += len(stored)
-        if self.tier.shared is not None and stored:
-            self._shared_commit(stored, dict(zip(keys, buffers, strict=True)))
+        if self.shared is not None and stored:
+            written_with = zip(keys, zip(buffers, meta, strict=True), strict=True)
+            self._shared_commit(stored, dict(written_with))
         if unwritten := reserved.difference(stored):
-            self.tier.shared.unreserve(list(unwritten))
-        tell(self.tier.write_listener, "write", stored, failed)
-        return ok, failed, written
+            assert self.shared is not None  # only a shared folder reserves
+            self.shared.unreserve(list(unwritten))
+        return ok, failed, stored, written
 
     def _shared_reserve(
-        self, keys: list[ObjectKey], buffers: list[Any]
+        self, keys: list[ObjectKey], buffers: list[Any], metas: list[ObjectMeta]
     ) -> tuple[set[ObjectKey], dict[ObjectKey, str]]:
         """Shared folder: reserve the batch under the deployment budget (evicting by the
         deployment's ranking); returns the keys reserved for this server, and the keys
         not to write: ``"present"`` (another server stored it) or ``"full"`` (not
         persisted). Not shared, or degraded: nothing reserved, the local view decides."""
-        if self.tier.shared is None:
+        if self.shared is None:
             return set(), {}
         sized = []
-        for key, buf in zip(keys, buffers, strict=True):
+        for key, buf, meta in zip(keys, buffers, metas, strict=True):
             with contextlib.suppress(Exception):  # a bad key fails in _write_one
                 oid = to_oid(key)
                 payload = memoryview(buf).nbytes
-                sized.append((key, df.header_size(oid, self._meta(key)[2]) + payload))
-        got = self.tier.shared.reserve(sized)
+                sized.append((key, df.header_size(oid, meta.parent) + payload))
+        got = self.shared.reserve(sized)
         if got is None:
             return set(), {}
         reserved, present, full = got
@@ -200,16 +205,21 @@ class DiskWriter:
                 self.stats["not_persisted_deployment_budget"] += 1
         return mine, out
 
-    def _shared_commit(self, stored: list[ObjectKey], buffers: dict[ObjectKey, Any]) -> None:
-        """Shared folder: the renamed files are committed to the deployment's index."""
+    def _shared_commit(
+        self, stored: list[ObjectKey], written: dict[ObjectKey, tuple[Any, ObjectMeta]]
+    ) -> None:
+        """Shared folder: the renamed files are committed to the deployment's index, each
+        with the score its write carried."""
+        assert self.shared is not None
         with self._lock:
             entries = [(k, self._index.get(k)) for k in stored]
-        self.tier.shared.commit_written([
-            (k, e.size, buffers[k], e.kind, e.depth, e.parent) for k, e in entries if e is not None
+        self.shared.commit_written([
+            (k, e.size, written[k][0], e.kind, e.depth, e.parent, written[k][1].score)
+            for k, e in entries if e is not None
         ])
 
     def _write_one(
-        self, key: ObjectKey, buf: Any, deployment_reserved: bool = False
+        self, key: ObjectKey, buf: Any, meta: ObjectMeta, deployment_reserved: bool = False
     ) -> tuple[str, int, Path]:
         """Write one object: ``("stored" | "present" | "failed", payload bytes, path)``.
         ``deployment_reserved``: a shared folder's deployment reserved it (NOTE 3).
@@ -218,11 +228,11 @@ class DiskWriter:
         (the caller gives the deployment's back).
         """
         view = memoryview(buf).cast("B")
-        kind, depth, parent = self._meta(key)
+        kind, depth, parent, _score = meta
         oid = to_oid(key)
         size = df.header_size(oid, parent) + len(view)
         path = df.object_path(self.root, oid)
-        share = None if self.tier.shared is None else self.tier.shared.degraded_share()
+        share = None if self.shared is None else self.shared.degraded_share()
         stale = None
         with self._lock:
             if key in self.writing or (key in self._index and not deployment_reserved):
@@ -319,14 +329,4 @@ class DiskWriter:
             "HiState disk tier: capacity now %d bytes (configured %d; %d held + free space)",
             limit, self.config.capacity_bytes, held,
         )
-        tell(self.tier.capacity_listener, "capacity", limit)
-
-
-def tell(listener: Callable[..., None] | None, what: str, *args: Any) -> None:
-    """Call a listener of the runtime; its failure is logged, never the tier's."""
-    if listener is None:
-        return
-    try:
-        listener(*args)
-    except Exception:
-        logger.exception("HiState disk tier: %s listener failed", what)
+        self._access.capacity_changed(limit)

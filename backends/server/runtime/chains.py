@@ -4,7 +4,9 @@ A chunk hash alone does not say its depth or parent, which the core's index and 
 file headers need. Every request's ordered chunk-hash chain is recorded as ``Link``s
 (LRU-bounded, nodes still in the core are kept); a STORE also leaves its ``StoreRecord`` on
 the chunks it stores, so objects committed later can be traced back to their request.
-``ChunkChains`` owns the links; callers hold the runtime lock.
+``ChunkChains`` owns the links; callers hold the runtime lock. That includes the disk
+headers (``object_meta``): ``TierActions.header`` reads them when a write is decided, and the
+header travels down with the write, so the disk tier's I/O threads never call in here.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ A commit batch may mix several STOREs; each record's objects are placed together
 (``HiStateCache.attach`` + ``complete``), the ones the core does not accept leave L1, and
 the ones the core puts on the disk tier are routed there by the store policy. The placer
 owns no state: it reads the chains (``ChunkChains``), registers objects in the catalogue,
-completes the request with the session tracker, and leaves its L1 deletes in the tier
-actions. Callers hold the runtime lock and run the returned actions after releasing it.
+completes the request with the session tracker, and leaves its L1 deletes and the headers
+of the routed writes in the tier actions. Callers run it inside ``TierActions.step`` (the
+runtime lock held; the actions run once it is released).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .catalogue import ObjectCatalogue
 from .chains import ChunkChains, StoreRecord
 from .model_core import ModelCore
 from .sessions import SessionTracker
-from .tier_actions import Actions, TierActions
+from .tier_actions import TierActions
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -55,12 +56,13 @@ class CommitPlacer:
 
     def place(
         self, core: HiStateCache, keys: Sequence[ObjectKey], now: float
-    ) -> tuple[set[ObjectKey], Actions]:
-        """Objects just committed to L1 (one or more STOREs): place them.
+    ) -> set[ObjectKey]:
+        """Objects just committed to L1 (one or more STOREs): place them (within the
+        caller's ``TierActions.step``).
 
-        Returns the keys to write to the disk tier now, and the actions to run. Objects the
-        core did not accept (a gap before them, no room) are deleted from L1; objects of
-        other models or of auxiliary groups are left alone.
+        Returns the keys to write to the disk tier now (their headers are expected by the
+        pending actions). Objects the core did not accept (a gap before them, no room) are
+        deleted from L1; objects of other models or of auxiliary groups are left alone.
         """
         route: set[ObjectKey] = set()
         records: dict[int, tuple[StoreRecord, ByDepth]] = {}
@@ -86,18 +88,20 @@ class CommitPlacer:
         for key in keys:
             if catalogue.key_tiers(key) & _DISK_BIT:
                 route.add(key)
-        actions = self.actions.take()
+        self.actions.expect_writes(route)
         # Committed objects the core does not hold on the CPU tier and that are not
-        # about to be written to disk have no business in L1.
+        # about to be written to disk have no business in L1. (Decided before ``take``
+        # reconciles: a part it forgets holds no tier here, so it is deleted either way.)
+        l1_delete = self.actions.pending.l1_delete
         for key in keys:
             if key in route:
                 continue
             if catalogue.where(key) is None:
                 if key in rejected:
-                    actions.l1_delete.append(key)
+                    l1_delete.append(key)
             elif not catalogue.key_tiers(key) & _CPU_BIT:
-                actions.l1_delete.append(key)
-        return route, actions
+                l1_delete.append(key)
+        return route
 
     def _place_record(
         self, core: HiStateCache, rec: StoreRecord, by_depth: ByDepth, now: float

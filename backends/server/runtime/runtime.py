@@ -1,19 +1,31 @@
 """The HiState runtime: the pure policy core driven by what an ``lmcache server`` sees.
 
-One ``HiStateRuntime`` lives in the server process: the launcher builds it and installs it
-in ``registry`` before LMCache builds anything; LMCache's plugin entry points find it
-there when they run:
+One ``HiStateRuntime`` lives in the server process. The launcher builds it and hands it to
+LMCache once, bound into the two policy factories LMCache calls (``policies.install``);
+every other part reaches it through what LMCache built, never through a module global:
 
-* the server module (``server_module.py``) hands it the server context and reports each
-  LOOKUP (refresh-all, pins, hit counters), STORE (the request's ordered chunk-hash chain:
-  positions and parents of the objects about to be committed) and END_SESSION;
+* the server module (``server_module.py``) finds it as the store policy of the server
+  context's storage manager (``policies.runtime_of``), hands it the context
+  (``attach_server``, which also attaches the HiState disk tier found among the storage
+  manager's L2 adapters) and reports each LOOKUP (refresh-all, pins, hit counters), STORE
+  (the request's ordered chunk-hash chain: positions and parents of the objects about to be
+  committed) and END_SESSION;
 * the store policy (``policies.HiStateStorePolicy``) reports every batch of objects
   committed to L1 and asks where they go; after a disk write it asks which may leave L1;
 * the L1 eviction policy (``policies.HiStateL1EvictionPolicy``) reports L1 removals and
   asks for victims when LMCache's eviction loop finds L1 above its watermark;
-* the disk tier (``disk.tier.HiStateDiskAdapter``, attached through ``registry``)
-  reports failed writes, corrupted or missing files and capacity changes, and asks for
-  each object's kind/depth/parent to write in its header.
+* the disk tier (``disk.tier.HiStateDiskAdapter``) is told the header of every write the
+  runtime decides (``TierActions.run``, before the write is submitted) and reports to
+  the runtime as its one ``DiskTierListener`` (``on_disk_written``, ``on_disk_lost``,
+  ``on_disk_capacity``): writes failed, files lost, capacity changed. It never asks the
+  runtime anything.
+
+Its verbs, named by who calls them: ``on_<event>`` for what LMCache or the disk tier saw
+(``on_store``, ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
+``on_l1_removed``, ``on_disk_written``, ``on_disk_lost``, ``on_disk_capacity``); a plain
+verb for what a caller asks of it (``plan``, ``status``, ``evict_cpu``, ``tick``,
+``check``, and the reads ``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_*`` /
+``start_janitor`` / ``close`` for its wiring.
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
@@ -32,10 +44,14 @@ The runtime is composed of parts, each owning its state, built here with what it
   starts published, and the deployment's EMAs read back, once per janitor tick.
 
 Locking: ``self.lock`` guards the core and every part. It is never held while calling
-into LMCache's L1 manager or waiting on disk I/O: each entry point below takes the lock,
-drains queued L1 removals, calls the parts, takes the collected ``Actions`` and runs them
-after releasing it. Callbacks that LMCache makes while holding its own L1 lock
-(``note_l1_removed``) only append to a queue; the janitor thread drains it too.
+into LMCache's L1 manager or waiting on disk I/O: each entry point that changes the core
+runs inside ``TierActions.step`` (lock → drain queued L1 removals → the parts → take the
+collected ``Actions`` → release → run them), the one place that sequence is written.
+Callbacks that LMCache makes while holding its own L1 lock (``on_l1_removed``) only
+append to a queue; the janitor thread drains it too. The disk tier's reports arrive on its
+I/O threads with none of its locks held and take ``self.lock`` like any entry point; the
+runtime calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with
+``self.lock`` released, so the two never wait on each other.
 
 NOTE 1 (events are stamped under the lock). The core assumes its clock never runs back
 (a session's re-access gap is ``now − last access``; a negative one is clamped to 0). An
@@ -44,6 +60,12 @@ later-stamped one from another thread (LMCache serves stores and lookups on diff
 threads), and a session's re-access gap would come out negative: a lone negative gap
 calibrates ``τ`` to exactly 0. So every ``now`` is read once the lock is held, and events
 reach the core in the order of their stamps.
+
+NOTE 2 (finding the disk tier). LMCache builds the disk tier from ``--l2-adapter`` with
+its config only, before any server module exists, and exposes no public list of a storage
+manager's L2 adapters in 0.5.6; ``attach_server`` reads ``_l2_adapters`` (as it reads
+``_l1_manager``). A stock ``lmcache server`` attaches nothing: the tier then has no
+listener and writes the ``UNKNOWN_META`` header.
 """
 
 from __future__ import annotations
@@ -61,6 +83,7 @@ from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.placement import PlacementListener
 
 from ..disk.shared_link import SharedIndexLink, key_id
+from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
 from .catalogue import ObjectCatalogue
 from .chains import ChunkChains, chain_hashes
@@ -74,7 +97,6 @@ from .tier_actions import TierActions
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
-    from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
@@ -92,7 +114,9 @@ class HiStateRuntime:
         self.model = ModelCore(cfg, self.stats)
         self.catalogue = ObjectCatalogue(self.model)
         self.chains = ChunkChains(self.model)
-        self.actions = TierActions(self.lock, self.model, self.catalogue, self.stats)
+        self.deployment = DeploymentSync(self.catalogue.keys, key_id, clock)
+        self.actions = TierActions(self.lock, self.model, self.catalogue, self.chains,
+                                   self.deployment, self.stats)
         self.sessions = SessionTracker(cfg, self.model, self.chains, self.stats)
         self.commits = CommitPlacer(
             self.model, self.chains, self.catalogue, self.sessions, self.actions, self.stats
@@ -101,7 +125,6 @@ class HiStateRuntime:
         self.report = StatusReport(
             cfg, self.model, self.sessions, self.catalogue, self.actions, self.stats
         )
-        self.deployment = DeploymentSync(self.catalogue.keys, key_id, clock)
         self.ctx: Any = None
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
@@ -113,14 +136,11 @@ class HiStateRuntime:
 
     # ================================================================ wiring
     def attach_disk_tier(self, disk: HiStateDiskAdapter) -> None:
-        """The disk tier this runtime drives (``registry.announce_disk_tier``)."""
+        """Drive ``disk``: its writes, deletes and demotions follow the core, and this
+        runtime is its listener (``attach_server`` calls it with the server's)."""
         self.actions.disk = disk
-        disk.meta_provider = self.chains.object_meta
-        disk.write_listener = self.actions.on_disk_written
-        disk.loss_listener = self.actions.on_disk_lost
-        disk.capacity_listener = self.on_disk_capacity
+        disk.attach(self)
         if disk.shared is not None:  # one disk folder for the deployment
-            disk.shared.score_of = self.score_of
             self.add_placement_observer(self.deployment)
 
     def _shared(self) -> SharedIndexLink | None:
@@ -143,6 +163,11 @@ class HiStateRuntime:
         if l1 is None or not callable(getattr(l1, "delete", None)):
             raise RuntimeError("HiState needs LMCache's single-L1 storage manager (0.5.6)")
         self.actions.l1 = l1
+        # NOTE 2: the disk tier LMCache built from ``--l2-adapter``, among its L2 adapters.
+        disks = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
+                 if isinstance(a, HiStateDiskAdapter)]
+        if disks and self.actions.disk is None:
+            self.attach_disk_tier(disks[0])
         if ctx.chunk_size != self.model.chunk:
             logger.warning(
                 "server chunk size %d differs from the configuration's %d; using %d",
@@ -177,7 +202,7 @@ class HiStateRuntime:
         return core
 
     # ============================================================ server module
-    def note_store(self, key: Any) -> None:
+    def on_store(self, key: Any) -> None:
         """STORE received (before its objects are committed): record the chain."""
         if self.ctx is None:
             return
@@ -202,9 +227,8 @@ class HiStateRuntime:
         end = min(key.end, len(key.token_ids))
         end -= end % chunk
         hashes = chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
-        with self.lock:
+        with self.actions.step():
             now = self.clock()  # under the lock: NOTE 1
-            self.actions.drain()
             chain = self.chains.link_chain(hashes, key.cache_salt, None)
             core = self._core_for(key.model_name, key.world_size)
             if core is None or not chain:
@@ -212,14 +236,10 @@ class HiStateRuntime:
             self.sessions.lookup(core, key, chain, now)
             if self._shared() is not None:  # told to the deployment at the next tick
                 self.deployment.began(self.sessions.requests[key.request_id].sid or "", chain)
-            actions = self.actions.take()
-        self.actions.run(actions)
 
     def on_end_session(self, request_id: str) -> None:
-        with self.lock:
+        with self.actions.step():
             self.sessions.end_request(self.model.core, request_id)
-            actions = self.actions.take()
-        self.actions.run(actions)
 
     def plan(
         self, start_tokens: int, input_tokens: int, step_tokens: int | None = None
@@ -246,25 +266,22 @@ class HiStateRuntime:
         """Objects just committed to L1: place them; returns the keys to write to disk."""
         if not keys or self.ctx is None:
             return set()
-        with self.lock:
+        with self.actions.step():  # the routed writes' headers go down as it ends
             now = self.clock()  # under the lock: NOTE 1
-            self.actions.drain()
             core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
             if core is None:
                 return set()
-            route, actions = self.commits.place(core, keys, now)
-        self.actions.run(actions)
-        return route
+            return self.commits.place(core, keys, now)
 
-    def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+    def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
-        leave L1 now (``TierActions.after_persisted``)."""
-        return self.actions.after_persisted(keys)
+        leave L1 now (``TierActions.on_persisted``)."""
+        return self.actions.on_persisted(keys)
 
     # ======================================================= L1 eviction policy
-    def note_l1_removed(self, keys: list[ObjectKey]) -> None:
+    def on_l1_removed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock: queue only."""
-        self.actions.note_l1_removed(keys)
+        self.actions.on_l1_removed(keys)
 
     def is_cpu_tracked(self, key: ObjectKey) -> bool:
         return self.catalogue.is_cpu_tracked(key)
@@ -275,32 +292,26 @@ class HiStateRuntime:
 
     def evict_cpu(self, need_bytes: int) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
-        with self.lock:
+        with self.actions.step():
             now = self.clock()  # under the lock: NOTE 1
-            self.actions.drain()
             core = self.model.core
             if core is None:
                 return 0
-            freed = self.evictor.evict(core, need_bytes, now)
-            actions = self.actions.take()
-        self.actions.run(actions)
-        return freed
+            return self.evictor.evict(core, need_bytes, now)
 
-    # ================================================================ disk tier
-    def on_disk_capacity(self, disk_bytes: int) -> None:
+    # ================================================= disk tier (DiskTierListener)
+    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
+        """A write batch finished (disk I/O thread): the failed ones are lost on disk."""
+        self.actions.on_disk_written(stored, failed)
+
+    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
+        """Files found corrupted or missing on load (disk I/O thread)."""
+        self.actions.on_disk_lost(keys)
+
+    def on_disk_capacity(self, capacity_bytes: int) -> None:
         """The disk tier's real capacity changed (ENOSPC, space freed): resize the core's."""
-        with self.lock:
-            self.model.resize_disk(disk_bytes, self.clock())
-            actions = self.actions.take()
-        self.actions.run(actions)
-
-    def score_of(self, key: ObjectKey) -> tuple[float, float] | None:
-        """``(C, M)`` of a disk object as the core ranks it (``DeploymentSync.score_of``),
-        for its commit to the shared index; None for an object the core does not hold."""
-        with self.lock:
-            core, where = self.model.core, self.catalogue.where(key)
-            return None if core is None or where is None else self.deployment.score_of(
-                core, *where)
+        with self.actions.step():
+            self.model.resize_disk(capacity_bytes, self.clock())
 
     def _sync_deployment(self, link: SharedIndexLink) -> None:
         """The janitor's exchange with the deployment (``DeploymentSync``): collected under
@@ -337,15 +348,12 @@ class HiStateRuntime:
                 logger.exception("HiState janitor failed")
 
     def tick(self) -> None:
-        with self.lock:
+        with self.actions.step():
             now = self.clock()  # under the lock: NOTE 1
-            self.actions.drain()
             core = self.model.core
             if core is not None:
                 self.evictor.rerank_step(core, RERANK_BUDGET)
                 self.sessions.expire(core, now)
-            actions = self.actions.take()
-        self.actions.run(actions)
         self.actions.retry_refused()
         link = self._shared()
         if link is not None:

@@ -8,6 +8,19 @@ it from L1). Actions are collected under the runtime lock and run after it is re
 live here too: L1 removals nobody here decided (queued by LMCache's callback, drained under
 the lock) and failed or lost disk files are reported to the core as losses.
 
+The lock sequence of every runtime entry point that changes the core is ``step``, written
+once: take the runtime lock, drain queued L1 removals, let the caller change the core, take
+the collected ``Actions`` (with the header of every disk write they decide,
+``header``), release the lock, run them. Running hands the disk tier the headers before it
+submits the writes, so the tier's I/O threads never read runtime state (``disk.tier``
+NOTE 2).
+
+Threads: ``step`` and the loss reports (``on_disk_written``, ``on_disk_lost``) run on
+whichever thread calls them (LMCache's request and controller threads, the janitor, the
+disk tier's I/O threads for its reports) and serialise on the runtime lock; ``run`` and
+``l1_delete`` are called with it released; ``on_l1_removed`` is called under LMCache's L1
+lock and only appends to a queue.
+
 State owned here: the pending ``Actions``, the chunk nodes touched since the last
 ``take`` (reconciled then), the objects of a commit batch in flight, the queue of L1
 removal events and the removals HiState itself asked for (``expected``, which are not
@@ -28,7 +41,10 @@ from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.index import Node
 from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementListener
 
+from ..disk.entries import ObjectMeta
+from ..shared_index.deployment import DeploymentSync
 from .catalogue import ObjectCatalogue
+from .chains import ChunkChains
 from .model_core import ModelCore
 
 if TYPE_CHECKING:
@@ -45,14 +61,16 @@ TIER_NAMES = {t: t.name.lower() for t in ServerTier}
 
 @dataclass(slots=True)
 class Actions:
-    """Effects decided under the lock, run after it is released."""
+    """Effects decided under the lock, run after it is released. ``headers``: those of the
+    disk writes decided (the store policy's routed objects and the demotions)."""
 
     l1_delete: list[ObjectKey] = field(default_factory=list)
     disk_delete: list[ObjectKey] = field(default_factory=list)
     demote: list[tuple[int, str, list[ObjectKey]]] = field(default_factory=list)
+    headers: dict[ObjectKey, ObjectMeta] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.l1_delete or self.disk_delete or self.demote)
+        return bool(self.l1_delete or self.disk_delete or self.demote or self.headers)
 
 
 class CoreListener:
@@ -114,11 +132,15 @@ class TierActions:
         lock: threading.RLock,
         model: ModelCore,
         catalogue: ObjectCatalogue,
+        chains: ChunkChains,
+        deployment: DeploymentSync,
         stats: Counter[str],
     ) -> None:
         self.lock = lock
         self.model = model
         self.catalogue = catalogue
+        self.chains = chains
+        self.deployment = deployment
         self.stats = stats
         self.listener = CoreListener(self)
         self.disk: HiStateDiskAdapter | None = None
@@ -131,6 +153,18 @@ class TierActions:
         self._expected_lock = threading.Lock()
         self.retry_l1: set[ObjectKey] = set()
         self._retry_lock = threading.Lock()
+
+    # ================================================================ the sequence
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Lock → drain → the caller's changes → take; the actions run once the lock is
+        released (module docstring). A caller that raises runs nothing: what it collected
+        waits for the next ``take``."""
+        with self.lock:
+            self.drain()
+            yield
+            actions = self.take()
+        self.run(actions)
 
     # ================================================================ collecting
     @contextmanager
@@ -159,30 +193,47 @@ class TierActions:
                     keys = catalogue.unregister_part(nk, part)
                     self.pending.l1_delete.extend(keys)
                     self.pending.disk_delete.extend(keys)
+        for _nk, _part, keys in self.pending.demote:
+            self.expect_writes(keys)
         actions, self.pending = self.pending, Actions()
         return actions
 
+    def expect_writes(self, keys: Iterable[ObjectKey]) -> None:
+        """The disk tier will write ``keys`` (under the lock): their headers go with the
+        actions."""
+        headers = self.pending.headers
+        for key in keys:
+            if key not in headers:
+                headers[key] = self.header(key)
+
+    def header(self, key: ObjectKey) -> ObjectMeta:
+        """What a disk write of ``key`` carries (under the lock): kind, depth and parent
+        for its file header, and with a shared index the core's ``(C, M)``."""
+        kind, depth, parent = self.chains.object_meta(key)
+        score = None
+        disk, core = self.disk, self.model.core
+        if disk is not None and disk.shared is not None and core is not None:
+            where = self.catalogue.where(key)
+            if where is not None:
+                score = self.deployment.score_of(core, *where)
+        return ObjectMeta(kind, depth, parent, score)
+
     # ================================================================ disk events
     def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
-        """A disk write finished (the disk tier's ``write_listener``)."""
+        """A disk write finished: the failed ones are lost on disk, and leave L1 unless
+        the core keeps them on the CPU tier."""
         if not failed:
             return
-        with self.lock:
-            self.drain()
+        with self.step():
             self._lose_on_disk(failed, "not_persisted")
-            actions = self.take()
-            for key in failed:
-                if not self.catalogue.is_cpu_tracked(key):
-                    actions.l1_delete.append(key)
-        self.run(actions)
+            # Before ``take``: a part it reconciles away is not CPU-tracked here either.
+            self.pending.l1_delete.extend(
+                k for k in failed if not self.catalogue.is_cpu_tracked(k))
 
     def on_disk_lost(self, keys: list[ObjectKey]) -> None:
         """Files found corrupted or missing on load (already removed by the disk tier)."""
-        with self.lock:
-            self.drain()
+        with self.step():
             self._lose_on_disk(keys, "lost.disk")
-            actions = self.take()
-        self.run(actions)
 
     def _lose_on_disk(self, keys: list[ObjectKey], counter: str) -> None:
         """Tell the core the disk copies of ``keys``' parts are gone (under the lock)."""
@@ -197,7 +248,7 @@ class TierActions:
                 self.touched.add(where[0])
 
     # ================================================================ L1 events
-    def note_l1_removed(self, keys: list[ObjectKey]) -> None:
+    def on_l1_removed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock: queue only."""
         if keys:
             self.events.append(list(keys))
@@ -222,7 +273,7 @@ class TierActions:
                     core.lose(where[0], where[1], CPU)
                     self.touched.add(where[0])
 
-    def after_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+    def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
         leave L1 now. Deleted here rather than by the store controller, which ignores a
         delete refused because a lookup holds a read lock; here it is retried.
@@ -249,6 +300,8 @@ class TierActions:
         """Run actions taken under the lock (never call with the lock held)."""
         if not actions:
             return
+        if actions.headers and self.disk is not None:  # before any write is submitted
+            self.disk.expect_headers(actions.headers)
         if actions.disk_delete and self.disk is not None:
             try:
                 self.disk.delete(list(dict.fromkeys(actions.disk_delete)))

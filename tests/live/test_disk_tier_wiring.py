@@ -1,0 +1,174 @@
+"""The disk tier wired to the runtime: headers decided under the lock, reports by one listener.
+
+A file's header (kind, prefix depth, parent chunk hash) is decided where the runtime routes
+the write, under its lock, and travels down with it (``disk.tier`` NOTE 2); the tier's I/O
+threads never run the lock-guarded parts of the runtime (chains, catalogue, core ...)
+without that lock. Real files and threads: a real ``HiStateDiskAdapter`` (one fsynced I/O
+worker, so writes queue) behind the runtime on the stand-in L1 of ``test_backend_runtime``,
+found by ``attach_server`` among the storage manager's L2 adapters as LMCache builds it,
+writes submitted as LMCache's store controller submits them, racing a thread that changes
+the chains (new chains past a small link table, CPU evictions, session ends, janitor ticks).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+from lmcache.v1.multiprocess.token_hasher import TokenHasher
+from lmcache_histate.backends.server.disk import file_format as df
+from lmcache_histate.backends.server.disk.keys import to_key
+from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
+from lmcache_histate.backends.server.runtime import chains as chains_module
+from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
+from test_backend_runtime import (
+    CHUNK,
+    KV_BYTES,
+    SNAP_BYTES,
+    Ctx,
+    FakeL1,
+    Obj,
+    StorageManager,
+    ipc,
+    objects,
+    toks,
+)
+
+import lmcache_histate.core
+from lmcache_histate.config import parse_config
+
+RUNTIME_DIR = Path(chains_module.__file__).parent
+# The parts ``HiStateRuntime.lock`` guards (runtime module docstring): their code runs only
+# under it. ``tier_actions`` and ``runtime`` themselves also run with it released, by design.
+GUARDED = {str(RUNTIME_DIR / f"{m}.py") for m in (
+    "catalogue", "chains", "commits", "cpu_eviction", "model_core", "recovery", "reporting",
+    "sessions")}
+CORE_DIR = str(Path(lmcache_histate.core.__file__).parent)
+
+
+def disk_runtime(tmp_path: Path, disk_capacity: int) -> tuple[HiStateRuntime, HiStateDiskAdapter]:
+    disk = HiStateDiskAdapter({"path": str(tmp_path / "disk"), "capacity_bytes": disk_capacity,
+                               "io_workers": 1, "fsync": True})
+    cfg = parse_config(
+        {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
+         "disk_path": str(tmp_path / "disk"), "disk_gib": 1}
+    )
+    runtime = HiStateRuntime(cfg)
+    l1 = FakeL1()
+    runtime.attach_server(Ctx(StorageManager(l1, {0: disk})))
+    l1.runtime = runtime
+    return runtime, disk
+
+
+def test_attach_server_finds_the_disk_tier_and_listens_to_it(tmp_path: Path) -> None:
+    runtime, disk = disk_runtime(tmp_path, 1 << 20)
+    try:
+        assert runtime.actions.disk is disk
+        assert disk.listener is runtime
+    finally:
+        disk.close()
+    assert disk.listener is None  # a closed tier reports to nobody
+
+
+def expected_headers(key: Any, chunks: int) -> dict[tuple[bytes, int], tuple[int, int, bytes]]:
+    """By hand, per (chunk hash, object group): chunk i of a prompt sits at depth i after
+    chunk i - 1 (LMCache's hasher names the chunks); group 0 is KV, group 1 the recurrent
+    snapshot."""
+    hasher = TokenHasher(CHUNK, "blake3")
+    hashes = [TokenHasher.hash_to_bytes(h)
+              for h in hasher.compute_chunk_hashes(list(key.token_ids), end=key.end)]
+    return {(hashes[i], group): (kind, i, hashes[i - 1] if i else b"")
+            for i in range(chunks) for group, kind in ((0, df.KIND_KV), (1, df.KIND_SNAPSHOT))}
+
+
+def test_written_headers_are_the_routing_decisions_while_chains_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """60 prompts of 6 chunks stored (snapshots after chunks 1, 3, 5), their routed objects
+    written as LMCache submits them, while another thread links 400 fresh chains through a
+    64-link table (the links of chunks the core dropped are trimmed), evicts the CPU tier
+    and ends sessions, and the disk (room for ~40 snapshots) makes the core drop disk
+    copies. Every file left has the header its routing (or demotion) decision gave it, and
+    no disk I/O thread ran a lock-guarded part of the runtime without the lock."""
+    monkeypatch.setattr(chains_module, "_LINKS_MAX", 64)
+    violations: list[str] = []
+    io_calls: list[str] = []
+    runtime: HiStateRuntime | None = None
+
+    def tracer(frame: FrameType, event: str, _arg: Any) -> None:
+        if event != "call" or not threading.current_thread().name.startswith("histate-disk"):
+            return
+        path = frame.f_code.co_filename
+        io_calls.append(frame.f_code.co_name)
+        if (path in GUARDED or path.startswith(CORE_DIR)) and runtime is not None \
+                and not runtime.lock._is_owned():  # type: ignore[attr-defined]
+            violations.append(f"{Path(path).name}:{frame.f_code.co_qualname}")
+
+    threading.setprofile(tracer)  # the tier's I/O thread starts at its first task
+    try:
+        runtime, disk = disk_runtime(tmp_path, 40 * (4096 + 200))
+        expected: dict[tuple[bytes, int], tuple[int, int, bytes]] = {}
+        submitted: list[int] = []
+        stop = threading.Event()
+
+        def churn() -> None:
+            assert runtime is not None
+            n = 0
+            while not stop.is_set() or n < 400:
+                t = toks(6, 10_000 + n)
+                runtime.on_lookup(ipc(t, 0, len(t), f"l{n}", worker=None))
+                if n % 7 == 0:
+                    runtime.evict_cpu(1 << 16)
+                if n % 5 == 0:
+                    runtime.on_end_session(f"w{n // 10}")
+                if n % 11 == 0:
+                    runtime.tick()
+                n += 1
+
+        churner = threading.Thread(target=churn, name="chain-churn")
+        churner.start()
+        for p in range(60):
+            t = toks(6, p + 1)
+            key = ipc(t, 0, len(t), f"w{p}")
+            expected.update(expected_headers(key, 6))
+            runtime.on_store(key)
+            keys = objects(runtime, key, [0, 1, 2, 3, 4, 5], 0) + objects(
+                runtime, key, [1, 3, 5], 1)
+            runtime.actions.l1.resident.update(keys)
+            route = runtime.on_committed(keys)  # the store policy's routing decision
+            mine = [k for k in keys if k in route]
+            if mine:  # what LMCache's store controller then submits
+                submitted.append(disk.submit_store_task(
+                    mine, [Obj(SNAP_BYTES if k.object_group_id else KV_BYTES) for k in mine]))
+        stop.set()
+        churner.join(timeout=120)
+        assert not churner.is_alive()
+        done: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(done) < len(submitted) and time.monotonic() < deadline:
+            done.update(disk.pop_completed_store_tasks())
+            time.sleep(0.01)
+        assert len(done) == len(submitted)
+        disk.close()  # waits for the demotions in flight too
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        sys.setprofile(None)
+
+    files = sorted((tmp_path / "disk").rglob("*" + df.SUFFIX))
+    assert len(files) >= 20, len(files)
+    wrong = []
+    for path in files:
+        header = df.read_header(path)
+        key = to_key(header.oid)
+        got, want = (header.kind, header.depth, header.parent), expected[
+            (key.chunk_hash, key.object_group_id)]
+        if got != want:
+            wrong.append((path.name, got, want))
+    assert wrong == []
+    assert "write_batch" in io_calls  # the tracer saw the I/O thread's work
+    assert violations == [], sorted(set(violations))
