@@ -82,7 +82,7 @@ class Side:
     def __init__(self, core: ModuleType, objects: int, seed: int = 0) -> None:
         cache_m = importlib.import_module(core.__name__ + ".cache")
         place = importlib.import_module(core.__name__ + ".placement")
-        geo = importlib.import_module(core.__name__ + ".geometry").preset("qwen3.5-9b")
+        geo = importlib.import_module(core.__name__ + ".model_presets").preset("qwen3.5-9b")
         kv, snap = CHUNK * geo.kv_bytes_per_token, geo.snapshot_bytes
         per_snap = SESSION_CHUNKS // SNAP_EVERY
         sessions = max(1, objects // (SESSION_CHUNKS + per_snap))
