@@ -32,6 +32,7 @@ Usage: ``python benchmarks/core_ops.py [--sizes 10000,100000,1000000]``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib
 import random
@@ -71,13 +72,17 @@ def load_core(ref: str | None) -> ModuleType:
     return importlib.import_module("core_at_ref")
 
 
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
 class Side:
     """One core's cache, full to capacity, and the operations timed on it."""
 
     def __init__(self, core: ModuleType, objects: int, seed: int = 0) -> None:
         cache_m = importlib.import_module(core.__name__ + ".cache")
         place = importlib.import_module(core.__name__ + ".placement")
-        geo = importlib.import_module(core.__name__ + ".geometry").preset("qwen3.5-9b")
+        geo = importlib.import_module(core.__name__ + ".model_presets").preset("qwen3.5-9b")
         kv, snap = CHUNK * geo.kv_bytes_per_token, geo.snapshot_bytes
         per_snap = SESSION_CHUNKS // SNAP_EVERY
         sessions = max(1, objects // (SESSION_CHUNKS + per_snap))
@@ -92,6 +97,9 @@ class Side:
             rules=place.PlacementRules(kv_tier=0, snapshot_tier=1, final_tier=0),
             tau=600.0,
             fixed_interval=SNAP_EVERY * CHUNK,
+            # The simulator's HiState rows price end hits by exposure (``core.eviction``
+            # NOTE 7); a core without the knob is timed with its own pricing.
+            **({"exposed_ends": True} if "exposed_ends" in _fields(cache_m.CacheConfig) else {}),
         )
         t0 = time.perf_counter()
         self.cache = cache = cache_m.HiStateCache(cfg)

@@ -28,9 +28,13 @@ class CacheConfig:
     score's recency scale online (the design, ``score``); a number in seconds fixes it
     (0 = LRU over units). ``refresh_used``: an intermediate snapshot's unit ranks by
     when its snapshot was last resumed from, not by when the prefix through it was
-    refreshed (``eviction`` NOTE 6). ``attention_tokens``: the context length at which
-    causal attention costs as much per recomputed token as the rest of the prefill (linear cost
-    ÷ attention cost per token pair; ``inf``: cost in tokens only, ``units``).
+    refreshed (``eviction`` NOTE 6). ``exposed_ends``: a snapshot's ``C`` counts the end
+    hits of a session whose tail below it is in a tier above the last weighted by the
+    chance that the tail has left the cache when the session returns (``eviction`` NOTE
+    7; off: the paper's pricing, every passing session in full).
+    ``attention_tokens``: the context length at which causal attention costs as much per
+    recomputed token as the rest of the prefill (linear cost ÷ attention cost per token
+    pair; ``inf``: cost in tokens only, ``units``).
     ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
     ``hit_positions``: ``"uniform"`` (default) is the paper's model; ``"measured"`` learns
@@ -58,6 +62,7 @@ class CacheConfig:
     tau: float | None = None
     refresh_all: bool = True
     refresh_used: bool = False
+    exposed_ends: bool = False
     supported_intervals: tuple[int, ...] | None = None
     ema_alpha: float = EMA_ALPHA
     end_probability_prior: float = END_PROBABILITY_PRIOR

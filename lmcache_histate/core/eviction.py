@@ -88,6 +88,57 @@ e^6 ≈ 400 times theirs, while the bundle at B ranks by 600 under both. No cons
 it is the paper's ``H`` with ``t`` the last time the thing being freed was needed.
 Stamps (NOTE 4) stay sound: ``used`` changes only where ``access`` becomes ``now``
 too (``touch`` clears the stamp of the hit node in case ``access`` already was ``now``).
+
+NOTE 7 (a snapshot's end hits, weighted by the chance its session's tail is gone by then:
+``exposed_ends``). ``units`` prices an intermediate snapshot ``x`` as the resume point it
+becomes once the tail below it has left: every session passing ``x`` adds ``p_end·δ`` to
+``C`` (``units`` NOTE 1). That is right where the tail can be the next thing to go, the
+last tier, and an overstatement while the tail sits in a faster tier: a unit leaves the
+cache only from the last tier, so a tail in the engine's pool or in CPU memory must
+first be demoted there and then dropped, and until then an end hit resumes from the
+tail's own final snapshot. With refresh-all the overstatement costs most: every hit
+writes ``now`` into ``x`` and ``C`` prices it as the session's fallback, so the
+mid-prefix snapshots of the sessions being served (tails in the GPU) outrank the final
+bundles of sessions idle for a minute, and under pressure the last tier keeps fallbacks
+nobody falls back to and drops the bundles idle sessions resume from. (48 sessions at
+1/4 of the paper's CPU+disk, one replay of ``benchmarks/sim_pressure.py``'s cell:
+1,466 bundles dropped against 393 intermediate snapshots, 94 % of the disk's bytes
+snapshots at the end.)
+
+The score's own model gives the weight. A session returns after an idle gap that is
+exponential with mean ``τ`` (``score``); its tail, unread meanwhile, leaves the cache
+after sitting in each tier from its own down to the last for that tier's *dwell* time
+``D_k``: an EMA of how long the units leaving tier ``k`` had been unread
+(``observe_demotion``, on every demotion and drop; the Che approximation of an LRU-like
+cache). So an end hit of that session still needs ``x`` with probability
+``exp(−S_k/τ)``, ``S_k = D_k + … + D_last``, ``k`` the fastest tier holding the KV of
+the chunk just below ``x`` on its path; ``C`` counts ``passes − Σ (1 − exp(−S_k/τ))·
+child.passes`` over the children of ``x`` (``units.expected_recompute``'s ``hidden``,
+NOTE 3 there). A tail in the last tier counts in full, as before: there it can be the
+next victim, and ``x`` must outrank it so that a cold session still peels from its tail.
+Before anything has left a tier every ``D`` is 0 and the weight 1: the paper's pricing
+until there is evidence that fast tiers hold tails. No constant: two measured times, the
+sessions' return scale and the tiers' dwell. The table of weights (per KV tier mask) is
+read once per epoch (NOTE 4), when ``τ``'s samples move: the dwell EMAs are in no
+basis of their own, so one epoch's ranks all use one table.
+
+Worked example (``score``'s numbers: ``τ = 60 s``, ``p_end = 0.95``, ``N_s = 1,572``,
+``δ = 4,224``, internal mass 0.5). Session A was hit 10 s ago: its snapshot ``x`` is on
+disk, its tail in the GPU. Session B has idled 60 s: its final bundle (``C = 4,013``,
+``M = 5,796``) is on disk, ``H_B = now − 60 + 60·ln(4,013/5,796) = now − 82.1``. Paper
+pricing: ``C_x = 4,224·(0.05·0.5 + 0.95) = 4,118``, ``H_x = now − 10 + 60·ln(4,118/1,572)
+= now + 47.8``: B's bundle goes, ``x`` stays. With dwell times GPU 90 s, CPU 130 s, disk
+120 s (about those of that cell), ``S = 340 s``: A's end hit needs ``x`` with
+probability ``exp(−340/60) = 0.0035``, ``C_x = 4,224·(0.025 + 0.95·0.0035) = 119.5``,
+``H_x = now − 10 + 60·ln(119.5/1,572) = now − 164.6``: ``x`` goes first, 82 s below B.
+In the score's model (expected loss per byte ``exp(−a/τ)·C/M``) ``x`` then loses
+0.846·0.076 = 0.064 and B's bundle 0.368·0.692 = 0.255. With the dwell times of a cache
+whose fast tiers turn over in seconds (GPU 7 s, CPU 15 s, disk 50 s: ``S = 72 s``, the
+bundled sample on 2 + 2 + 4 GiB), ``exp(−72/60) = 0.301``, ``C_x = 1,314``, ``H_x = now −
+20.7``: B's bundle goes first, as in the paper's pricing, because A's tail is likely to
+be gone before A returns.
+Stamps (NOTE 4) stay sound: a child's tiers change only by a store, a move or a drop,
+each of which re-ranks around the child, ``x`` included.
 """
 
 from __future__ import annotations
@@ -95,6 +146,7 @@ from __future__ import annotations
 import math
 from math import log
 
+from .ema import SeededEMA
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
@@ -122,7 +174,9 @@ class EvictionQueue:
     number fixes it (0 = plain LRU over units). ``refresh_all`` controls whether a hit
     refreshes every unit on the prefix up to the hit (the paper's refresh-all) or only
     the unit that was hit; ``refresh_used`` ranks an intermediate snapshot's unit by when
-    it was last resumed from (NOTE 6).
+    it was last resumed from (NOTE 6); ``exposed_ends`` weights a snapshot's end hits by
+    the chance that the tail below it has left the cache when its session returns
+    (NOTE 7).
     """
 
     def __init__(
@@ -136,6 +190,7 @@ class EvictionQueue:
         reaccess: ReaccessScale | None = None,
         refresh_all: bool = True,
         refresh_used: bool = False,
+        exposed_ends: bool = False,
         attention_tokens: float = math.inf,
         positions: HitPositions | None = None,
         recency_tiers: int = 0,
@@ -155,6 +210,12 @@ class EvictionQueue:
         self.reaccess = reaccess if reaccess is not None else ReaccessScale()
         self.refresh_all = refresh_all
         self.refresh_used = refresh_used
+        self.exposed_ends = exposed_ends
+        # NOTE 7: how long the units leaving each tier had sat there unread (dwell), and
+        # per KV tier mask the share of a passing session's end hits that its tail there
+        # still serves (None: every end hit counts, the paper's pricing).
+        self.dwell = [SeededEMA(self.reaccess.alpha) for _ in range(num_tiers)]
+        self._hidden: list[float] | None = None
         self.attention_tokens = attention_tokens
         self.positions = positions
         self.recency_tiers = recency_tiers
@@ -185,6 +246,7 @@ class EvictionQueue:
             self.attention_tokens,
             self.positions,
             above,
+            self._hidden,
         )
 
     def cost_bytes(self, anchor: Node, above: Node | None = None) -> float:
@@ -266,7 +328,35 @@ class EvictionQueue:
             self.epoch += 1
             # What ``_update`` reads of them, read here once per epoch.
             self._tau, self._first = tau, self._first_cost_tier(tau)
+            self._hidden = self._hidden_now(tau)
         return self.epoch
+
+    def _hidden_now(self, tau: float) -> list[float] | None:
+        """Per KV tier mask, the share of a passing session's end hits that do not need
+        the snapshot above because the session's tail starts in that tier (NOTE 7):
+        ``1 − exp(−S/τ)``, ``S`` the dwell times summed from the mask's fastest tier down
+        to the last; 0 where the mask has no tier above the last (or no KV). Read once
+        per epoch (its inputs, the dwell EMAs, are folded in when ``τ``'s samples move,
+        which is in the basis), so every rank of an epoch uses the same table."""
+        if not self.exposed_ends or tau <= 0.0:
+            return None
+        last = len(self.heaps) - 1
+        share = [0.0] * (last + 1)
+        below = self.dwell[last].value
+        for tier in range(last - 1, -1, -1):
+            below += self.dwell[tier].value
+            share[tier] = 1.0 - math.exp(-below / tau)
+        table = []
+        for mask in range(len(self._tiers_of)):
+            tiers = self._tiers_of[mask]
+            table.append(share[tiers[0]] if tiers else 0.0)
+        return table
+
+    def observe_demotion(self, anchor: Node, tier: int, now: float) -> None:
+        """The unit at ``anchor`` is being pushed out of ``tier`` (demoted, or dropped
+        from the last): one sample of that tier's dwell time (NOTE 7)."""
+        if self.exposed_ends:
+            self.dwell[tier].observe(now - anchor.access)
 
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
@@ -312,6 +402,7 @@ class EvictionQueue:
                             self.attention_tokens,
                             self.positions,
                             top,
+                            self._hidden,
                         )
                 # ``score.score`` inline, the same operations in the same order (this
                 # runs for every re-ranked unit in every tier): τ > 0 here, and m > 0.

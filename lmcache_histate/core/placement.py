@@ -202,6 +202,7 @@ class TieredStore:
     def evict(self, anchor: Node, tier: int, now: float) -> None:
         """Push the unit at ``anchor`` out of ``tier``: one tier down, or out of the cache."""
         lower = tier + 1
+        self.queue.observe_demotion(anchor, tier, now)
         if lower >= len(self.tiers):
             self.drop(anchor, now)
             return

@@ -47,6 +47,11 @@ and ``τ`` is the sessions' own re-access scale, measured, not tuned.
   ``C = 528 · 0.975 = 515``, ``ln(515/1,572) = −1.12``: ``60 · (1.12 − 0.37) = 45 s``
   *below* the bundle at equal ``t``: a snapshot that saves little recompute goes before
   the final bundle of a session waiting on a tool, which is the paper's Figure 7.
+(The second example prices the end hits as if the tail below had left. While that tail
+is in a tier above the last, ``exposed_ends`` weights them by the chance it has left the
+cache when the session returns, ``exp(−S/τ)`` with ``S`` the tiers' measured dwell
+times: at ``S = 340 s``, ``C = 119.5``, ``ln(119.5/1,572) = −2.58``, 133 s below the bundle
+at equal ``t`` (``eviction`` NOTE 7).)
 With the paper's form, ``τ = 600 s`` and ``C`` divided by 65 sessions, the gap between
 the bundle and an internal-hit-only snapshot (``C = 4,224 · 0.05 · 0.5 = 106``) was
 ``600 · (4,013/5,796 − 106/1,572) / 65 = 5.8 s``: a few seconds of recency, i.e. LRU.

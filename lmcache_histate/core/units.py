@@ -59,7 +59,10 @@ N_s) < p_end`` whenever ``δ_s ≥ N_s`` (intervals are ``√(2·L·N_s·F)``, a
 any segment ``L > N_s / 2F``), so at equal recency the tail goes first. While the tail
 is cached this overstates the snapshot's value (the end hit resumes from the final
 snapshot, not from it): an upper bound that only matters once the tail is the next
-victim, which is exactly when the snapshot becomes the session's resume point.
+victim, which is exactly when the snapshot becomes the session's resume point. A tail in
+a tier above the last cannot be the next victim (units leave the cache from the last
+tier), so with ``hidden`` the bound is weighted there by the chance that the tail is
+gone when the session returns (NOTE 3).
 
 NOTE 2 (measured positions in ``C``). Internal hits are not uniform inside a segment
 (``hit_positions``: most land near a segment's end). A snapshot's internal mass is the
@@ -67,6 +70,16 @@ uniform one times the mean relative density over its zone's offsets, with the gl
 estimate (a node keeps its offset, not its segment's content kind: 8 bytes per node, not
 a reference). A zone that spans a segment boundary (its snapshots between were dropped)
 keeps the uniform mass: its offsets are not one interval of one segment.
+
+NOTE 3 (end hits a tail in a faster tier still serves, ``hidden``). A session passing
+the snapshot through a child whose KV sits in a tier above the last still has its tail
+below in the cache's faster tiers: its end hit resumes from that tail's final snapshot
+unless the tail has been demoted to the last tier and dropped by the time the session
+returns. ``hidden[mask]`` (``eviction`` NOTE 7) is the share of such end hits the tail
+still serves, by the KV tier mask of the child; the session counts ``1 − hidden`` of an
+end access here. Only the first chunk below is read (a store or a promotion puts the
+whole prompt path in a fast tier, and a tail leaves it whole or from its leaf up): one
+look per child, no walk, and the child is what every move of it re-ranks around.
 """
 
 from __future__ import annotations
@@ -234,6 +247,7 @@ def expected_recompute(
     attention_tokens: float = math.inf,
     positions: HitPositions | None = None,
     above: Node | None = None,
+    hidden: Sequence[float] | None = None,
 ) -> float:
     """``C`` of the snapshot at ``node``: expected extra recompute if it goes.
 
@@ -252,7 +266,8 @@ def expected_recompute(
     ``[p, P_s)``; sessions passing a boundary snapshot at ``q`` lose it on internal hits
     in ``[p, q)``, whose mass is ``(q - p) · weight(q)``. Every session passing the
     snapshot (``node.passes``) loses it on an end access once its tail is gone (module
-    NOTE 1).
+    NOTE 1); with ``hidden``, the sessions leaving it through a child whose KV is in a
+    tier above the last count ``1 − hidden[child.kv_tiers]`` of one (NOTE 3).
 
     With measured hit ``positions`` each internal mass is scaled by the mean relative
     hit density over the zone's offsets in its segment (``HitPositions.zone_factor``,
@@ -273,6 +288,7 @@ def expected_recompute(
     if lo >= 1.0:
         lo = 0.0
     to_end = positions.zone_factor(lo, 1.0) if measured else 1.0  # type: ignore[union-attr]
+    children_of_node = node.children
     internal = 0.0
     stack: list[Node] = []
     q: Node | None = node
@@ -302,5 +318,11 @@ def expected_recompute(
                     if q is not None:
                         stack.append(q)
                     q = child
-    mass = (1.0 - end_probability) * internal + end_probability * node.passes
+    passes: float = node.passes
+    if hidden is not None and children_of_node:
+        # NOTE 3: a session whose tail below starts in a fast tier resumes from that
+        # tail unless it has left the cache by the time the session returns.
+        for child in children_of_node.values():
+            passes -= hidden[child.kv_tiers] * child.passes
+    mass = (1.0 - end_probability) * internal + end_probability * passes
     return delta * mass * (1.0 + (2 * p - delta) / (2.0 * attention_tokens))

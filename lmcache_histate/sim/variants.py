@@ -5,11 +5,14 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 
 =====================  =====================================================================
 ``histate``            the full design: unified H-queue with ``τ`` calibrated online from
-                       the sessions' re-access gaps (``core.score``), refresh-all, online
-                       interval controller.
+                       the sessions' re-access gaps (``core.score``), refresh-all, a
+                       snapshot's end hits weighted by the chance the tail below it has
+                       left the cache when its session returns (``exposed_ends``,
+                       ``core.eviction`` NOTE 7), online interval controller.
 ``histate-paper``      the paper's eviction rule, kept as its own row for the record:
                        refresh-all (a hit refreshes every unit on its prefix) with ``τ``
-                       calibrated online.
+                       calibrated online, every passing session's end hits priced into a
+                       snapshot's ``C`` (``exposed_ends`` off).
 ``histate-refresh-``    ``histate`` with a hit refreshing only the unit it resumed from
 ``hit``                (``refresh_all=False``): the candidate of the pressure matrix
                        (``benchmarks/sim_pressure.md``).
@@ -92,7 +95,7 @@ _GPU, _DISK = int(SimTier.GPU), int(SimTier.DISK)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "histate": {"tau": None},
-    "histate-paper": {"tau": None, "refresh_all": True},
+    "histate-paper": {"tau": None, "refresh_all": True, "exposed_ends": False},
     "histate-refresh-hit": {"tau": None, "refresh_all": False},
     "histate-refresh-used": {"tau": None, "refresh_all": True, "refresh_used": True},
     "histate-fixed-tau": {},
@@ -149,6 +152,7 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     knobs: dict[str, Any] = {
         "tau": setup.tau,
         "refresh_all": True,
+        "exposed_ends": True,
         "ema_alpha": setup.ema_alpha,
         "step_tokens": step,
         "step_price": price,

@@ -430,3 +430,54 @@ def test_refresh_used_ranks_a_mid_prefix_snapshot_by_its_last_resume() -> None:
         assert (ranks[True][(k, 0)], ranks[False][(k, 0)]) == (0.0, 200.0)
     assert ranks[True][(6, 1)] == ranks[False][(6, 1)]
     assert ranks[True][(6, 0)] == ranks[False][(6, 0)] == 200.0
+
+
+
+def test_exposed_ends_discount_the_end_hits_a_tail_in_a_faster_tier_still_serves() -> None:
+    """``eviction`` NOTE 7 on the module's tree, two tiers (tier 1 the last), τ = 10.
+
+    Snapshots and the KV of 1–4 and 7–8 on tier 1; the KV of 5–6 (a's tail below S4) on
+    tier 0. Before any unit has left a tier nothing is discounted: S4's C is the paper's
+    20·(0.1·2/3 + 0.9·2) = 37.333333. Then a unit read at 95 is demoted out of tier 0 at
+    100 (dwell 5 s, the EMA's seed) and one read at 98 dropped from tier 1 at 100 (2 s):
+    a tail on tier 0 leaves the cache after S = 5 + 2 = 7 s, so a's end hits still need
+    S4 with probability exp(−7/10) = 0.496585 (the share its tail serves: 0.503415). The
+    table is read at the next epoch (a re-access sample). S4: passes 2 − 0.503415 =
+    1.496585, C = 20·(0.1·2/3 + 0.9·1.496585) = 28.271869, H on tier 1 (M = 200) =
+    100 + 10·ln(113.087475/200) = 94.298443 (97.078636 without the rule). S2's child 3
+    is on the last tier: its C stays 37.333333. Demoting 5 to tier 1 (re-ranked around
+    it, as every move is) gives S4 the paper's C back; with 5 and 7 on tier 0 both
+    sessions' shares go: 2 − 2·0.503415 = 0.993171, C = 19.210404, H = 90.434290.
+    """
+    index, n = tree(kv_tier=1, snap_tier=1)
+    for key in (5, 6):
+        n[key].kv_tiers = 1
+    q = queue(index, 2, tau=10.0, recency_tiers=1, exposed_ends=True)
+    assert q.cost(n[4]) == pytest.approx(112 / 3)
+    n[1].access = 95.0
+    q.observe_demotion(n[1], 0, 100.0)
+    n[3].access = 98.0
+    q.observe_demotion(n[3], 1, 100.0)
+    assert [d.value for d in q.dwell] == [5.0, 2.0]
+    assert q.cost(n[4]) == pytest.approx(112 / 3)  # not before the next epoch
+    q.reaccess.observe(30.0)
+    for node in index.nodes.values():
+        q.update(node)
+    assert q.cost(n[4]) == pytest.approx(28.271869, abs=1e-6)
+    assert q.cost(n[2]) == pytest.approx(112 / 3)
+    assert q.heaps[1].priority(n[4]) == pytest.approx(94.298443, abs=1e-5)
+    q.check(exact=True)
+    n[5].kv_tiers = 2
+    q.update_around(n[5])
+    assert q.heaps[1].priority(n[4]) == pytest.approx(97.078636, abs=1e-5)
+    q.check(exact=True)
+    for key in (5, 7):
+        n[key].kv_tiers = 1
+        q.update_around(n[key])
+    assert q.cost(n[4]) == pytest.approx(19.210404, abs=1e-6)
+    assert q.heaps[1].priority(n[4]) == pytest.approx(90.434290, abs=1e-5)
+    q.check(exact=True)
+    plain = queue(index, 2, tau=10.0, recency_tiers=1)
+    plain.observe_demotion(n[1], 0, 200.0)
+    plain.reaccess.observe(30.0)
+    assert plain.cost(n[4]) == pytest.approx(112 / 3)  # the paper's pricing: no discount

@@ -57,12 +57,20 @@ op = st.one_of(
     disk=st.integers(0, 12),
     tau=st.sampled_from([0.0, 5.0, 600.0]),
     refresh_all=st.booleans(),
+    exposed=st.booleans(),
     copy=st.booleans(),
     fixed=st.sampled_from([None, 0, CHUNK, 2 * CHUNK]),
     ops=st.lists(op, max_size=60),
 )
 def test_random_sequences_keep_invariants(
-    cpu: int, disk: int, tau: float, refresh_all: bool, copy: bool, fixed: int | None, ops: list
+    cpu: int,
+    disk: int,
+    tau: float,
+    refresh_all: bool,
+    exposed: bool,
+    copy: bool,
+    fixed: int | None,
+    ops: list,
 ) -> None:
     cfg = CacheConfig(
         chunk_tokens=CHUNK,
@@ -72,6 +80,7 @@ def test_random_sequences_keep_invariants(
         rules=PlacementRules(final_copy_tier=1 if copy else None),
         tau=tau,
         refresh_all=refresh_all,
+        exposed_ends=exposed,
         fixed_interval=fixed,
         supported_intervals=(CHUNK, 2 * CHUNK, 3 * CHUNK),
     )

@@ -16,8 +16,11 @@ def test_variant_knobs() -> None:
     # The design calibrates tau online (None); the set-up's fixed tau is its ablation.
     assert (cfg["histate"].tau, cfg["histate"].refresh_all) == (None, True)
     assert (cfg["histate-fixed-tau"].tau, cfg["histate-fixed-tau"].refresh_all) == (s.tau, True)
-    # The paper's rule, kept as its own row: refresh-all with the calibrated tau.
+    # The paper's rule, kept as its own row: refresh-all with the calibrated tau, every
+    # passing session's end hits priced into a snapshot's C; every other HiState row
+    # prices them only where the tail below can leave (``core.eviction`` NOTE 7).
     assert (cfg["histate-paper"].tau, cfg["histate-paper"].refresh_all) == (None, True)
+    assert {n for n, c in cfg.items() if not c.exposed_ends} == {"histate-paper"}
     assert (cfg["histate-refresh-hit"].tau, cfg["histate-refresh-hit"].refresh_all) == (
         None, False)
     assert cfg["histate"].fixed_interval is None

@@ -90,9 +90,10 @@ BASELINES: tuple[str, ...] = (
 
 # The rows that are HiState's own core with plain-recency eviction (tau = 0), and the knobs
 # that make them so (``variants.histate_policy`` takes the same): no second implementation.
+# ``exposed_ends`` as the ``histate`` row (it prices ``C``, which ``tau = 0`` never reads).
 LRU_ROWS: dict[str, dict[str, float | bool]] = {
-    "lru": {"tau": 0.0, "refresh_all": False},
-    "lru-refresh-all": {"tau": 0.0, "refresh_all": True},
+    "lru": {"tau": 0.0, "refresh_all": False, "exposed_ends": True},
+    "lru-refresh-all": {"tau": 0.0, "refresh_all": True, "exposed_ends": True},
 }
 
 
