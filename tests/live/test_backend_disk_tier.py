@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,6 +105,36 @@ def test_round_trip_files_and_accounting(tmp_path: Path) -> None:
         # A second store of an existing object is a success that writes nothing.
         assert store(a, [key(2)], [b"x" * 5000])
         assert load(a, [key(2)], [5000])[1] == [payloads[1]]
+    finally:
+        a.close()
+
+
+def test_a_delete_before_its_write_starts_cancels_it(tmp_path: Path) -> None:
+    """writes NOTE 4: the one I/O thread is held, so the store waits in the pool's queue
+    when the delete of one of its keys arrives; that key must never reach the disk (no
+    orphan file outside the index), the other must, and a store submitted after the delete
+    is written."""
+    a = adapter(tmp_path, io_workers=1)
+    try:
+        gate = threading.Event()
+        a._pool.submit(gate.wait)  # the only I/O thread is busy until the gate opens
+        tid = a.submit_store_task([key(1), key(2)], [Obj(b"a" * 3000), Obj(b"b" * 4000)])
+        a.delete([key(1)])
+        gate.set()
+        deadline = time.monotonic() + 10
+        done: dict = {}
+        while tid not in done and time.monotonic() < deadline:
+            done.update(a.pop_completed_store_tasks())
+            time.sleep(0.01)
+        assert done[tid].is_successful()
+        files = list(tmp_path.rglob("*.hsf"))
+        assert len(files) == 1  # key 2 only
+        assert lookup(a, [key(1), key(2)]) == [1]
+        a.submit_unlock([key(2)])
+        assert a.get_usage().total_bytes_used == files[0].stat().st_size
+        assert a.report_status()["stats"]["writes_cancelled_queued"] == 1
+        assert store(a, [key(1)], [b"c" * 3000])  # submitted after the delete: written
+        assert lookup(a, [key(1), key(2)]) == [0, 1]
     finally:
         a.close()
 

@@ -242,6 +242,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
     # -------------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._task_id()
+        with self._lock:
+            self.writer.enqueue(keys)  # a delete before the write starts cancels it
         self._pool.submit(self._store_task, tid, list(keys), list(objects))
         return tid
 
@@ -285,6 +287,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
             finally:
                 done(ok, failed)
 
+        with self._lock:
+            self.writer.enqueue(keys)  # a delete before the write starts cancels it
         self._pool.submit(run)
 
     def capacity_bytes(self) -> int:
@@ -388,8 +392,11 @@ class HiStateDiskAdapter(L2AdapterInterface):
             return
         now: list[ObjectKey] = []
         with self._lock:
-            for key in keys:  # a write in flight is cancelled (the writer deletes its file)
-                if self.writer.cancel(key) or key not in self._index:
+            for key in keys:
+                # A write in flight or queued is cancelled (writes NOTE 4); a file already
+                # indexed is deleted as well.
+                self.writer.cancel(key)
+                if key not in self._index:
                     continue
                 if self._locks.get(key):
                     self._delete_on_unlock.add(key)
@@ -439,6 +446,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             files = len(self._index)
             locked = len(self._locks)
             writing = len(self.writer.writing)
+            queued = sum(self.writer.queued.values())
         return {
             "is_healthy": not self._closed,
             "type": "HiStateDiskAdapter",
@@ -448,6 +456,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             "capacity_bytes": usage.total_capacity_bytes,
             "locked_keys": locked,
             "writes_in_flight": writing,
+            "writes_queued": queued,
             "stats": dict(self.stats),
             **({} if self.shared is None else {"shared_index": self.shared.status()}),
         }

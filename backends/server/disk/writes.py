@@ -1,12 +1,13 @@
 """The disk tier's write path: every write task completes, and the capacity follows the disk.
 
 ``DiskWriter`` is a part owned by ``tier.HiStateDiskAdapter`` and called explicitly by it
-(``write_batch``, ``cancel``, ``recheck_capacity``). It owns the writes in flight and the
-bytes they reserve; it shares with its tier, through ``TierAccess``, the tier's lock and
-index (a written object's entry is added under the lock) and its byte accounting and
-capacity (held by LMCache's adapter base class, which ``get_usage`` reads). It holds no
-reference to the tier and calls nothing above it: each write gets its header fields
-(``entries.ObjectMeta``) from its caller, and the outcome is returned for the tier to report.
+(``enqueue``, ``write_batch``, ``cancel``, ``recheck_capacity``). It owns the writes queued
+and in flight and the bytes they reserve; it shares with its tier, through ``TierAccess``,
+the tier's lock and index (a written object's entry is added under the lock) and its byte
+accounting and capacity (held by LMCache's adapter base class, which ``get_usage`` reads).
+It holds no reference to the tier and calls nothing above it: each write gets its header
+fields (``entries.ObjectMeta``) from its caller, and the outcome is returned for the tier
+to report.
 
 Threads and locks: ``write_batch`` runs on the tier's I/O threads; ``cancel`` on any thread,
 under the tier's lock; the tier's lock is never held across file I/O, and nothing outside
@@ -41,6 +42,15 @@ evicted (it is told only of its own claims, shared_link NOTE 1) and the deployme
 budget already bounds the folder. Without this, such an object would be reported present
 or not persisted while its reservation stayed ``writing`` until its deadline, holding
 budget.
+
+NOTE 4 (a delete before its write starts): LMCache and the runtime may delete an object
+whose write is submitted but still waits for an I/O thread. The index does not have it
+yet and ``writing`` does not either, so without the queue count the delete would be
+lost and the file written afterwards: an object on disk that the core no longer tracks,
+holding capacity and served as a hit outside its accounting (a race test saw 43 of 45
+files left be such orphans). ``enqueue`` counts a write at submission, under the tier's
+lock; ``cancel`` marks every queued write of the key; ``dequeue``, the first step on the
+I/O thread, skips the marked ones. A write submitted after the delete is not marked.
 """
 
 from __future__ import annotations
@@ -115,17 +125,45 @@ class DiskWriter:
         self._index = access.index
         self.shared: SharedIndexLink | None = None  # set by the tier once it has built it
         self.writing: dict[ObjectKey, bool] = {}  # key -> cancelled
+        # Writes submitted to the I/O pool and not started (key -> how many), and how many
+        # of those a delete cancelled (NOTE 4).
+        self.queued: Counter[ObjectKey] = Counter()
+        self.cancelled_queued: Counter[ObjectKey] = Counter()
         self.reserved = 0
         self._logged_causes: set[str] = set()
         self._capacity_checked = 0.0
 
+    def enqueue(self, keys: Sequence[ObjectKey]) -> None:
+        """Under the tier's lock, as writes of ``keys`` are submitted to the I/O pool: a
+        delete before they start cancels them (NOTE 4)."""
+        self.queued.update(keys)
+
+    def _leave_queue(self, key: ObjectKey) -> bool:
+        """Under the tier's lock, as a write of ``key`` starts (or is given up): it leaves
+        the queue; True when a delete cancelled it while it waited (NOTE 4)."""
+        if self.queued.get(key, 0) <= 0:
+            return False  # not submitted through enqueue (or already left)
+        self.queued[key] -= 1
+        if not self.queued[key]:
+            del self.queued[key]
+        if self.cancelled_queued.get(key, 0) <= 0:
+            return False
+        self.cancelled_queued[key] -= 1
+        if not self.cancelled_queued[key]:
+            del self.cancelled_queued[key]
+        return True
+
     def cancel(self, key: ObjectKey) -> bool:
         """Under the tier's lock: a write of ``key`` in flight is cancelled (its file is
-        removed once written); False when none is."""
-        if key not in self.writing:
-            return False
-        self.writing[key] = True
-        return True
+        removed once written), and so is every one still queued (NOTE 4); False when
+        there is none."""
+        waiting = self.queued.get(key, 0) - self.cancelled_queued.get(key, 0)
+        if waiting > 0:
+            self.cancelled_queued[key] += waiting
+        if key in self.writing:
+            self.writing[key] = True
+            return True
+        return waiting > 0
 
     def write_batch(
         self, keys: list[ObjectKey], buffers: list[Any], metas: Mapping[ObjectKey, ObjectMeta]
@@ -143,6 +181,8 @@ class DiskWriter:
         reserved, skip = self._shared_reserve(keys, buffers, meta)
         for i, key in enumerate(keys):
             if key in skip:  # shared: another server stored it, or over the budget
+                with self._lock:
+                    self._leave_queue(key)
                 (ok if skip[key] == "present" else failed).append(key)
                 continue
             try:
@@ -227,14 +267,24 @@ class DiskWriter:
         Raises whatever the write raised, after releasing the local reservation it took
         (the caller gives the deployment's back).
         """
-        view = memoryview(buf).cast("B")
-        kind, depth, parent, _score = meta
-        oid = to_oid(key)
-        size = df.header_size(oid, parent) + len(view)
-        path = df.object_path(self.root, oid)
-        share = None if self.shared is None else self.shared.degraded_share()
+        try:
+            view = memoryview(buf).cast("B")
+            kind, depth, parent, _score = meta
+            oid = to_oid(key)
+            size = df.header_size(oid, parent) + len(view)
+            path = df.object_path(self.root, oid)
+            share = None if self.shared is None else self.shared.degraded_share()
+        except BaseException:
+            with self._lock:
+                self._leave_queue(key)
+            raise
         stale = None
         with self._lock:
+            # Leaving the queue and entering ``writing`` under one lock hold: a delete
+            # finds the write in one of the two (NOTE 4).
+            if self._leave_queue(key):
+                self.stats["writes_cancelled_queued"] += 1
+                return "present", 0, path
             if key in self.writing or (key in self._index and not deployment_reserved):
                 # Already persisted (objects are immutable), or a concurrent writer owns
                 # it and reports its outcome.
@@ -281,6 +331,9 @@ class DiskWriter:
 
     def not_persisted_all(self, keys: Sequence[ObjectKey], exc: BaseException) -> None:
         """A whole batch failed before its objects were tried (e.g. a bad buffer)."""
+        with self._lock:
+            for key in keys:
+                self._leave_queue(key)
         for key in keys:
             self.not_persisted(key, exc)
 
