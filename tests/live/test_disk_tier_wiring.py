@@ -94,7 +94,8 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     64-link table (the links of chunks the core dropped are trimmed), evicts the CPU tier
     and ends sessions, and the disk (room for ~40 snapshots) makes the core drop disk
     copies. Every file left has the header its routing (or demotion) decision gave it, and
-    no disk I/O thread ran a lock-guarded part of the runtime without the lock."""
+    no disk I/O thread ran a lock-guarded part of the runtime without the lock; the
+    object map still passes its ``check``."""
     monkeypatch.setattr(object_map_module, "_LINKS_MAX", 64)
     violations: list[str] = []
     io_calls: list[str] = []
@@ -172,3 +173,4 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     assert wrong == []
     assert "write_batch" in io_calls  # the tracer saw the I/O thread's work
     assert violations == [], sorted(set(violations))
+    runtime.check()  # the object map kept a link for every mapped node through the trims
