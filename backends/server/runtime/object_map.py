@@ -33,7 +33,9 @@ Placing a commit batch (``place``, within the caller's ``TierActions.step``): a 
 mix several STOREs; each record's objects are placed together (``HiStateCache.attach`` +
 ``complete``) along the record's chain, from the first stored chunk up to the first one
 whose KV neither the batch nor the core holds. Objects the core does not accept leave L1;
-the ones the core puts on the disk tier are routed there by the store policy.
+the ones the core puts on the disk tier are routed there by the store policy. ``place``
+completes the request with the session tracker and leaves its L1 deletes and the routed
+writes' headers in the tier actions; the runtime passes both in (the map holds neither).
 """
 
 from __future__ import annotations
