@@ -20,7 +20,7 @@ from lmcache.v1.distributed.error import L1Error
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
-from lmcache_histate.backends.server.runtime.chains import node_key
+from lmcache_histate.backends.server.runtime.object_map import node_key
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 
 from lmcache_histate.config import parse_config
@@ -186,8 +186,8 @@ def test_tensor_parallel_shards_join_their_chunk(rt: Any) -> None:
     commit(rt, k0, [0, 1], [1])
     route = commit(rt, k1, [0, 1], [1])
     assert route == set(objects(rt, k1, [1], 1))  # the second shard follows the first
-    nk = rt.catalogue.part_of[objects(rt, k0, [0], 0)[0]][0]
-    assert len(rt.catalogue.objects[nk][KV]) == 2
+    nk = rt.objects.part_of[objects(rt, k0, [0], 0)[0]][0]
+    assert len(rt.objects.parts[nk][KV]) == 2
     # One shard vanishing from L1 makes the chunk unusable: the other shard goes too.
     shard0, shard1 = objects(rt, k0, [1], 0)[0], objects(rt, k1, [1], 0)[0]
     rt.actions.l1.resident.discard(shard0)
@@ -238,7 +238,7 @@ def test_l1_removal_behind_our_back_drops_what_depends_on_it(rt: Any) -> None:
     rest = set(objects(rt, key, [1, 2, 3], 0) + objects(rt, key, [3], 1))
     assert rest <= set(actions.l1_delete)
     assert set(objects(rt, key, [3], 1)) <= set(actions.disk_delete)  # its disk copy too
-    assert first[0] not in rt.catalogue.part_of and not rt.core.nodes()
+    assert first[0] not in rt.objects.part_of and not rt.core.nodes()
     rt.check()
 
 
@@ -253,7 +253,7 @@ def test_own_deletes_are_not_mistaken_for_losses(rt: Any) -> None:
     with rt.lock:
         rt.actions.drain()
     assert rt.stats.get("snapshot_lost.cpu", 0) == 0
-    assert rt.catalogue.key_tiers(snap0) == 1 << DISK  # still cached, on disk
+    assert rt.objects.key_tiers(snap0) == 1 << DISK  # still cached, on disk
     rt.check()
 
 
@@ -286,11 +286,11 @@ def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
     inter, final = objects(rt, key, [1], 1)[0], objects(rt, key, [3], 1)[0]
     rt.actions.on_disk_written([], [inter, final])  # the disk tier's write_listener
     assert rt.stats["snapshot_not_persisted"] == 2
-    assert inter not in rt.catalogue.part_of  # it only had the disk copy: gone, and out of L1
+    assert inter not in rt.objects.part_of  # it only had the disk copy: gone, and out of L1
     assert inter not in rt.actions.l1.resident
-    nk = rt.catalogue.part_of[final][0]
-    assert rt.catalogue.tiers(nk, SNAPSHOT) == 1 << CPU  # the final keeps its CPU copy
-    assert not rt.catalogue.tiers(nk, SNAPSHOT) & (1 << DISK)
+    nk = rt.objects.part_of[final][0]
+    assert rt.objects.tiers(nk, SNAPSHOT) == 1 << CPU  # the final keeps its CPU copy
+    assert not rt.objects.tiers(nk, SNAPSHOT) & (1 << DISK)
     rt.check()
 
 
@@ -312,7 +312,7 @@ def test_group_kinds_come_from_the_registration_not_the_ids(rt: Any) -> None:
 
 def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> None:
     """The extension point for a shared index: an observer sees each placement while the
-    part's objects are still in the catalogue. Two chunks, snapshots after both: KV of
+    part's objects are still in the object map. Two chunks, snapshots after both: KV of
     chunks 0 and 1 on the CPU tier, chunk 0's (intermediate) snapshot on disk, chunk 1's
     (the final) on the CPU with its durable copy on disk. One object per part (world size
     1, one group of each kind)."""
@@ -321,7 +321,7 @@ def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> N
     class Observer:
         def stored(self, node: Any, part: str, tier: int) -> None:
             seen.add(("stored", depth[node.key], part, int(tier),
-                      len(rt.catalogue.keys(node.key, part))))
+                      len(rt.objects.keys(node.key, part))))
 
         def moved(self, node: Any, part: str, src: int, dst: int) -> None:
             seen.add(("moved", depth[node.key], part, int(dst), 0))
@@ -362,3 +362,52 @@ def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
     runtime.evict_cpu(1)
     runtime.tick()
     assert len(held) >= 4 and all(held), held
+
+
+def _register_unheld_part(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
+    rt.objects.register(nk[0], SNAPSHOT, objects(rt, key, [0], 1)[0])  # no snapshot after 0
+
+
+def _forget_inverse(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
+    del rt.objects.part_of[objects(rt, key, [0], 0)[0]]
+
+
+def _stray_inverse(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
+    rt.objects.part_of[objects(rt, key, [0], 1)[0]] = (nk[0], SNAPSHOT)
+
+
+def _drop_link(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
+    del rt.objects.links[nk[1]]
+
+
+def _orphan_link(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
+    rt.objects.links[nk[1]].parent = None
+
+
+def _swap_record_chain(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
+    record = rt.objects.links[nk[1]].record
+    record.chain = (nk[1], nk[0])
+
+
+@pytest.mark.parametrize(("breaks", "invariant"), [
+    (_register_unheld_part, "invariant 1"),
+    (_forget_inverse, "invariant 2"),
+    (_stray_inverse, "invariant 2"),
+    (_drop_link, "invariant 3"),
+    (_orphan_link, "invariant 4"),
+    (_swap_record_chain, "invariant 4"),
+])
+def test_object_map_check_names_each_broken_invariant(
+    rt: Any, breaks: Callable[[Any, IPCCacheServerKey, list[int]], None], invariant: str
+) -> None:
+    """A store of two chunks (KV of both, the snapshot after chunk 1) leaves a map that
+    passes ``check``; each mutation breaks one numbered invariant of ``object_map``'s
+    docstring, and ``check`` fails naming it."""
+    t = toks(2, 1)
+    key = ipc(t, 0, len(t), "r1")
+    commit(rt, key, [0, 1], [1])
+    rt.check()
+    nk = [node_key(k.chunk_hash, k.cache_salt) for k in objects(rt, key, [0, 1], 0)]
+    breaks(rt, key, nk)
+    with pytest.raises(AssertionError, match=invariant):
+        rt.check()

@@ -2,7 +2,7 @@
 
 A file's header (kind, prefix depth, parent chunk hash) is decided where the runtime routes
 the write, under its lock, and travels down with it (``disk.tier`` NOTE 2); the tier's I/O
-threads never run the lock-guarded parts of the runtime (chains, catalogue, core ...)
+threads never run the lock-guarded parts of the runtime (the object map, the core ...)
 without that lock. Real files and threads: a real ``HiStateDiskAdapter`` (one fsynced I/O
 worker, so writes queue) behind the runtime on the stand-in L1 of ``test_backend_runtime``,
 found by ``attach_server`` among the storage manager's L2 adapters as LMCache builds it,
@@ -24,7 +24,7 @@ from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.backends.server.disk.keys import to_key
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
-from lmcache_histate.backends.server.runtime import chains as chains_module
+from lmcache_histate.backends.server.runtime import object_map as object_map_module
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 from test_backend_runtime import (
     CHUNK,
@@ -42,12 +42,12 @@ from test_backend_runtime import (
 import lmcache_histate.core
 from lmcache_histate.config import parse_config
 
-RUNTIME_DIR = Path(chains_module.__file__).parent
+RUNTIME_DIR = Path(object_map_module.__file__).parent
 # The parts ``HiStateRuntime.lock`` guards (runtime module docstring): their code runs only
 # under it. ``tier_actions`` and ``runtime`` themselves also run with it released, by design.
 GUARDED = {str(RUNTIME_DIR / f"{m}.py") for m in (
-    "catalogue", "chains", "commits", "cpu_eviction", "model_core", "recovery", "reporting",
-    "sessions")}
+    "cpu_eviction", "model_core", "recovery", "reporting",
+    "object_map", "sessions")}
 CORE_DIR = str(Path(lmcache_histate.core.__file__).parent)
 
 
@@ -94,8 +94,9 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     64-link table (the links of chunks the core dropped are trimmed), evicts the CPU tier
     and ends sessions, and the disk (room for ~40 snapshots) makes the core drop disk
     copies. Every file left has the header its routing (or demotion) decision gave it, and
-    no disk I/O thread ran a lock-guarded part of the runtime without the lock."""
-    monkeypatch.setattr(chains_module, "_LINKS_MAX", 64)
+    no disk I/O thread ran a lock-guarded part of the runtime without the lock; the
+    object map still passes its ``check``."""
+    monkeypatch.setattr(object_map_module, "_LINKS_MAX", 64)
     violations: list[str] = []
     io_calls: list[str] = []
     runtime: HiStateRuntime | None = None
@@ -172,3 +173,4 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     assert wrong == []
     assert "write_batch" in io_calls  # the tracer saw the I/O thread's work
     assert violations == [], sorted(set(violations))
+    runtime.check()  # the object map kept a link for every mapped node through the trims

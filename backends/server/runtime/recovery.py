@@ -16,9 +16,8 @@ from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.placement import KV, SNAPSHOT
 
-from .catalogue import ObjectCatalogue
-from .chains import ChunkChains, Link, node_key
 from .model_core import ModelCore
+from .object_map import Link, ObjectMap, node_key
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -30,8 +29,7 @@ logger = logging.getLogger("lmcache_histate.runtime")
 def recover_from_disk(
     disk: HiStateDiskAdapter,
     model: ModelCore,
-    catalogue: ObjectCatalogue,
-    chains: ChunkChains,
+    objects: ObjectMap,
     stats: Counter[str],
     now: float,
 ) -> None:
@@ -98,9 +96,7 @@ def recover_from_disk(
             if ok:
                 depth, parent_hash, chunk_hash, salt, _ = meta[nk]
                 parent = node_key(parent_hash, salt) if depth else None
-                chains.restore(nk, Link(parent, parent_hash, depth, chunk_hash, salt))
-                for key in keys:
-                    catalogue.register(nk, part, key)
+                objects.adopt(nk, Link(parent, parent_hash, depth, chunk_hash, salt), part, keys)
                 adopted += len(keys)
             else:
                 orphans += keys

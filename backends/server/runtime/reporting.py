@@ -11,8 +11,8 @@ from typing import Any
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.defaults import ServerTier
 
-from .catalogue import ObjectCatalogue
 from .model_core import ModelCore
+from .object_map import ObjectMap
 from .sessions import SessionTracker
 from .tier_actions import TierActions
 
@@ -27,14 +27,14 @@ class StatusReport:
         cfg: HiStateConfig,
         model: ModelCore,
         sessions: SessionTracker,
-        catalogue: ObjectCatalogue,
+        objects: ObjectMap,
         actions: TierActions,
         stats: Counter[str],
     ) -> None:
         self.cfg = cfg
         self.model = model
         self.sessions = sessions
-        self.catalogue = catalogue
+        self.objects = objects
         self.actions = actions
         self.stats = stats
 
@@ -66,7 +66,7 @@ class StatusReport:
                 "snapshot_bytes": model.snapshot_bytes,
                 "nodes": stats.nodes,
                 "sessions": stats.sessions,
-                "objects": len(self.catalogue),
+                "objects": len(self.objects),
                 "tiers": {
                     tier.name.lower(): {"used_bytes": stats.used_bytes[tier],
                                         "capacity_bytes": stats.capacity_bytes[tier]}

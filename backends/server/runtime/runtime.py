@@ -31,10 +31,9 @@ The runtime is composed of parts, each owning its state, built here with what it
 
 * ``ModelCore`` (``model_core``): the one ``HiStateCache`` (tier 0 = CPU = LMCache L1,
   tier 1 = disk), created for the first hybrid model seen, and its object identity;
-* ``ObjectCatalogue`` (``catalogue``): node part <-> ``ObjectKey``;
-* ``ChunkChains`` (``chains``): chunk positions and STORE records along request chains;
+* ``ObjectMap`` (``object_map``): node part <-> ``ObjectKey``, chunk positions and STORE
+  records along request chains, and committed objects placed by the core;
 * ``SessionTracker`` (``sessions``): requests in flight and sessions;
-* ``CommitPlacer`` (``commits``): committed objects placed by the core;
 * ``TierActions`` (``tier_actions``): the core's placement events turned into L1 / disk
   actions, and L1 / disk losses reported back;
 * ``CpuEvictor`` (``cpu_eviction``): L1 victims by lowest ``H``, re-rank sweeps;
@@ -85,11 +84,9 @@ from lmcache_histate.core.placement import PlacementListener
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
-from .catalogue import ObjectCatalogue
-from .chains import ChunkChains, chain_hashes
-from .commits import CommitPlacer
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
 from .model_core import ModelCore
+from .object_map import ObjectMap
 from .recovery import recover_from_disk
 from .reporting import StatusReport
 from .sessions import SessionTracker
@@ -112,18 +109,14 @@ class HiStateRuntime:
         self.lock = threading.RLock()
         self.stats: Counter[str] = Counter()
         self.model = ModelCore(cfg, self.stats)
-        self.catalogue = ObjectCatalogue(self.model)
-        self.chains = ChunkChains(self.model)
-        self.deployment = DeploymentSync(self.catalogue.keys, key_id, clock)
-        self.actions = TierActions(self.lock, self.model, self.catalogue, self.chains,
-                                   self.deployment, self.stats)
-        self.sessions = SessionTracker(cfg, self.model, self.chains, self.stats)
-        self.commits = CommitPlacer(
-            self.model, self.chains, self.catalogue, self.sessions, self.actions, self.stats
-        )
+        self.objects = ObjectMap(self.model, self.stats)
+        self.deployment = DeploymentSync(self.objects.keys, key_id, clock)
+        self.actions = TierActions(self.lock, self.model, self.objects, self.deployment,
+                                   self.stats)
+        self.sessions = SessionTracker(cfg, self.model, self.objects, self.stats)
         self.evictor = CpuEvictor(cfg.end_probability_prior, self.stats)
         self.report = StatusReport(
-            cfg, self.model, self.sessions, self.catalogue, self.actions, self.stats
+            cfg, self.model, self.sessions, self.objects, self.actions, self.stats
         )
         self.ctx: Any = None
         self._stop = threading.Event()
@@ -197,8 +190,7 @@ class HiStateRuntime:
         core = self.model.ensure(self.ctx, model_name, world_size, capacity,
                                  self.actions.listener)
         if core is not None and disk is not None:
-            recover_from_disk(disk, self.model, self.catalogue, self.chains, self.stats,
-                              self.clock())
+            recover_from_disk(disk, self.model, self.objects, self.stats, self.clock())
         return core
 
     # ============================================================ server module
@@ -226,10 +218,10 @@ class HiStateRuntime:
         chunk = self.model.chunk
         end = min(key.end, len(key.token_ids))
         end -= end % chunk
-        hashes = chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
+        hashes = _chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
         with self.actions.step():
             now = self.clock()  # under the lock: NOTE 1
-            chain = self.chains.link_chain(hashes, key.cache_salt, None)
+            chain = self.objects.link_chain(hashes, key.cache_salt, None)
             core = self._core_for(key.model_name, key.world_size)
             if core is None or not chain:
                 return
@@ -271,7 +263,7 @@ class HiStateRuntime:
             core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
             if core is None:
                 return set()
-            return self.commits.place(core, keys, now)
+            return self.objects.place(core, keys, now, self.sessions, self.actions)
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
@@ -284,7 +276,7 @@ class HiStateRuntime:
         self.actions.on_l1_removed(keys)
 
     def is_cpu_tracked(self, key: ObjectKey) -> bool:
-        return self.catalogue.is_cpu_tracked(key)
+        return self.objects.is_cpu_tracked(key)
 
     def cpu_used_bytes(self) -> int:
         core = self.model.core
@@ -321,7 +313,7 @@ class HiStateRuntime:
             core = self.model.core
             if core is None:
                 return
-            batch = self.deployment.collect(core, lambda: list(self.catalogue.objects),
+            batch = self.deployment.collect(core, self.objects.nodes,
                                             self.model.chunk, recoveries)
         emas = self.deployment.sync(link.index, batch)
         if emas is not None:
@@ -337,7 +329,7 @@ class HiStateRuntime:
             if core is None:
                 return
             core.check()
-            self.catalogue.check()
+            self.objects.check()
 
     # ============================================================ janitor
     def _janitor_loop(self) -> None:
@@ -361,3 +353,10 @@ class HiStateRuntime:
         # /status janitor_ticks: the background thread is alive (a stalled count is a
         # janitor stuck on the lock or on I/O).
         self.stats["janitor_ticks"] += 1
+
+
+def _chain_hashes(ctx: Any, token_ids: Sequence[int], end: int) -> list[bytes]:
+    """The chunk hashes of ``token_ids[:end]`` with the server's token hasher."""
+    hasher = ctx.token_hasher
+    raw = hasher.compute_chunk_hashes(list(token_ids), end=end)
+    return [hasher.hash_to_bytes(h) for h in raw]

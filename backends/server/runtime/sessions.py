@@ -24,8 +24,8 @@ from typing import Any
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache, RequestHandle
 
-from .chains import ChunkChains, StoreRecord
 from .model_core import ModelCore
+from .object_map import ObjectMap, StoreRecord
 
 __all__ = ["SESSION_HINT", "RequestState", "SessionTracker"]
 
@@ -50,11 +50,11 @@ class SessionTracker:
     """Requests in flight and sessions, as the core sees them."""
 
     def __init__(
-        self, cfg: HiStateConfig, model: ModelCore, chains: ChunkChains, stats: Counter[str]
+        self, cfg: HiStateConfig, model: ModelCore, objects: ObjectMap, stats: Counter[str]
     ) -> None:
         self.cfg = cfg
         self.model = model
-        self.chains = chains
+        self.objects = objects
         self.stats = stats
         self.requests: dict[str, RequestState] = {}
         self.session_seen: dict[str, float] = {}
@@ -65,7 +65,7 @@ class SessionTracker:
         """STORE received (before its objects are committed): record its chain."""
         chunk = self.model.chunk
         record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key))
-        record.chain = tuple(self.chains.link_chain(hashes, key.cache_salt, record, record.start))
+        record.chain = tuple(self.objects.link_chain(hashes, key.cache_salt, record, record.start))
 
     def lookup(self, core: HiStateCache, key: Any, chain: Sequence[int], now: float) -> None:
         """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit."""

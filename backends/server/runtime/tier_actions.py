@@ -43,9 +43,8 @@ from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementListener
 
 from ..disk.entries import ObjectMeta
 from ..shared_index.deployment import DeploymentSync
-from .catalogue import ObjectCatalogue
-from .chains import ChunkChains
 from .model_core import ModelCore
+from .object_map import ObjectMap
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -77,7 +76,7 @@ class CoreListener:
     """The core's placement listener: its events become ``Actions`` and counters.
 
     ``observers`` (``HiStateRuntime.add_placement_observer``) then see each event too, with
-    the runtime lock held and the part's objects still in the catalogue: the extension
+    the runtime lock held and the part's objects still in the object map: the extension
     point for a shared index of what this server holds (they must not block).
     """
 
@@ -89,7 +88,7 @@ class CoreListener:
         owner = self.owner
         owner.touched.add(node.key)
         owner.stats[f"{part}_stored.{TIER_NAMES[tier]}"] += 1
-        keys = owner.catalogue.keys(node.key, part)
+        keys = owner.objects.keys(node.key, part)
         if tier == DISK and keys and not set(keys) <= owner.batch:
             owner.pending.demote.append((node.key, part, keys))
         for observer in self.observers:
@@ -102,7 +101,7 @@ class CoreListener:
         owner.stats[f"{part}_stored.{TIER_NAMES[dst]}"] += 1
         if src == CPU and dst == DISK:
             owner.stats[f"{part}_demoted"] += 1
-        keys = owner.catalogue.keys(node.key, part)
+        keys = owner.objects.keys(node.key, part)
         if dst == DISK and keys and not set(keys) <= owner.batch:
             owner.pending.demote.append((node.key, part, keys))
         elif dst == CPU:  # the core never promotes here; keep the objects consistent anyway
@@ -113,7 +112,7 @@ class CoreListener:
     def dropped(self, node: Node, part: str, tiers: int) -> None:
         owner = self.owner
         owner.touched.add(node.key)
-        keys = owner.catalogue.keys(node.key, part)
+        keys = owner.objects.keys(node.key, part)
         for tier in (CPU, DISK):
             if tiers & (1 << tier):
                 owner.stats[f"{part}_evicted.{TIER_NAMES[tier]}"] += 1
@@ -131,15 +130,13 @@ class TierActions:
         self,
         lock: threading.RLock,
         model: ModelCore,
-        catalogue: ObjectCatalogue,
-        chains: ChunkChains,
+        objects: ObjectMap,
         deployment: DeploymentSync,
         stats: Counter[str],
     ) -> None:
         self.lock = lock
         self.model = model
-        self.catalogue = catalogue
-        self.chains = chains
+        self.objects = objects
         self.deployment = deployment
         self.stats = stats
         self.listener = CoreListener(self)
@@ -186,11 +183,11 @@ class TierActions:
         which one was lost: the others are useless alone. Deleting what is gone is a no-op.
         """
         touched, self.touched = self.touched, set()
-        catalogue = self.catalogue
+        objects = self.objects
         for nk in touched:
             for part in (KV, SNAPSHOT):
-                if not catalogue.tiers(nk, part) and catalogue.has_part(nk, part):
-                    keys = catalogue.unregister_part(nk, part)
+                if not objects.tiers(nk, part) and objects.has_part(nk, part):
+                    keys = objects.unregister_part(nk, part)
                     self.pending.l1_delete.extend(keys)
                     self.pending.disk_delete.extend(keys)
         for _nk, _part, keys in self.pending.demote:
@@ -209,11 +206,11 @@ class TierActions:
     def header(self, key: ObjectKey) -> ObjectMeta:
         """What a disk write of ``key`` carries (under the lock): kind, depth and parent
         for its file header, and with a shared index the core's ``(C, M)``."""
-        kind, depth, parent = self.chains.object_meta(key)
+        kind, depth, parent = self.objects.object_meta(key)
         score = None
         disk, core = self.disk, self.model.core
         if disk is not None and disk.shared is not None and core is not None:
-            where = self.catalogue.where(key)
+            where = self.objects.where(key)
             if where is not None:
                 score = self.deployment.score_of(core, *where)
         return ObjectMeta(kind, depth, parent, score)
@@ -228,7 +225,7 @@ class TierActions:
             self._lose_on_disk(failed, "not_persisted")
             # Before ``take``: a part it reconciles away is not CPU-tracked here either.
             self.pending.l1_delete.extend(
-                k for k in failed if not self.catalogue.is_cpu_tracked(k))
+                k for k in failed if not self.objects.is_cpu_tracked(k))
 
     def on_disk_lost(self, keys: list[ObjectKey]) -> None:
         """Files found corrupted or missing on load (already removed by the disk tier)."""
@@ -239,10 +236,10 @@ class TierActions:
         """Tell the core the disk copies of ``keys``' parts are gone (under the lock)."""
         core = self.model.core
         for key in keys:
-            where = self.catalogue.where(key)
+            where = self.objects.where(key)
             if where is None or core is None:
                 continue
-            if self.catalogue.tiers(*where) & (1 << DISK):
+            if self.objects.tiers(*where) & (1 << DISK):
                 self.stats[f"{where[1]}_{counter}"] += 1
                 core.lose(where[0], where[1], DISK)
                 self.touched.add(where[0])
@@ -265,10 +262,10 @@ class TierActions:
                         if not self._expected[key]:
                             del self._expected[key]
                         continue
-                where = self.catalogue.where(key)
+                where = self.objects.where(key)
                 if where is None or core is None:
                     continue
-                if self.catalogue.tiers(*where) & (1 << CPU):
+                if self.objects.tiers(*where) & (1 << CPU):
                     self.stats[f"{where[1]}_lost.cpu"] += 1
                     core.lose(where[0], where[1], CPU)
                     self.touched.add(where[0])
@@ -293,7 +290,7 @@ class TierActions:
 
     def _leaving_l1(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         with self.lock:
-            return [k for k in keys if not self.catalogue.is_cpu_tracked(k)]
+            return [k for k in keys if not self.objects.is_cpu_tracked(k)]
 
     # ================================================================ running
     def run(self, actions: Actions) -> None:
