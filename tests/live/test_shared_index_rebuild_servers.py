@@ -149,7 +149,9 @@ def test_b_misses_none_of_the_prefixes_a_stored_after_an_empty_restart(
                         down_s=down_s)
     print(got)
     assert got["evicted"] == 0
-    assert got["noticed"] == 1
+    # One restart, seen once or twice: a call that failed while Redis was down (an outage)
+    # and, once it is back, the heartbeat's changed epoch; never zero.
+    assert 1 <= got["noticed"] <= 2
     assert got["after"] == AFTER  # every prefix A stored after the restart is probed
     assert got["partial"] == {}
     assert got["on_folder"] == got["after"]
