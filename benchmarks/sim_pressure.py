@@ -35,7 +35,8 @@ from lmcache_histate.sim.repeats import Spread, run_repeats, verdict
 from lmcache_histate.sim.report import HISTATE, OFFLOAD, REFERENCE, jsonable, pyplot
 from lmcache_histate.sim.runner import load_sim_trace, policy_factories, select_policies
 
-ROWS = (HISTATE, "histate-paper", "histate-refresh-hit", "histate-refresh-used", "lru",
+ROWS = (HISTATE, "histate-paper", "histate-refresh-hit", "histate-refresh-used",
+        "histate-refresh-learned", "lru",
         "file-lru", "lru-refresh-all", OFFLOAD, "sglang-hicache", "sglang-hicache-l3", REFERENCE)
 # metric key, title, digits, scale
 TABLES = (

@@ -57,6 +57,7 @@ class HiStateCache:
             reaccess=self._reaccess,
             refresh_all=config.refresh_all,
             refresh_used=config.refresh_used,
+            refresh_learned=config.refresh_learned,
             exposed_ends=config.exposed_ends,
             attention_tokens=config.attention_tokens,
             positions=self._positions,

@@ -28,7 +28,9 @@ class CacheConfig:
     score's recency scale online (the design, ``score``); a number in seconds fixes it
     (0 = LRU over units). ``refresh_used``: an intermediate snapshot's unit ranks by
     when its snapshot was last resumed from, not by when the prefix through it was
-    refreshed (``eviction`` NOTE 6). ``exposed_ends``: a snapshot's ``C`` counts the end
+    refreshed (``eviction`` NOTE 6). ``refresh_learned``: by ``used + w·(access − used)``,
+    ``w`` the measured resume rate of snapshots last refreshed by a pass over that of
+    those last used (``eviction`` NOTE 8). ``exposed_ends``: a snapshot's ``C`` counts the end
     hits of a session whose tail below it is in a tier above the last weighted by the
     chance that the tail has left the cache when the session returns (``eviction`` NOTE
     7; off: the paper's pricing, every passing session in full).
@@ -62,6 +64,7 @@ class CacheConfig:
     tau: float | None = None
     refresh_all: bool = True
     refresh_used: bool = False
+    refresh_learned: bool = False
     exposed_ends: bool = False
     supported_intervals: tuple[int, ...] | None = None
     ema_alpha: float = EMA_ALPHA

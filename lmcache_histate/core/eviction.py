@@ -139,6 +139,44 @@ bundled sample on 2 + 2 + 4 GiB), ``exp(−72/60) = 0.301``, ``C_x = 1,314``, ``
 be gone before A returns.
 Stamps (NOTE 4) stay sound: a child's tiers change only by a store, a move or a drop,
 each of which re-ranks around the child, ``x`` included.
+
+NOTE 8 (the refresh scope, learned: ``refresh_learned``). NOTE 6's two times are the two
+ends of one choice: how much a *pass* (refresh-all writing ``now`` into a snapshot the hit
+went through without resuming from it) says about a coming resume, against a *use* (the
+snapshot was stored or resumed from). Refresh-all says a pass is worth a use, NOTE 6
+that it is worth nothing. ``refresh_learned`` ranks an intermediate snapshot's unit by
+
+    t = used + w · (access − used),      w ∈ [0, 1] learned,
+
+in every tier: in the score's model (``score``: the chance of a need decays as
+``exp(−a/τ)`` with the age ``a``) a pass moves the unit's age back by ``w`` of the time
+since its last use, so its chance of a need is ``P_use^(1−w) · P_pass^w``, the
+log-linear blend of the two rules' estimates (``w = 1`` is refresh-all, ``w = 0``
+``refresh_used``). ``w`` is the measured ratio of two resume rates (``PassValue``): every
+intermediate snapshot is, at any time, in one of two classes, last refreshed by a use
+(``access == used``) or by a pass (``access > used``); each hit (its lookup's touch, not
+the engine's release) closes the time at risk of every snapshot it passes (no resume)
+and of the one it resumes from (a resume), in the class each was in, and a snapshot
+dropped from the last tier closes its own. ``w = (resumes_pass / seconds_pass) ÷
+(resumes_use / seconds_use)``, clipped to 1: a pass is worth at most a use. Rates per
+second at risk, not per snapshot: a rule that keeps passed snapshots longer adds to
+their seconds as much as to their resumes, so the estimate does not simply confirm the
+rule in force. Both sums decay by ``1 − α`` per resume (``α`` the core's EMA rate). Until
+a used snapshot has been resumed from, ``w = 1``: the paper's refresh-all until there is
+evidence. No constant: two measured rates. ``w`` changes only at a resume, which is in
+the epoch's basis (NOTE 4), and every rank of an epoch uses the epoch's ``w``. Like ``τ``
+(``score`` NOTE 2) it drifts both ways, so a queued rank is no longer a lower bound in
+the tiers ranked by ``t`` alone either (``check``): a unit whose ``w`` fell is re-ranked
+when it reaches the top, and waits at most the drift of its own ``t``.
+
+Worked example (no decay, for the arithmetic). Since the estimate started, snapshots last
+refreshed by a use were at risk 400 s in all and resumed from twice; snapshots last
+refreshed by a pass were at risk 6,000 s and resumed from once. The rates are 2/400 =
+0.005/s and 1/6,000 = 0.000167/s, ``w = 0.000167/0.005 = 0.0333``. A snapshot ``x`` used
+at 0 s and passed at 600 s ranks at ``t = 0 + 0.0333·600 = 20`` s: with ``τ = 100`` s,
+``(600 − 20)/100 = 5.8`` e-folds of cost per byte below refresh-all's rank, 0.2 above
+``refresh_used``'s. Had the passed snapshots been resumed from 15 times in their 6,000 s
+(0.0025/s), ``w = 0.5`` and ``t = 300`` s.
 """
 
 from __future__ import annotations
@@ -146,7 +184,7 @@ from __future__ import annotations
 import math
 from math import log
 
-from .ema import SeededEMA
+from .ema import SeededEMA, check_alpha
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
 from .index import Node, PrefixIndex
@@ -164,7 +202,7 @@ from .units import (
     unit_parts,
 )
 
-__all__ = ["EvictionQueue"]
+__all__ = ["EvictionQueue", "PassValue"]
 
 
 class EvictionQueue:
@@ -174,9 +212,10 @@ class EvictionQueue:
     number fixes it (0 = plain LRU over units). ``refresh_all`` controls whether a hit
     refreshes every unit on the prefix up to the hit (the paper's refresh-all) or only
     the unit that was hit; ``refresh_used`` ranks an intermediate snapshot's unit by when
-    it was last resumed from (NOTE 6); ``exposed_ends`` weights a snapshot's end hits by
-    the chance that the tail below it has left the cache when its session returns
-    (NOTE 7).
+    it was last resumed from (NOTE 6), ``refresh_learned`` by a time between that and its
+    last refresh, weighted by the learned worth of a pass (NOTE 8); ``exposed_ends``
+    weights a snapshot's end hits by the chance that the tail below it has left the cache
+    when its session returns (NOTE 7).
     """
 
     def __init__(
@@ -190,6 +229,7 @@ class EvictionQueue:
         reaccess: ReaccessScale | None = None,
         refresh_all: bool = True,
         refresh_used: bool = False,
+        refresh_learned: bool = False,
         exposed_ends: bool = False,
         attention_tokens: float = math.inf,
         positions: HitPositions | None = None,
@@ -209,7 +249,11 @@ class EvictionQueue:
         self.hit_model = hit_model if hit_model is not None else HitModel()
         self.reaccess = reaccess if reaccess is not None else ReaccessScale()
         self.refresh_all = refresh_all
-        self.refresh_used = refresh_used
+        # NOTE 8: ``refresh_learned`` blends the two times of NOTE 6 by a learned weight.
+        self.refresh_used = refresh_used or refresh_learned
+        self.refresh_learned = refresh_learned
+        self.pass_value = PassValue(self.reaccess.alpha)
+        self._w = 1.0
         self.exposed_ends = exposed_ends
         # NOTE 7: how long the units leaving each tier had sat there unread (dwell), and
         # per KV tier mask the share of a passing session's end hits that its tail there
@@ -269,14 +313,19 @@ class EvictionQueue:
         return score(self._t_own(anchor, tier), self.cost_bytes(anchor), freed, tau)
 
     def _t_own(self, anchor: Node, tier: int) -> float:
-        """``t`` of the unit at ``anchor``: ``used`` for an intermediate snapshot's unit
-        under ``refresh_used`` (NOTE 6), ``access`` otherwise (the same in every tier)."""
+        """``t`` of the unit at ``anchor``: for an intermediate snapshot's unit ``used``
+        under ``refresh_used`` (NOTE 6), ``used + w·(access − used)`` under
+        ``refresh_learned`` (NOTE 8, ``w`` the current epoch's); ``access`` otherwise (the
+        same in every tier)."""
+        if self.refresh_learned:
+            self._epoch_now()  # the epoch of the ``w`` in force now
         if (
             self.refresh_used
             and anchor.snap_tiers
             and anchor.kv_children
         ):
-            return anchor.used
+            used = anchor.used
+            return used + self._w * (anchor.access - used) if self.refresh_learned else used
         return anchor.access
 
     def inputs(self, anchor: Node, tier: int) -> tuple[float, float, int] | None:
@@ -322,12 +371,14 @@ class EvictionQueue:
             self.attention_tokens,
             self.token_bytes,
             self.recency_tiers,
+            self.pass_value.samples,
         )
         if basis != self._basis:
             self._basis = basis
             self.epoch += 1
             # What ``_update`` reads of them, read here once per epoch.
             self._tau, self._first = tau, self._first_cost_tier(tau)
+            self._w = self.pass_value.weight if self.refresh_learned else 1.0
             self._hidden = self._hidden_now(tau)
         return self.epoch
 
@@ -357,6 +408,11 @@ class EvictionQueue:
         from the last): one sample of that tier's dwell time (NOTE 7)."""
         if self.exposed_ends:
             self.dwell[tier].observe(now - anchor.access)
+        if self.refresh_learned and tier == len(self.heaps) - 1 and anchor.snap_tiers:
+            # NOTE 8: a snapshot leaving the cache closes its time at risk of a resume.
+            passed = anchor.access > anchor.used
+            if passed or anchor.kv_children:
+                self.pass_value.expose(passed, now - anchor.access)
 
     def update(self, anchor: Node) -> None:
         """(Re-)rank the unit anchored at ``anchor`` in every tier (or drop it)."""
@@ -382,7 +438,10 @@ class EvictionQueue:
         t, tie = anchor.access, -anchor.depth
         anchor.rank_stamp = (epoch, t)
         cost: float | None = None
-        t_own = anchor.used if self.refresh_used and kind == KIND_SNAPSHOT else t
+        t_own = t
+        if self.refresh_used and kind == KIND_SNAPSHOT:
+            used = anchor.used
+            t_own = used + self._w * (t - used) if self.refresh_learned else used
         for tier, heap in enumerate(self.heaps):
             m = freed[tier]
             if m <= 0:
@@ -449,14 +508,18 @@ class EvictionQueue:
                 stack.extend(q.children.values())
 
     # ----------------------------------------------------------------- access
-    def touch(self, path: list[Node], hit_chunks: int, now: float) -> None:
+    def touch(self, path: list[Node], hit_chunks: int, now: float, *, sample: bool = True) -> None:
         """A request read the prefix ``path[:hit_chunks]``: refresh it (NOTE 1).
 
         With refresh-all every node on the hit prefix gets ``now``; otherwise only the
-        hit node (the snapshot that was loaded). Nothing is re-ranked here.
+        hit node (the snapshot that was loaded). Nothing is re-ranked here. ``sample``:
+        the first of a request's two touches (its lookup), which ``refresh_learned``
+        learns from (NOTE 8); the second (the engine's release) only refreshes.
         """
         if hit_chunks <= 0:
             return
+        if self.refresh_learned and sample:
+            self._learn(path, hit_chunks, now)
         if self.refresh_all:
             for node in path[:hit_chunks]:
                 node.access = now
@@ -466,6 +529,21 @@ class EvictionQueue:
             hit = path[hit_chunks - 1]
             hit.used = now
             hit.rank_stamp = None
+
+    def _learn(self, path: list[Node], hit_chunks: int, now: float) -> None:
+        """One hit's samples for ``pass_value`` (NOTE 8), before it refreshes anything:
+        each snapshot it passes closes its time at risk since its last refresh, the one it
+        resumes from closes it with a resume. A snapshot counts while intermediate, and
+        after its last pass whatever it became (``access > used``: a pass refreshed it
+        last, so it had KV below then)."""
+        value = self.pass_value
+        for node in path[: hit_chunks - 1]:
+            if node.snap_tiers:
+                value.expose(node.access > node.used, now - node.access)
+        hit = path[hit_chunks - 1]
+        passed = hit.access > hit.used
+        if passed or hit.kv_children:
+            value.resume(passed, now - hit.access)
 
     # --------------------------------------------------------------- victims
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:
@@ -530,8 +608,9 @@ class EvictionQueue:
         Every unit is queued in exactly the tiers where it frees bytes, and at a rank
         consistent with a fresh ``rank()``: in the tiers ranked by ``t`` alone (every tier
         when ``τ = 0``) a queued rank is never above the fresh one (accesses only raise
-        ``t``, NOTE 1). On the cost-ranked tiers ``τ`` and ``p_end`` drift both ways, so
-        there only ``exact`` checks: every queued rank *equals* the fresh one, which holds
+        ``t``, NOTE 1; not under ``refresh_learned``, whose ``w`` drifts, NOTE 8). On the
+        cost-ranked tiers ``τ`` and ``p_end`` drift both ways, so there only ``exact``
+        checks: every queued rank *equals* the fresh one, which holds
         whenever no access and no sample happened since the last structural change (a
         quiescent point). In every tier, a unit whose stamp ``victim`` would trust has a
         queued rank equal to the fresh one (NOTE 4), whether or not ``exact``.
@@ -560,7 +639,50 @@ class EvictionQueue:
                 if exact:
                     assert abs(queued - fresh) <= tol, f"stale rank {queued} ≠ {fresh}: {node}"
                     continue
-                if tier < first:
+                if tier < first and not self.refresh_learned:
+                    # (``w`` drifts both ways under ``refresh_learned``, NOTE 8.)
                     assert queued <= fresh + tol, f"rank {queued} above fresh {fresh}: {node}"
                 if stamped:
                     assert abs(queued - fresh) <= tol, f"stamped rank {queued} ≠ {fresh}: {node}"
+
+
+class PassValue:
+    """How much a pass (refresh-all's refresh of a snapshot a hit did not resume from) is
+    worth against a use as evidence of a coming resume: ``weight`` = the resume rate of
+    intermediate snapshots last refreshed by a pass ÷ that of those last refreshed by a
+    use (stored or resumed from), clipped to ``[0, 1]`` (``EvictionQueue`` NOTE 8).
+
+    Invariants: every sum is ≥ 0; ``weight`` is in ``[0, 1]`` and changes only at a
+    resume (``samples`` counts them), 1 until a used snapshot has been at risk and
+    resumed from (no evidence that a use outweighs a pass: refresh-all). Both classes'
+    sums decay by ``1 − alpha`` at every resume: the rates are over about the last
+    ``1/alpha`` resumes.
+    """
+
+    __slots__ = ("alpha", "exposure", "resumes", "samples", "weight")
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = check_alpha(alpha)
+        # Index 0: last refreshed by a use; 1: by a pass.
+        self.resumes = [0.0, 0.0]
+        self.exposure = [0.0, 0.0]
+        self.samples = 0
+        self.weight = 1.0
+
+    def expose(self, passed: bool, seconds: float) -> None:
+        """A snapshot of that class was at risk for ``seconds`` without being resumed from."""
+        self.exposure[passed] += max(0.0, seconds)
+
+    def resume(self, passed: bool, seconds: float) -> None:
+        """A snapshot of that class was resumed from ``seconds`` after its last refresh."""
+        keep = 1.0 - self.alpha
+        resumes, exposure = self.resumes, self.exposure
+        for k in (0, 1):
+            resumes[k] *= keep
+            exposure[k] *= keep
+        resumes[passed] += 1.0
+        exposure[passed] += max(0.0, seconds)
+        self.samples += 1
+        if resumes[0] > 0.0 and exposure[0] > 0.0 and exposure[1] > 0.0:
+            rate_used = resumes[0] / exposure[0]
+            self.weight = min(1.0, resumes[1] / exposure[1] / rate_used)

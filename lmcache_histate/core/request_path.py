@@ -154,7 +154,9 @@ class RequestPath:
         chunk = self.config.chunk_tokens
         # The hit counts as read when the engine releases it (NOTE 1); a handle that
         # pinned nothing (``attach``) refreshes nothing.
-        self.queue.touch(handle.pinned, min(handle.match.hit_chunks, len(handle.pinned)), now)
+        self.queue.touch(
+            handle.pinned, min(handle.match.hit_chunks, len(handle.pinned)), now, sample=False
+        )
         self.release(handle)
         nodes = self.index.insert_chain(handle.keys[: input_tokens // chunk])
         # Other requests may have evicted part of the matched prefix since ``begin``: the

@@ -19,6 +19,10 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``histate-refresh-``    ``histate`` with refresh-all for the KV path but an intermediate
 ``used``               snapshot's unit ranked by when a hit last resumed from it
                        (``refresh_used``, ``core.eviction`` NOTE 6).
+``histate-refresh-``    ``histate`` with an intermediate snapshot's unit ranked between the
+``learned``            two: ``used + w·(access − used)``, ``w`` the measured resume rate of
+                       snapshots last refreshed by a pass over that of those last used
+                       (``refresh_learned``, ``core.eviction`` NOTE 8).
 ``histate-fixed-tau``  the same with the set-up's fixed ``tau`` (``histate.tau`` in the
                        config, seconds per e-fold of cost per byte): what calibration buys.
 ``histate-align``      snapshots only where vLLM's align mode keeps them
@@ -98,6 +102,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate-paper": {"tau": None, "refresh_all": True, "exposed_ends": False},
     "histate-refresh-hit": {"tau": None, "refresh_all": False},
     "histate-refresh-used": {"tau": None, "refresh_all": True, "refresh_used": True},
+    "histate-refresh-learned": {"tau": None, "refresh_all": True, "refresh_learned": True},
     "histate-fixed-tau": {},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},

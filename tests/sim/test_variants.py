@@ -23,6 +23,9 @@ def test_variant_knobs() -> None:
     assert {n for n, c in cfg.items() if not c.exposed_ends} == {"histate-paper"}
     assert (cfg["histate-refresh-hit"].tau, cfg["histate-refresh-hit"].refresh_all) == (
         None, False)
+    # The learned refresh scope (``core.eviction`` NOTE 8) is its own row, on refresh-all.
+    assert {n for n, c in cfg.items() if c.refresh_learned} == {"histate-refresh-learned"}
+    assert cfg["histate-refresh-learned"].refresh_all
     assert cfg["histate"].fixed_interval is None
     assert "histate-lru" not in cfg  # the baselines' ``lru`` row is that ablation
     assert cfg["histate-align"].fixed_interval == 0
