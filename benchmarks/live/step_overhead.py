@@ -129,9 +129,10 @@ def main() -> int:
         f"{whole / tokens * 1e6:.1f} µs; so σ = **{sigma:.0f} tokens** of prefill per step "
         f"end (the simulator's H100 estimate: 2 ms / 80 µs = 25 tokens).", "",
     ])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_overhead.md").write_text(text)
     print(text)
+    page = args.out / "step_overhead.md"
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text)
     return 0
 
 
