@@ -284,7 +284,7 @@ def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
     key = ipc(t, 0, len(t), "w")
     commit(rt, key, [0, 1, 2, 3], [1, 3])
     inter, final = objects(rt, key, [1], 1)[0], objects(rt, key, [3], 1)[0]
-    rt.actions.on_disk_written([], [inter, final])  # the disk tier's write_listener
+    rt.actions.on_disk_written([], [inter, final])  # as the disk tier reports a batch
     assert rt.stats["snapshot_not_persisted"] == 2
     assert inter not in rt.objects.part_of  # it only had the disk copy: gone, and out of L1
     assert inter not in rt.actions.l1.resident
