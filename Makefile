@@ -57,6 +57,6 @@ mutants:
 	.venv/bin/mutmut export-cicd-stats
 	@cat mutants/mutmut-cicd-stats.json; echo
 
-# The 13 mutants planted by the issue-14 audit, re-applied one by one (a few minutes).
+# The 13 planted mutants of scripts/planted_mutants.py, re-applied one by one (a few minutes).
 planted-mutants:
 	.venv/bin/python scripts/planted_mutants.py

@@ -76,8 +76,8 @@ MUTANTS = (
     Mutant(
         "cost-swaps-p-end-weights",
         "lmcache_histate/core/units.py",
-        "mass = (1.0 - end_probability) * internal + end_probability * node.passes",
-        "mass = end_probability * internal + (1.0 - end_probability) * node.passes",
+        "mass = (1.0 - end_probability) * internal + end_probability * passes",
+        "mass = end_probability * internal + (1.0 - end_probability) * passes",
         "expected recompute: swapping the p_end and 1 − p_end weights",
     ),
     Mutant(
