@@ -182,9 +182,10 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
 
 def run(tmp: Path, values: dict[str, Any], argv: list[str] = ()) -> tuple[int, str]:
     (tmp / "file").write_text("x")
+    port, http_port = free_ports(2)
     cfg = {"model": "tiny-qwen3-next", "chunk_size": 16, "cpu_gib": 0.05,
            "disk_path": str(tmp / "disk"), "disk_gib": 0.01, "platform": "cpu",
-           **dict(zip(("port", "http_port"), free_ports(2), strict=True))}
+           "port": port, "http_port": http_port}
     cfg.update(values)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     path = tmp / "bad.yaml"

@@ -242,10 +242,16 @@ class HiStateDiskAdapter(L2AdapterInterface):
     # -------------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._task_id()
-        with self._lock:
-            self.writer.enqueue(keys)  # a delete before the write starts cancels it
-        self._pool.submit(self._store_task, tid, list(keys), list(objects))
+        self._submit_write(keys, self._store_task, tid, list(keys), list(objects))
         return tid
+
+    def _submit_write(self, keys: Sequence[ObjectKey], task: Callable[..., None],
+                      *args: Any) -> None:
+        """Queue a write of ``keys`` on an I/O thread, counted first so that a delete
+        before it starts cancels it (``writes`` NOTE 4)."""
+        with self._lock:
+            self.writer.enqueue(keys)
+        self._pool.submit(task, *args)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -287,9 +293,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             finally:
                 done(ok, failed)
 
-        with self._lock:
-            self.writer.enqueue(keys)  # a delete before the write starts cancels it
-        self._pool.submit(run)
+        self._submit_write(keys, run)
 
     def capacity_bytes(self) -> int:
         """The effective capacity: configured, or less when the filesystem is smaller."""

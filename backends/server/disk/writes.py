@@ -49,8 +49,9 @@ yet and ``writing`` does not either, so without the queue count the delete would
 lost and the file written afterwards: an object on disk that the core no longer tracks,
 holding capacity and served as a hit outside its accounting (a race test saw 43 of 45
 files left be such orphans). ``enqueue`` counts a write at submission, under the tier's
-lock; ``cancel`` marks every queued write of the key; ``dequeue``, the first step on the
-I/O thread, skips the marked ones. A write submitted after the delete is not marked.
+lock; ``cancel`` marks every queued write of the key; ``_write_one`` takes its write off
+the queue in the same lock hold that enters it into ``writing``, and skips it if marked.
+A write submitted after the delete is not marked.
 """
 
 from __future__ import annotations
@@ -153,17 +154,14 @@ class DiskWriter:
             del self.cancelled_queued[key]
         return True
 
-    def cancel(self, key: ObjectKey) -> bool:
+    def cancel(self, key: ObjectKey) -> None:
         """Under the tier's lock: a write of ``key`` in flight is cancelled (its file is
-        removed once written), and so is every one still queued (NOTE 4); False when
-        there is none."""
+        removed once written), and so is every one still queued (NOTE 4)."""
         waiting = self.queued.get(key, 0) - self.cancelled_queued.get(key, 0)
         if waiting > 0:
             self.cancelled_queued[key] += waiting
         if key in self.writing:
             self.writing[key] = True
-            return True
-        return waiting > 0
 
     def write_batch(
         self, keys: list[ObjectKey], buffers: list[Any], metas: Mapping[ObjectKey, ObjectMeta]
