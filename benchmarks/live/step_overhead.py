@@ -32,11 +32,13 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from marked_child import run_marked
 
 HERE = Path(__file__).resolve().parent
 MARK = "STEP_OVERHEAD "
@@ -70,14 +72,11 @@ def run_engine(size: str, blocks: int, one_block: bool, repeats: int, seed: int)
 
 
 def measure(size: str, blocks: int, one_block: bool, repeats: int, seed: int) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--engine", "one-block" if one_block else "whole",
-            "--model-size", size, "--blocks", str(blocks), "--repeats", str(repeats),
-            "--seed", str(seed)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False,
-                          env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+    items, proc = run_marked(__file__, [
+        "--engine", "one-block" if one_block else "whole", "--model-size", size,
+        "--blocks", str(blocks), "--repeats", str(repeats), "--seed", str(seed)], MARK)
+    if items:
+        return items[0]
     raise RuntimeError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 

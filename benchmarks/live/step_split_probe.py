@@ -33,11 +33,13 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from marked_child import run_marked
 
 HERE = Path(__file__).resolve().parent
 CASES = ("once", "twice", "other-first", "budget-3-blocks")
@@ -97,18 +99,12 @@ def run_case(case: str, size: str) -> None:
 
 
 def measure(case: str, size: str, in_process: bool) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get(
-        "PYTHONPATH", "")]), "VLLM_NO_USAGE_STATS": "1"}
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    proc = subprocess.run([sys.executable, __file__, "--case", case, "--model-size", size],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    items, proc = run_marked(__file__, ["--case", case, "--model-size", size], MARK, env)
     steps, result, measured = [], None, False
-    for line in proc.stdout.splitlines() + proc.stderr.splitlines():
-        i = line.find(MARK)
-        if i < 0:
-            continue
-        item = json.loads(line[i + len(MARK):])
+    for item in items:
         if "measured" in item:
             measured = True
         elif "step" in item and measured:
