@@ -155,9 +155,9 @@ def frozen() -> Iterator[None]:
     operations run (``gc.freeze``), and give them back to it afterwards. A full collection
     walks every object of the process: its cost grows with the cache, not with the
     operation, and where it lands depends on the allocations before it. Unfrozen, one
-    landed in the 100K insert window (51 ms, +25 µs per insert, ``benchmarks/README.md``
-    "core_ops" round 11). Given back, a finished size's cache (its nodes reference each
-    other) is collected before the next one is built, as it was without the freeze."""
+    landed in the 100K insert window (51 ms, +25 µs per insert). Given back, a finished
+    size's cache (its nodes reference each other) is collected before the next one is built,
+    as it was without the freeze."""
     gc.collect()
     gc.freeze()
     try:

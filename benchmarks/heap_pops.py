@@ -5,9 +5,9 @@ Fills one list per entry shape with ``--entries`` random priorities in random me
 ``--pops`` pops of each, the shapes interleaved over ``--rounds`` rounds so that load
 swings hit them alike:
 
-* ``float``  — the priority alone (``IndexedHeap._heap`` since round 11);
-* ``tuple5`` — ``(priority, tie, order, version, key)``, the entry tuples the heap held
-  before (every comparison compares the first items for equality, then for order, behind
+* ``float``  — the priority alone (what ``IndexedHeap._heap`` holds);
+* ``tuple5`` — ``(priority, tie, order, version, key)``, the entry tuples an indexed heap
+  commonly holds (every comparison compares the first items for equality, then for order, behind
   a pointer to each tuple).
 
 Usage: ``python benchmarks/heap_pops.py [--entries 372000] [--pops 100000] [--rounds 3]``
