@@ -23,7 +23,7 @@ Invariants:
   is counted per cause (``stats["not_persisted_<cause>"]``) and logged once per cause,
   so a full disk does not flood the log with one warning per object;
 * the effective capacity (``_max_capacity_bytes``, what ``get_usage`` reports and what the
-  HiState core is told through the tier's listener) never exceeds what the filesystem
+  HiState core learns from the tier's ``CapacityChanged`` report) never exceeds what the filesystem
   can hold: ENOSPC lowers it to the bytes held + the free space (NOTE 1), and while it
   is below the configured capacity it is re-measured at most every ``RECHECK_S`` seconds,
   so it grows back when space is freed.
@@ -358,7 +358,7 @@ class DiskWriter:
             self.recheck_capacity()
 
     def recheck_capacity(self) -> None:
-        """Set the capacity to min(configured, held + in flight + free); tell the listener.
+        """Set the capacity to min(configured, held + in flight + free); report a change.
 
         Writes in flight count as held: their temporary files already take the space.
         """
