@@ -124,8 +124,15 @@ class CacheStats:
     """The core's learned state and occupancy at one instant (``HiStateCache.stats``).
 
     ``used_bytes`` / ``capacity_bytes``: per tier, in the order of ``CacheConfig.tiers``;
-    ``tau_s``: the eviction score's recency scale in use; ``kv_residence_s`` /
-    ``snapshot_residence_s``: the residence-time EMAs behind ``pressure_factor``.
+    ``tau_s``: the eviction score's recency scale in use (seconds of recency per e-fold of
+    expected loss per byte, ``score``), ``tau_calibrated``: whether it is the online
+    estimate (else the configured constant), ``reaccess_gap_s`` / ``reaccess_samples``:
+    the session re-access-gap EMA behind the estimate and how many gaps it has seen;
+    ``end_probability``: the hit model's ``p_end``; ``kv_residence_s`` /
+    ``snapshot_residence_s``: the residence-time EMAs behind ``pressure_factor``;
+    ``hit_position_samples`` / ``hit_position_spread``: internal hits placed in their
+    segments so far and the spread ``s`` of their distribution (1 = uniform,
+    ``hit_positions``), None unless positions are configured ``measured``.
     """
 
     nodes: int
@@ -142,6 +149,8 @@ class CacheStats:
     kv_residence_s: float
     snapshot_residence_s: float
     dropped_units: int
+    hit_position_samples: int | None = None
+    hit_position_spread: float | None = None
 
 
 @dataclass(slots=True)

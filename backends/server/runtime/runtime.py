@@ -280,7 +280,7 @@ class HiStateRuntime:
 
     def cpu_used_bytes(self) -> int:
         core = self.model.core
-        return 0 if core is None else core.used_bytes(ServerTier.CPU)
+        return 0 if core is None else core.stats().used_bytes[ServerTier.CPU]
 
     def evict_cpu(self, need_bytes: int) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
