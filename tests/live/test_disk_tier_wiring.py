@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk import file_format as df
-from lmcache_histate.backends.server.disk.keys import to_key
+from lmcache_histate.backends.server.disk.entries import to_key
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 from lmcache_histate.backends.server.runtime import object_map as object_map_module
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime

@@ -88,7 +88,6 @@ from . import file_format as df
 from .config import HiStateDiskAdapterConfig
 from .entries import DiskEntry, ObjectMeta, recover_entries
 from .folder import FolderError, claim, hold
-from .keys import to_oid
 from .shared_link import SharedIndexLink
 from .writes import DiskWriter, TierAccess
 
@@ -383,9 +382,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
         corrupt: list[ObjectKey] = []
         for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
             try:
-                status, why = df.read_object(
-                    df.object_path(self.root, to_oid(key)), to_oid(key), memoryview(buf)
-                )
+                oid = df.ObjectId.of(key)
+                status, why = df.read_object(df.object_path(self.root, oid), oid, memoryview(buf))
             except Exception as exc:  # a bad buffer, an I/O error: a miss either way
                 status, why = df.ReadStatus.MISSING, str(exc)
             if status is df.ReadStatus.OK:
@@ -449,7 +447,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
                     try:
-                        df.object_path(self.root, to_oid(key)).unlink()
+                        df.object_path(self.root, df.ObjectId.of(key)).unlink()
                     except OSError as exc:
                         if not isinstance(exc, FileNotFoundError):
                             logger.warning("HiState disk tier: cannot delete %s: %s", key, exc)
@@ -466,7 +464,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             return dict(self._index)
 
     def path_of(self, key: ObjectKey) -> Path:
-        return df.object_path(self.root, to_oid(key))
+        return df.object_path(self.root, df.ObjectId.of(key))
 
     def report_status(self) -> dict:
         usage = self.get_usage()

@@ -73,7 +73,6 @@ from . import file_format as df
 from .config import HiStateDiskAdapterConfig
 from .entries import UNKNOWN_META, DiskEntry, ObjectMeta
 from .folder import capacity_limit
-from .keys import to_oid
 from .shared_link import SharedIndexLink, key_id
 
 if TYPE_CHECKING:
@@ -223,7 +222,7 @@ class DiskWriter:
         sized = []
         for key, buf, meta in zip(keys, buffers, metas, strict=True):
             with contextlib.suppress(Exception):  # a bad key fails in _write_one
-                oid = to_oid(key)
+                oid = df.ObjectId.of(key)
                 payload = memoryview(buf).nbytes
                 sized.append((key, df.header_size(oid, meta.parent) + payload))
         got = self.shared.reserve(sized)
@@ -268,7 +267,7 @@ class DiskWriter:
         try:
             view = memoryview(buf).cast("B")
             kind, depth, parent, _score = meta
-            oid = to_oid(key)
+            oid = df.ObjectId.of(key)
             size = df.header_size(oid, parent) + len(view)
             path = df.object_path(self.root, oid)
             share = None if self.shared is None else self.shared.degraded_share()
