@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, HIT_POSITION_MODES, snapshot_tokens
 from .index import Match, Node
 from .interval import check_step_tokens
-from .placement import PlacementRules, TierSpec
+from .tiers import PlacementRules, TierSpec
 
 __all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
 

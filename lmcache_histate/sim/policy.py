@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from ..core.cache import CacheConfig, HiStateCache, RequestHandle
 from ..core.index import Node
-from ..core.placement import SNAPSHOT, PlacementRules, TierSpec
+from ..core.tiers import SNAPSHOT, PlacementRules, TierSpec
 from .traces import Request
 
 __all__ = ["HiStatePolicy", "Lookup", "Policy", "TierCounter"]

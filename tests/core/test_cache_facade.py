@@ -16,7 +16,7 @@ from support.core_probe import next_victim
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import KV, SNAPSHOT, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, TierSpec
 
 CHUNK, KV_BYTES, SNAP_BYTES = 4, 10, 25
 CPU, DISK = ServerTier.CPU, ServerTier.DISK

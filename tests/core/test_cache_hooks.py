@@ -13,7 +13,7 @@ from support.core_probe import next_victim
 from test_placement_rules import CPU, DISK, cache, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import KV, PlacementRules, TierSpec
+from lmcache_histate.core.tiers import KV, PlacementRules, TierSpec
 
 
 def test_evict_frees_what_was_asked_and_reports_it() -> None:

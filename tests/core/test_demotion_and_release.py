@@ -17,7 +17,7 @@ from support.listeners import EventLog
 from test_placement_rules import CHUNK, a_read_then_c_stored, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementRules, TierSpec
 
 KV_B, SNAP_B = 10, 20
 

@@ -11,7 +11,7 @@ import pytest
 from support.core_probe import next_victim
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from lmcache_histate.core.tiers import PlacementRules, TierSpec
 
 CHUNK = 50
 TOKEN_BYTES = 100

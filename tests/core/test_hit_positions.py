@@ -12,7 +12,7 @@ from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.hit_positions import HitPositions, SegmentLog
 from lmcache_histate.core.index import PrefixIndex
 from lmcache_histate.core.interval import IntervalController
-from lmcache_histate.core.placement import TierSpec
+from lmcache_histate.core.tiers import TierSpec
 from lmcache_histate.core.units import expected_recompute
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache, RequestHandle
 from lmcache_histate.core.index import Node
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from lmcache_histate.core.tiers import PlacementRules, TierSpec
 
 CHUNK = 4
 KV_BYTES = 10

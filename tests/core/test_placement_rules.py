@@ -12,7 +12,7 @@ from __future__ import annotations
 from support.listeners import EventLog
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from lmcache_histate.core.tiers import PlacementRules, TierSpec
 
 CHUNK = 10
 KV = 10

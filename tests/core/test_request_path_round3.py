@@ -28,7 +28,7 @@ import pytest
 from test_placement_rules import DISK, cache, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import TierSpec
+from lmcache_histate.core.tiers import TierSpec
 
 SNAP = "snapshot"
 

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import TierSpec
 from lmcache_histate.core.score import MIN_RATIO, ReaccessScale, score
+from lmcache_histate.core.tiers import TierSpec
 
 
 def test_tau_zero_is_lru() -> None:

@@ -26,7 +26,7 @@ from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 
 from lmcache_histate.config import parse_config
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import KV, SNAPSHOT
+from lmcache_histate.core.tiers import KV, SNAPSHOT
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
