@@ -1,8 +1,10 @@
 """The values that cross the core's facade (``cache.HiStateCache``): its configuration,
 a request's handle between ``begin`` and ``complete``, and the stats it reports.
 
-Kept apart from ``cache`` so that the facade module holds the algorithm only; ``cache``
-re-exports all three.
+Their own module because both sides of the facade use them: ``request_path`` (which
+``cache`` owns) takes the configuration and the handle, so they cannot live in ``cache``
+without an import cycle. ``cache`` names them in its ``__all__``: a caller of the core
+imports the facade and its values from one place.
 """
 
 from __future__ import annotations
