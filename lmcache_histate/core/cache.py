@@ -11,12 +11,18 @@ Everything is deterministic given the call sequence and the ``now`` values: the 
 the caller's (simulated time in the simulator, wall time in the server).
 
 This object is the only way into the core: its index, eviction queue, tiered store and
-interval controller are private. Callers (the simulator's policy, the live runtime, tests)
-use the verbs below: queries (``lookup``, ``node``, ``tiers_of``, ``holds_kv_prefix``,
-``stats``), the request life (``begin``, ``promote``,
-``complete``, ``release``) and the live-server hooks (``attach``, ``lose``, ``adopt``,
-``evict``, ``rerank``, ``set_capacity``) and the two verbs of
-a deployment that shares its last tier (``eviction_inputs``, ``follow_residence``).
+interval controller are private. Its verbs, by who calls them:
+
+* the simulator and the server: the request life ``begin`` → ``promote`` → ``complete`` /
+  ``release``, the plan ``snapshot_plan``, ``stats``, and ``check`` (the invariants,
+  O(n)); reads for inspection: ``lookup`` (what would hit, changing nothing), ``node`` /
+  ``nodes``, ``tiers_of``;
+* the live server, which sees chains of chunk keys and outside changes rather than a
+  simulator's whole requests: ``attach`` (a store no lookup announced), ``session_for`` /
+  ``has_session`` / ``session_end`` / ``drop_session``, ``note_internal_access``,
+  ``holds_kv_prefix``, ``lose``, ``adopt``, ``evict``, ``rerank``, ``set_capacity``,
+  ``set_step_grid`` / ``step_grid``, ``interval_for``;
+* a deployment that shares its last tier: ``eviction_inputs``, ``follow_residence``.
 """
 
 from __future__ import annotations
@@ -334,7 +340,9 @@ class HiStateCache:
         self._interval.residence = pooled
         return self._interval.pressure_factor
 
-    def end_session(self, sid: str) -> None:
+    def drop_session(self, sid: str) -> None:
+        """Forget session ``sid`` (its end marker; what it stored stays cached): the live
+        server's idle expiry. Unknown ids are ignored."""
         self._index.drop_session(sid)
 
     def check(self) -> None:

@@ -51,7 +51,7 @@ def test_fixed_interval_plan_and_ending_a_session() -> None:
     assert cache.snapshot_plan(10, 15) == []
     cache.complete(cache.begin("a", [1, 2], 0.0), 20, 0.0)
     assert cache.session_for([1, 2]) == "a"
-    cache.end_session("a")
+    cache.drop_session("a")
     assert cache.session_for([1, 2]) is None
 
 

@@ -101,7 +101,7 @@ def test_random_sequences_keep_invariants(
             handle, tokens = open_.pop(item[1] % len(open_))
             cache.complete(handle, tokens, now)
         elif item[0] == "end":
-            cache.end_session(f"s{item[1]}")
+            cache.drop_session(f"s{item[1]}")
         cache.check()
     for handle, tokens in open_:
         cache.complete(handle, tokens, now + 1)

@@ -331,7 +331,7 @@ def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> N
         def dropped(self, node: Any, part: str, tiers: int) -> None:
             seen.add(("dropped", depth[node.key], part, tiers, 0))
 
-    rt.add_placement_observer(Observer())
+    rt.actions.listener.observers.append(Observer())
     t = toks(2, 13)
     key = ipc(t, 0, len(t), "obs")
     depth = {node_key(k.chunk_hash, k.cache_salt): i

@@ -22,10 +22,9 @@ every other part reaches it through what LMCache built, never through a module g
 
 Its verbs, named by who calls them: ``on_<event>`` for what LMCache saw (``on_store``,
 ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
-``on_l1_removed``); a plain
-verb for what a caller asks of it (``plan``, ``status``, ``evict_cpu``, ``tick``,
-``check``, and the reads ``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_*`` /
-``start_janitor`` / ``close`` for its wiring.
+``on_l1_removed``); a plain verb for what a caller asks of it (``plan``, ``status``,
+``evict_cpu``, ``tick``, ``check``, and the reads ``is_cpu_tracked``,
+``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` / ``close`` for its wiring.
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
@@ -79,7 +78,6 @@ from typing import TYPE_CHECKING, Any
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.tiers import PlacementListener
 
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter
@@ -128,21 +126,18 @@ class HiStateRuntime:
         return self.model.core
 
     # ================================================================ wiring
-    def attach_disk_tier(self, disk: HiStateDiskAdapter) -> None:
+    def _drive_disk_tier(self, disk: HiStateDiskAdapter) -> None:
         """Drive ``disk``: its writes, deletes and demotions follow the core, and its
         reports are drained at each step (``attach_server`` calls it with the server's)."""
         self.actions.disk = disk
         disk.start_reports()
         if disk.shared is not None:  # one disk folder for the deployment
-            self.add_placement_observer(self.deployment)
+            # It sees each placement event too (``CoreListener.observers``).
+            self.actions.listener.observers.append(self.deployment)
 
     def _shared(self) -> SharedIndexLink | None:
         disk = self.actions.disk
         return None if disk is None else disk.shared
-
-    def add_placement_observer(self, observer: PlacementListener) -> None:
-        """Also tell ``observer`` every placement event of the core (``CoreListener``)."""
-        self.actions.listener.observers.append(observer)
 
     def attach_server(self, ctx: Any) -> None:
         """Called by the server module once the server context exists; ``start_janitor``
@@ -160,7 +155,7 @@ class HiStateRuntime:
         disks = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
                  if isinstance(a, HiStateDiskAdapter)]
         if disks and self.actions.disk is None:
-            self.attach_disk_tier(disks[0])
+            self._drive_disk_tier(disks[0])
         if ctx.chunk_size != self.model.chunk:
             logger.warning(
                 "server chunk size %d differs from the configuration's %d; using %d",

@@ -78,9 +78,10 @@ class Actions:
 class CoreListener:
     """The core's placement listener: its events become ``Actions`` and counters.
 
-    ``observers`` (``HiStateRuntime.add_placement_observer``) then see each event too, with
-    the runtime lock held and the part's objects still in the object map: the extension
-    point for a shared index of what this server holds (they must not block).
+    ``observers`` then see each event too, with the runtime lock held and the part's
+    objects still in the object map: a shared disk tier's ``DeploymentSync`` (added by
+    ``HiStateRuntime._drive_disk_tier``) learns there what this server holds (they must
+    not block).
     """
 
     def __init__(self, owner: TierActions) -> None:
