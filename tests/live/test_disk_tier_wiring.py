@@ -42,10 +42,12 @@ from test_backend_runtime import (
 
 import lmcache_histate.core
 from lmcache_histate.config import parse_config
+from lmcache_histate.core.defaults import ServerTier
 
 # What a disk I/O thread must never run: the runtime's parts and the core.
 RUNTIME_DIR = str(Path(object_map_module.__file__).parent)
 CORE_DIR = str(Path(lmcache_histate.core.__file__).parent)
+DISK = ServerTier.DISK
 
 
 def disk_runtime(tmp_path: Path, disk_capacity: int) -> tuple[HiStateRuntime, HiStateDiskAdapter]:
@@ -181,4 +183,10 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     assert violations == [], sorted(set(violations))
     runtime.tick()  # the last reports, as the janitor drains them
     assert disk.take_reports() == []
+    # The drains let each demotion's written objects leave L1: no KV object the core holds
+    # on disk only is still resident (KV reaches the disk only by demotion here: the CPU
+    # tier has room for every committed chunk).
+    stale = [k for k in runtime.actions.l1.resident
+             if k.object_group_id == 0 and runtime.objects.key_tiers(k) == 1 << DISK]
+    assert stale == []
     runtime.check()  # the object map kept a link for every mapped node through the trims
