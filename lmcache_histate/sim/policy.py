@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from ..core.cache import CacheConfig, HiStateCache, RequestHandle
 from ..core.index import Node
 from ..core.tiers import SNAPSHOT, PlacementRules, TierSpec
-from .traces import Request
+from .trace_model import Request
 
 __all__ = ["HiStatePolicy", "Lookup", "Policy", "TierCounter"]
 
