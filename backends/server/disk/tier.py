@@ -97,8 +97,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["CapacityChanged", "DiskEntry", "DiskReport", "FilesLost", "HiStateDiskAdapter",
-           "HiStateDiskAdapterConfig", "ObjectMeta", "WriteDone"]
+__all__ = ["CapacityChanged", "DiskReport", "FilesLost", "HiStateDiskAdapter", "WriteDone"]
 
 HEADERS_MAX = 1 << 16
 """Expected headers kept for writes not yet submitted (NOTE 2); the oldest go first."""
