@@ -44,7 +44,6 @@ from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV
 __all__ = [
     "ENGINE_DTYPE",
     "ENGINE_ENV",
-    "OFFLINE_ENV",
     "EngineError",
     "EngineProcess",
     "engine_kwargs",

@@ -94,7 +94,7 @@ from lmcache_histate.backends.vllm.interval_saves import (
     rewrite_store_block_ids,
     sanitize_plan,
 )
-from lmcache_histate.backends.vllm.plan_client import PLAN_METHOD, PendingPlan, PlanClient
+from lmcache_histate.backends.vllm.plan_client import PendingPlan, PlanClient
 from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
 from lmcache_histate.backends.vllm.step_scheduler import is_step_scheduler
 from lmcache_histate.backends.vllm.store_progress import StoreReport, StoreSteps
@@ -104,7 +104,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
 )
 
 from lmcache_histate.exposure import read_secret
-from lmcache_histate.protocol import RESUMED_CONFIG
+from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PLAN_METHOD", "STATUS_METHOD", "PendingPlan", "PlanClient"]
+__all__ = ["PendingPlan", "PlanClient"]
 
 from lmcache_histate.protocol import PLAN_METHOD, STATUS_METHOD
 

@@ -63,7 +63,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 __all__ = [
-    "SCHEDULER_CLS",
     "SUPPORTED_VLLM",
     "HiStateAsyncScheduler",
     "HiStateScheduler",

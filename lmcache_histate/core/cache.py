@@ -11,12 +11,18 @@ Everything is deterministic given the call sequence and the ``now`` values: the 
 the caller's (simulated time in the simulator, wall time in the server).
 
 This object is the only way into the core: its index, eviction queue, tiered store and
-interval controller are private. Callers (the simulator's policy, the live runtime, tests)
-use the verbs below: queries (``lookup``, ``node``, ``tiers_of``, ``holds_kv_prefix``,
-``stats``, ``used_bytes`` / ``free_bytes``), the request life (``begin``, ``promote``,
-``complete``, ``release``) and the live-server hooks (``attach``, ``lose``, ``adopt``,
-``evict``, ``rerank``, ``set_capacity``) and the two verbs of
-a deployment that shares its last tier (``eviction_inputs``, ``follow_residence``).
+interval controller are private. Its verbs, by who calls them:
+
+* the simulator and the server: the request life ``begin`` → ``promote`` → ``complete`` /
+  ``release``, the plan ``snapshot_plan``, ``stats``, and ``check`` (the invariants,
+  O(n)); reads for inspection: ``lookup`` (what would hit, changing nothing), ``node`` /
+  ``nodes``, ``tiers_of``;
+* the live server, which sees chains of chunk keys and outside changes rather than a
+  simulator's whole requests: ``attach`` (a store no lookup announced), ``session_for`` /
+  ``has_session`` / ``session_end`` / ``drop_session``, ``note_internal_access``,
+  ``holds_kv_prefix``, ``lose``, ``adopt``, ``evict``, ``rerank``, ``set_capacity``,
+  ``set_step_grid`` / ``step_grid``, ``interval_for``;
+* a deployment that shares its last tier: ``eviction_inputs``, ``follow_residence``.
 """
 
 from __future__ import annotations
@@ -145,12 +151,6 @@ class HiStateCache:
         path = self._index.walk(keys)
         return len(path) == len(keys) and all(n.kv_tiers for n in path)
 
-    def used_bytes(self, tier: int) -> int:
-        return self._store.used[tier]
-
-    def free_bytes(self, tier: int) -> int:
-        return self._store.free(tier)
-
     def set_step_grid(self, step_tokens: int | None) -> None:
         """Plan on the engine's step grid ``step_tokens`` from now on (None: unknown), as
         ``CacheConfig.step_tokens``; the live server calls it with what each plan request
@@ -167,7 +167,10 @@ class HiStateCache:
         return self._interval.choose(segment_tokens).interval
 
     def stats(self) -> CacheStats:
-        store, score = self._store, self.score_status()
+        """Occupancy and the learned state (fields: ``CacheStats``), for reports, the
+        simulator's rows and the live server's eviction sweeps."""
+        store, queue, reaccess, positions = self._store, self._queue, self._reaccess, \
+            self._positions
         return CacheStats(
             nodes=len(self._index),
             sessions=len(self._index.sessions),
@@ -176,13 +179,15 @@ class HiStateCache:
             pressure_factor=self._interval.pressure_factor,
             end_probability=self._hit_model.end_probability,
             hit_samples=self._hit_model.samples,
-            tau_s=float(score["tau_s"]),
-            tau_calibrated=bool(score["tau_calibrated"]),
-            reaccess_gap_s=float(score["reaccess_gap_s"]),
-            reaccess_samples=int(score["reaccess_samples"]),
+            tau_s=float(queue.tau),
+            tau_calibrated=queue.fixed_tau is None,
+            reaccess_gap_s=float(reaccess.gap_ema),
+            reaccess_samples=int(reaccess.samples),
             kv_residence_s=self._residence.kv_ema,
             snapshot_residence_s=self._residence.snapshot_ema,
             dropped_units=store.dropped_units,
+            hit_position_samples=None if positions is None else positions.samples,
+            hit_position_spread=None if positions is None else positions.spread(),
         )
 
     # --------------------------------------------------------------- requests
@@ -258,11 +263,6 @@ class HiStateCache:
         """A lookup matched cached context without passing any session's end (live server:
         a rewrite or a shared prefix): one sample "not at an end" for the hit model."""
         self._hit_model.observe(False)
-
-    def victim(self, tier: int) -> tuple[int, float] | None:
-        """The key of the unit ``evict`` would push out of ``tier`` next, and its rank."""
-        found = self._queue.victim(tier)
-        return None if found is None else (found[0].key, found[1])
 
     def evict(self, tier: int, need_bytes: int, now: float) -> int:
         """Push units out of ``tier`` by lowest rank until ``need_bytes`` are freed (or
@@ -340,31 +340,9 @@ class HiStateCache:
         self._interval.residence = pooled
         return self._interval.pressure_factor
 
-    def score_status(self) -> dict[str, float | int | bool]:
-        """The eviction score's knobs as they stand, for ``/status`` and ``/metrics``.
-
-        ``tau_s``: the ``τ`` in use (seconds of recency per e-fold of expected loss per
-        byte, ``score``); ``tau_calibrated``: whether it is the online estimate (else the
-        configured constant); ``reaccess_gap_s`` / ``reaccess_samples``: the session
-        re-access-gap EMA behind the estimate and how many gaps it has seen;
-        ``end_probability``: the hit model's ``p_end``; ``hit_position_samples`` /
-        ``hit_position_spread``: internal hits placed in their segments so far and the
-        spread ``s`` of their distribution (1 = uniform, ``hit_positions``; present when
-        positions are configured ``measured``).
-        """
-        status: dict[str, float | int | bool] = {
-            "tau_s": self._queue.tau,
-            "tau_calibrated": self._queue.fixed_tau is None,
-            "reaccess_gap_s": self._reaccess.gap_ema,
-            "reaccess_samples": self._reaccess.samples,
-            "end_probability": self._hit_model.end_probability,
-        }
-        if self._positions is not None:
-            status["hit_position_samples"] = self._positions.samples
-            status["hit_position_spread"] = self._positions.spread()
-        return status
-
-    def end_session(self, sid: str) -> None:
+    def drop_session(self, sid: str) -> None:
+        """Forget session ``sid`` (its end marker; what it stored stays cached): the live
+        server's idle expiry. Unknown ids are ignored."""
         self._index.drop_session(sid)
 
     def check(self) -> None:

@@ -1,8 +1,10 @@
 """The values that cross the core's facade (``cache.HiStateCache``): its configuration,
 a request's handle between ``begin`` and ``complete``, and the stats it reports.
 
-Kept apart from ``cache`` so that the facade module holds the algorithm only; ``cache``
-re-exports all three.
+Their own module because both sides of the facade use them: ``request_path`` (which
+``cache`` owns) takes the configuration and the handle, so they cannot live in ``cache``
+without an import cycle. ``cache`` names them in its ``__all__``: a caller of the core
+imports the facade and its values from one place.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, HIT_POSITION_MODES, snapshot_tokens
 from .index import Match, Node
 from .interval import check_step_tokens
-from .placement import PlacementRules, TierSpec
+from .tiers import PlacementRules, TierSpec
 
 __all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
 
@@ -124,8 +126,15 @@ class CacheStats:
     """The core's learned state and occupancy at one instant (``HiStateCache.stats``).
 
     ``used_bytes`` / ``capacity_bytes``: per tier, in the order of ``CacheConfig.tiers``;
-    ``tau_s``: the eviction score's recency scale in use; ``kv_residence_s`` /
-    ``snapshot_residence_s``: the residence-time EMAs behind ``pressure_factor``.
+    ``tau_s``: the eviction score's recency scale in use (seconds of recency per e-fold of
+    expected loss per byte, ``score``), ``tau_calibrated``: whether it is the online
+    estimate (else the configured constant), ``reaccess_gap_s`` / ``reaccess_samples``:
+    the session re-access-gap EMA behind the estimate and how many gaps it has seen;
+    ``end_probability``: the hit model's ``p_end``; ``kv_residence_s`` /
+    ``snapshot_residence_s``: the residence-time EMAs behind ``pressure_factor``;
+    ``hit_position_samples`` / ``hit_position_spread``: internal hits placed in their
+    segments so far and the spread ``s`` of their distribution (1 = uniform,
+    ``hit_positions``), None unless positions are configured ``measured``.
     """
 
     nodes: int
@@ -142,6 +151,8 @@ class CacheStats:
     kv_residence_s: float
     snapshot_residence_s: float
     dropped_units: int
+    hit_position_samples: int | None = None
+    hit_position_spread: float | None = None
 
 
 @dataclass(slots=True)

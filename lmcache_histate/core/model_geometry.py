@@ -16,7 +16,7 @@ Invariants (checked at construction, ``GeometryError`` naming the model otherwis
 layer kinds are present (no attention: N_s is undefined; no recurrent layer: nothing to
 snapshot), their sum is at most ``num_layers``, sizes are positive and every dtype is a
 ``DTYPE_BYTES`` key. Where the numbers come from (a HF config, a preset) is ``hf_config``
-and ``model_presets``; ``geometry`` re-exports all three.
+and ``model_presets``.
 """
 
 from __future__ import annotations

@@ -46,9 +46,7 @@ from .tiers import (
 )
 from .units import unit_nodes
 
-# The tier vocabulary lives in ``tiers``; re-exported here for the callers that import it
-# together with the store.
-__all__ = ["KV", "SNAPSHOT", "PlacementListener", "PlacementRules", "TierSpec", "TieredStore"]
+__all__ = ["TieredStore"]
 
 
 class TieredStore:

@@ -1,8 +1,8 @@
 """The tiers and what placement reports: tier specs, home tiers, the listener, bitmasks.
 
 Vocabulary shared by ``placement.TieredStore`` and its callers (the facade, the simulator,
-the live runtime), kept apart from the store so that the store module holds its algorithm
-only; ``placement`` re-exports every public name.
+the live runtime), who import it from here: a caller that names a tier or a part needs
+no store.
 
 * Tiers are numbered fast → slow (``0`` = CPU, ``1`` = disk in the paper's setup); a
   ``TierSpec`` is a tier's name and capacity in bytes (≥ 0).

@@ -50,7 +50,7 @@ import itertools
 from dataclasses import dataclass
 
 from .policy import HiStatePolicy, Lookup, Policy
-from .traces import Request
+from .trace_model import Request
 
 __all__ = [
     "ENGINE_STEP_TOKENS",

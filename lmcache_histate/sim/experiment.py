@@ -43,7 +43,7 @@ from .runner import (
     sweep_table,
 )
 from .server import RunResult
-from .traces import Trace
+from .trace_model import Trace
 
 __all__ = ["Experiment", "SimulateOptions", "run_simulate"]
 

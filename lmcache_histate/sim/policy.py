@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from ..core.cache import CacheConfig, HiStateCache, RequestHandle
 from ..core.index import Node
-from ..core.placement import SNAPSHOT, PlacementRules, TierSpec
-from .traces import Request
+from ..core.tiers import SNAPSHOT, PlacementRules, TierSpec
+from .trace_model import Request
 
 __all__ = ["HiStatePolicy", "Lookup", "Policy", "TierCounter"]
 

@@ -52,7 +52,7 @@ from .report import (
     summarize,
 )
 from .runner import Factory, run_policies
-from .traces import Session, Trace
+from .trace_model import Session, Trace
 
 __all__ = [
     "DEFAULT_JITTER",

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .traces import Request, Session, Trace
+from .trace_model import Request, Session, Trace
 
 __all__ = ["RewriteStats", "common_prefix", "rewrite_stats", "rewriting_requests"]
 

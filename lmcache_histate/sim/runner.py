@@ -21,7 +21,8 @@ from .config import SimSetup
 from .policy import Policy
 from .server import RunResult, simulate
 from .synthetic import paper_rewrite_trace
-from .traces import Trace, load_trace, load_weka, sample_trace_dir
+from .trace_model import Trace
+from .traces import load_trace, load_weka, sample_trace_dir
 from .variants import histate_variants
 
 __all__ = [

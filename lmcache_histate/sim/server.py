@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from .capture import capacity_of, capture_of
 from .config import SimSetup
 from .policy import Lookup, Policy
-from .traces import Request, Session, Trace
+from .trace_model import Request, Session, Trace
 
 __all__ = ["RequestResult", "RunResult", "simulate"]
 

@@ -2,8 +2,7 @@
 
 Each turns a source trace into ``trace_model``'s ``Trace`` (its docstring states the
 model and the re-chunking rule every loader applies); ``load_trace`` picks the loader
-from a path or a bundled sample's name. The model's names are re-exported here, where
-callers have always imported them from.
+from a path or a bundled sample's name.
 """
 
 from __future__ import annotations
@@ -21,12 +20,6 @@ from typing import Any, Literal
 from .trace_model import ChunkChain, HashInterner, Rechunker, Request, Session, Trace
 
 __all__ = [
-    "ChunkChain",
-    "HashInterner",
-    "Rechunker",
-    "Request",
-    "Session",
-    "Trace",
     "TraceFormatError",
     "load_mooncake",
     "load_trace",

@@ -78,7 +78,7 @@ from typing import Any
 
 from ..core.defaults import SimTier
 from ..core.interval import supported_intervals
-from ..core.placement import PlacementRules
+from ..core.tiers import PlacementRules
 from .capture import SMALL_STEP_ROWS
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy

@@ -12,10 +12,11 @@ import math
 from dataclasses import replace
 
 import pytest
+from support.core_probe import next_victim
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import KV, SNAPSHOT, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, TierSpec
 
 CHUNK, KV_BYTES, SNAP_BYTES = 4, 10, 25
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
@@ -37,8 +38,7 @@ def stored(cpu: int = 1000, disk: int = 1000) -> HiStateCache:
 def test_queries_and_stats_describe_what_is_stored() -> None:
     cache = stored()
     # CPU: 4 KV chunks (40 B) + the final snapshot (25 B) = 65 B; disk: the intermediate 25 B.
-    assert (cache.used_bytes(CPU), cache.used_bytes(DISK)) == (65, 25)
-    assert cache.free_bytes(CPU) == 1000 - 65
+    assert (cache.stats().used_bytes[CPU], cache.stats().used_bytes[DISK]) == (65, 25)
     assert cache.tiers_of(KEYS[0], KV) == 1 << CPU
     assert cache.tiers_of(KEYS[0], SNAPSHOT) == 0
     assert cache.tiers_of(KEYS[1], SNAPSHOT) == 1 << DISK
@@ -62,10 +62,10 @@ def test_evict_demotes_the_lowest_ranked_cpu_unit() -> None:
     goes first: the bundle of chunks 3-4 (KV 2 × 10 B) and the final snapshot (25 B),
     demoted to disk (tier 0 is not the last): 45 B freed."""
     cache = stored()
-    victim = cache.victim(CPU)
+    victim = next_victim(cache, CPU)
     assert victim is not None and victim[0] == KEYS[3]
     assert cache.evict(CPU, 1, 2.0) == 45
-    assert (cache.used_bytes(CPU), cache.used_bytes(DISK)) == (65 - 45, 25 + 45)
+    assert (cache.stats().used_bytes[CPU], cache.stats().used_bytes[DISK]) == (65 - 45, 25 + 45)
     assert cache.tiers_of(KEYS[3], SNAPSHOT) == 1 << DISK
     cache.check()
 
@@ -76,7 +76,7 @@ def test_set_capacity_evicts_until_it_fits_and_keeps_what_is_pinned() -> None:
     assert cache.set_capacity(DISK, 0, 3.0) == 25  # what is held stays: capacity = held
     cache.release(handle)
     assert cache.set_capacity(DISK, 0, 4.0) == 0  # the intermediate snapshot is dropped
-    assert cache.tiers_of(KEYS[1], SNAPSHOT) == 0 and cache.used_bytes(DISK) == 0
+    assert cache.tiers_of(KEYS[1], SNAPSHOT) == 0 and cache.stats().used_bytes[DISK] == 0
     assert cache.stats().capacity_bytes == (1000, 0)
     cache.check()
 

@@ -9,10 +9,11 @@ otherwise. Requests without boundaries store KV only: each is a dead tail.
 from __future__ import annotations
 
 import pytest
+from support.core_probe import next_victim
 from test_placement_rules import CPU, DISK, cache, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import KV, PlacementRules, TierSpec
+from lmcache_histate.core.tiers import KV, PlacementRules, TierSpec
 
 
 def test_evict_frees_what_was_asked_and_reports_it() -> None:
@@ -28,7 +29,7 @@ def test_evict_frees_what_was_asked_and_reports_it() -> None:
     assert c.evict(CPU, 20, 5.0) == 20
     assert [c.tiers_of(k, KV) for k in (1, 2, 3)] == [1 << DISK, 1 << DISK, 1 << CPU]
     assert c.evict(CPU, 100, 6.0) == 10
-    assert c.used_bytes(CPU) == 0
+    assert c.stats().used_bytes[CPU] == 0
     assert c.evict(DISK, 10, 7.0) == 10
     assert [c.tiers_of(k, KV) for k in (1, 2, 3)] == [0, 1 << DISK, 1 << DISK]
     c.check()
@@ -42,7 +43,7 @@ def test_evict_counts_units_of_a_single_byte() -> None:
     request(c, "a", [1], 0.0, [])
     request(c, "b", [2], 1.0, [])
     assert c.evict(0, 2, 2.0) == 2
-    assert c.used_bytes(0) == 0
+    assert c.stats().used_bytes[0] == 0
 
 
 def test_evict_keeps_a_better_unit_on_the_lower_tier() -> None:
@@ -71,14 +72,14 @@ def test_rerank_prices_a_unit_with_the_hit_model_as_it_is_now() -> None:
                       tiers=(TierSpec("all", 1000),), rules=PlacementRules(0, 0, 0), tau=10.0)
     c = HiStateCache(cfg)
     request(c, "A", [1, 2], 0.0, [20])
-    found = c.victim(0)
+    found = next_victim(c, 0)
     assert found is not None and found[0] == 2
     assert found[1] == pytest.approx(-7.985077, abs=1e-5)
     c.note_internal_access()
-    assert c.score_status()["end_probability"] == pytest.approx(0.855)
-    assert c.victim(0)[1] == pytest.approx(-7.985077, abs=1e-5)  # type: ignore[index]
+    assert c.stats().end_probability == pytest.approx(0.855)
+    assert next_victim(c, 0)[1] == pytest.approx(-7.985077, abs=1e-5)  # type: ignore[index]
     c.rerank([999, 2])  # an unknown key is skipped
-    found = c.victim(0)
+    found = next_victim(c, 0)
     assert found is not None and found[0] == 2
     assert found[1] == pytest.approx(-8.498010, abs=1e-5)
 
@@ -107,7 +108,7 @@ def test_promote_reports_the_bytes_it_moved() -> None:
                          ("moved", 5, "snapshot", DISK)]
     c.check()
     assert c.promote(handle, DISK, 1.0) == 0
-    assert c.used_bytes(DISK) == 50 + 3 * 20
+    assert c.stats().used_bytes[DISK] == 50 + 3 * 20
     c.release(handle)
     c.check()
 
@@ -129,7 +130,7 @@ def test_stats_report_the_score_knobs() -> None:
     """Fixed τ = 0: not calibrated. A's continuation from its end is one hit sample.
     With ``tau=None`` the calibrated τ starts at 0 (no re-access gap seen yet)."""
     c, _ = cache(cpu=1000, disk=1000)
-    assert c.victim(CPU) is None  # nothing stored yet
+    assert next_victim(c, CPU) is None  # nothing stored yet
     request(c, "A", [1, 2], 0.0, [20])
     request(c, "A", [1, 2, 3], 1.0, [30])
     stats = c.stats()
@@ -151,10 +152,10 @@ def test_begin_reports_whether_a_session_came_back_at_its_end() -> None:
     back = c.begin("X", [5, 6], 1.0)
     assert back.at_end is True
     c.complete(back, 10, 1.0, boundaries=[10])  # X still ends at chunk 5
-    assert c.score_status()["end_probability"] == pytest.approx(0.905)
+    assert c.stats().end_probability == pytest.approx(0.905)
     away = c.begin("X", [7], 2.0)
     assert away.at_end is False
-    assert c.score_status()["end_probability"] == pytest.approx(0.85975)
+    assert c.stats().end_probability == pytest.approx(0.85975)
     c.release(away)
 
 
@@ -165,8 +166,8 @@ def test_a_request_that_stores_nothing_still_counts_as_an_access() -> None:
     request(c, "A", [1, 2], 0.0, [20])
     c.release(c.begin("A", [1, 2], 10.0))
     c.release(c.begin("A", [1, 2], 25.0))
-    status = c.score_status()
-    assert (status["reaccess_samples"], status["reaccess_gap_s"]) == (2, pytest.approx(10.25))
+    status = c.stats()
+    assert (status.reaccess_samples, status.reaccess_gap_s) == (2, pytest.approx(10.25))
 
 
 def test_complete_counts_what_it_stored() -> None:
@@ -207,9 +208,9 @@ def test_the_config_reaches_the_hit_model_and_the_cost() -> None:
                       tiers=(TierSpec("all", 1000),), rules=PlacementRules(0, 0, 0), tau=10.0,
                       attention_tokens=20.0, end_probability_prior=0.5)
     c = HiStateCache(cfg)
-    assert c.score_status()["end_probability"] == 0.5
+    assert c.stats().end_probability == 0.5
     request(c, "A", [1, 2], 0.0, [20])
-    found = c.victim(0)
+    found = next_victim(c, 0)
     assert found is not None and found[0] == 2
     assert found[1] == pytest.approx(-9.808293, abs=1e-5)
 

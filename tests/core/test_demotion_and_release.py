@@ -17,7 +17,7 @@ from support.listeners import EventLog
 from test_placement_rules import CHUNK, a_read_then_c_stored, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementRules, TierSpec
 
 KV_B, SNAP_B = 10, 20
 
@@ -96,7 +96,7 @@ def test_a_hit_prefix_counts_as_read_when_its_request_completes() -> None:
     assert handle.match.hit_chunks == 2
     request(c, "B", [11], 20.0, [10])
     c.complete(handle, 30, 100.0, boundaries=[30])
-    assert c.used_bytes(0) == 120
+    assert c.stats().used_bytes[0] == 120
     request(c, "C", [21], 110.0, [10])
     assert c.lookup([1]).hit_chunks == 1  # S1 kept
     assert c.lookup([1, 2]).hit_chunks == 2  # S2 kept

@@ -8,9 +8,10 @@ LRU evicts S1, LRU + refresh-all evicts S6, HiState evicts S2.
 from __future__ import annotations
 
 import pytest
+from support.core_probe import next_victim
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from lmcache_histate.core.tiers import PlacementRules, TierSpec
 
 CHUNK = 50
 TOKEN_BYTES = 100
@@ -67,7 +68,7 @@ def build(tau: float, refresh_all: bool) -> tuple[HiStateCache, dict[str, int]]:
 )
 def test_figure7_victims(policy: str, tau: float, refresh_all: bool, victim: str) -> None:
     cache, names = build(tau, refresh_all)
-    found = cache.victim(1)
+    found = next_victim(cache, 1)
     assert found is not None
     by_key = {v: k for k, v in names.items()}
     assert by_key[found[0]] == victim, policy
@@ -108,7 +109,7 @@ def test_figure7_victim_flips_at_the_hand_computed_tau() -> None:
     by_tau = {}
     for tau in (0.33, 0.34):
         cache, names = build(tau, True)
-        found = cache.victim(1)
+        found = next_victim(cache, 1)
         assert found is not None
         by_tau[tau] = {v: k for k, v in names.items()}[found[0]]
     assert by_tau == {0.33: "S6", 0.34: "S2"}
@@ -127,7 +128,7 @@ def test_refresh_is_lazy_and_victim_reranks_stale_entries() -> None:
     heap = cache._queue.heaps[1]  # white box: the queued ranks are what this test pins
     node = {n: cache.node(k) for n, k in names.items()}
     assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [3.0, 3.0, 3.0, 4.0]
-    found = cache.victim(1)
+    found = next_victim(cache, 1)
     assert found is not None and found[0] == names["S6"]
     assert [heap.priority(node[n]) for n in ("S1", "S2", "S3", "S6")] == [5.0, 5.0, 5.0, 4.0]
 
@@ -206,7 +207,7 @@ def test_a_cold_session_leaves_the_last_tier_from_its_tail() -> None:
     a = [1, 2, 3, 4, 5, 6]
     cache.complete(cache.begin("A", a, 1.0), 24, 1.0)
     assert cache.stats().end_probability == pytest.approx(0.9)
-    assert cache.used_bytes(0) == 480
+    assert cache.stats().used_bytes[0] == 480
     cache.complete(cache.begin("B", [101], 2.0), 4, 2.0)
     cache.check()
     nodes = [cache.node(k) for k in a]

@@ -12,7 +12,7 @@ from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.hit_positions import HitPositions, SegmentLog
 from lmcache_histate.core.index import PrefixIndex
 from lmcache_histate.core.interval import IntervalController
-from lmcache_histate.core.placement import TierSpec
+from lmcache_histate.core.tiers import TierSpec
 from lmcache_histate.core.units import expected_recompute
 
 
@@ -209,17 +209,17 @@ def test_the_request_path_records_where_an_internal_hit_leaves_its_segment() -> 
     cache = _cache()
     _serve(cache, a[:4], 400, 1.0, "text")
     _serve(cache, a, 800, 2.0, "tool_result")
-    assert cache.score_status()["hit_position_samples"] == 0  # both at the end
+    assert cache.stats().hit_position_samples == 0  # both at the end
     _serve(cache, [*a[:7], 100, 101], 900, 3.0, "text")
-    status = cache.score_status()
-    assert status["hit_position_samples"] == 1
+    status = cache.stats()
+    assert status.hit_position_samples == 1
     # One sample in bin 6 of 8: p = (1, …, 2, 1) / 9, w = 8/9 × 7 and 16/9:
     # s = (7 · √(8/9) + √(16/9)) / 8 = (7 · 0.942809 + 1.333333) / 8 = 0.991624.
-    assert status["hit_position_spread"] == pytest.approx(0.991624, abs=1e-6)
+    assert status.hit_position_spread == pytest.approx(0.991624, abs=1e-6)
     # The context was cut at 700 and the rewrite appended [700, 900): a prompt cut at
     # chunk 2 (200 tokens) lands at offset 0.5 of the first (text) segment.
     _serve(cache, [*a[:2], 200], 300, 4.0, "text")
-    assert cache.score_status()["hit_position_samples"] == 2
+    assert cache.stats().hit_position_samples == 2
 
 
 def test_uniform_mode_learns_nothing_and_plans_the_plain_grid() -> None:
@@ -228,7 +228,7 @@ def test_uniform_mode_learns_nothing_and_plans_the_plain_grid() -> None:
     _serve(cache, a[:4], 400, 1.0, "text")
     _serve(cache, a, 800, 2.0, "tool_result")
     _serve(cache, [*a[:7], 100, 101], 900, 3.0, "text")
-    assert "hit_position_samples" not in cache.score_status()
+    assert cache.stats().hit_position_samples is None
     measured = _cache()
     assert measured.snapshot_plan(0, 800) == cache.snapshot_plan(0, 800)
 

@@ -8,7 +8,7 @@ from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import ChainError, Node, PrefixIndex
 from lmcache_histate.core.interval import ResidenceTracker
-from lmcache_histate.core.placement import KV, TierSpec
+from lmcache_histate.core.tiers import KV, TierSpec
 from lmcache_histate.core.units import HitModel
 
 
@@ -51,7 +51,7 @@ def test_fixed_interval_plan_and_ending_a_session() -> None:
     assert cache.snapshot_plan(10, 15) == []
     cache.complete(cache.begin("a", [1, 2], 0.0), 20, 0.0)
     assert cache.session_for([1, 2]) == "a"
-    cache.end_session("a")
+    cache.drop_session("a")
     assert cache.session_for([1, 2]) is None
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache, RequestHandle
 from lmcache_histate.core.index import Node
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from lmcache_histate.core.tiers import PlacementRules, TierSpec
 
 CHUNK = 4
 KV_BYTES = 10
@@ -101,7 +101,7 @@ def test_random_sequences_keep_invariants(
             handle, tokens = open_.pop(item[1] % len(open_))
             cache.complete(handle, tokens, now)
         elif item[0] == "end":
-            cache.end_session(f"s{item[1]}")
+            cache.drop_session(f"s{item[1]}")
         cache.check()
     for handle, tokens in open_:
         cache.complete(handle, tokens, now + 1)

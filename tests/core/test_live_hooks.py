@@ -14,7 +14,7 @@ from support.listeners import EventLog
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache, RequestHandle
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementRules, TierSpec
 
 CHUNK = 4
 KV_BYTES = 10
@@ -152,7 +152,7 @@ def test_adopt_rebuilds_a_disk_chain_and_refuses_gaps_and_overflow() -> None:
     assert 4242 not in cache
     assert rec.events == []  # adoption is not a placement decision
     assert cache.lookup(keys).hit_chunks == 3
-    assert cache.used_bytes(DISK) == 3 * KV_BYTES + SNAP_BYTES
+    assert cache.stats().used_bytes[DISK] == 3 * KV_BYTES + SNAP_BYTES
     big = [9000 + i for i in range(8)]
     fits = [cache.adopt(big[: i + 1], KV, DISK, KV_BYTES, now=5.0) for i in range(8)]
     assert fits == [True, True] + [False] * 6  # 75 B of disk: 55 B used, room for two more

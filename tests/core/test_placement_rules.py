@@ -12,7 +12,7 @@ from __future__ import annotations
 from support.listeners import EventLog
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import PlacementRules, TierSpec
+from lmcache_histate.core.tiers import PlacementRules, TierSpec
 
 CHUNK = 10
 KV = 10
@@ -156,8 +156,8 @@ def test_p_end_follows_where_a_session_comes_back() -> None:
     that reads only A's first chunk is internal: 0.905 − 0.05·0.905 = 0.85975."""
     c, _ = cache(cpu=1000, disk=1000)
     request(c, "A", [1, 2], 0.0, [20])
-    assert c.score_status()["end_probability"] == 0.9
+    assert c.stats().end_probability == 0.9
     request(c, "A", [1, 2, 3], 1.0, [30])
-    assert abs(c.score_status()["end_probability"] - 0.905) < 1e-12
+    assert abs(c.stats().end_probability - 0.905) < 1e-12
     request(c, "A", [1, 7], 2.0, [20])
-    assert abs(c.score_status()["end_probability"] - 0.85975) < 1e-12
+    assert abs(c.stats().end_probability - 0.85975) < 1e-12

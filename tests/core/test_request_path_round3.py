@@ -28,7 +28,7 @@ import pytest
 from test_placement_rules import DISK, cache, request
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import TierSpec
+from lmcache_histate.core.tiers import TierSpec
 
 SNAP = "snapshot"
 
@@ -183,7 +183,7 @@ def test_a_promotion_that_makes_room_samples_the_residence_at_its_time(
     c, _ = cache(cpu=1000, disk=disk)
     request(c, "B", [7, 8], 0.0, [10, 20])
     request(c, "A", [1], 1.0, [10])
-    assert c.used_bytes(DISK) == 20
+    assert c.stats().used_bytes[DISK] == 20
     handle = c.begin("A", [1], 5.0)
     assert c.promote(handle, DISK, 5.0) == moved
     stats = c.stats()

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.placement import TierSpec
 from lmcache_histate.core.score import MIN_RATIO, ReaccessScale, score
+from lmcache_histate.core.tiers import TierSpec
 
 
 def test_tau_zero_is_lru() -> None:
@@ -73,15 +73,15 @@ def test_cache_calibrates_tau_from_session_gaps() -> None:
         cache.complete(cache.begin("A", keys[:n], now), 4 * n, now)
     # A request of another session samples no gap for A.
     cache.complete(cache.begin("B", [100, 101], 31.0), 8, 31.0)
-    status = cache.score_status()
-    assert status["tau_s"] == 10.5 and status["tau_calibrated"] is True
-    assert status["reaccess_samples"] == 2 and status["reaccess_gap_s"] == 10.5
+    status = cache.stats()
+    assert status.tau_s == 10.5 and status.tau_calibrated is True
+    assert status.reaccess_samples == 2 and status.reaccess_gap_s == 10.5
     fixed = HiStateCache(CacheConfig(
         chunk_tokens=4, kv_chunk_bytes=40, snapshot_bytes=80,
         tiers=(TierSpec("cpu", 10_000), TierSpec("disk", 10_000)), tau=7.0,
     ))
-    assert fixed.score_status()["tau_s"] == 7.0
-    assert fixed.score_status()["tau_calibrated"] is False
+    assert fixed.stats().tau_s == 7.0
+    assert fixed.stats().tau_calibrated is False
 
 
 def test_the_snapshot_plan_ends_on_the_chain() -> None:

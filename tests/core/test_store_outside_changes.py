@@ -11,7 +11,8 @@ from support.listeners import EventLog
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node, PrefixIndex
-from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementRules, TieredStore, TierSpec
+from lmcache_histate.core.placement import TieredStore
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementRules, TierSpec
 
 CPU, DISK = 0, 1
 KVB, SNAPB = 10, 20

@@ -19,8 +19,7 @@ import pytest
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.backends.server.disk.entries import ObjectMeta
-from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
-from support.listeners import DiskReports
+from lmcache_histate.backends.server.disk.tier import FilesLost, HiStateDiskAdapter, WriteDone
 
 MODEL = "org/model"
 
@@ -164,9 +163,7 @@ def test_restart_rebuilds_index_and_removes_leftovers(tmp_path: Path) -> None:
 
 def test_corrupted_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
     a = adapter(tmp_path)
-    reports = DiskReports()
-    a.attach(reports)
-    lost = reports.lost
+    a.start_reports()
     try:
         assert store(a, [key(1), key(2)], [b"a" * 4000, b"b" * 4000])
         path = a.path_of(key(1))
@@ -179,6 +176,7 @@ def test_corrupted_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
         hits, _ = load(a, [key(1), key(2)], [4000, 4000])
         assert hits == []  # neither is served
         assert not path.exists() and not torn.exists()
+        lost = [k for r in a.take_reports() if isinstance(r, FilesLost) for k in r.keys]
         assert sorted(lost, key=lambda k: k.chunk_hash) == [key(1), key(2)]
         assert a.stats["corrupt_files"] == 2
         assert lookup(a, [key(1), key(2)]) == []
@@ -189,17 +187,29 @@ def test_corrupted_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
 
 def test_capacity_full_is_not_persisted(tmp_path: Path) -> None:
     a = adapter(tmp_path, capacity=2 * 4300)
-    reports = DiskReports()
-    a.attach(reports)
-    written = reports.written
+    a.start_reports()
     try:
         assert store(a, [key(1), key(2)], [b"a" * 4000, b"b" * 4000])
         assert not store(a, [key(3)], [b"c" * 4000])  # the task reports the failure
-        assert written[-1] == ([], [key(3)])
+        # and so does the queue, the first batch's success before it
+        assert a.take_reports() == [WriteDone([key(1), key(2)], [], store_task=True),
+                                    WriteDone([], [key(3)], store_task=True)]
         assert a.stats["not_persisted_capacity"] == 1
         assert lookup(a, [key(3)]) == []
         a.delete([key(1)])
         assert store(a, [key(3)], [b"c" * 4000])
+    finally:
+        a.close()
+
+
+def test_a_tier_nobody_drives_queues_no_reports(tmp_path: Path) -> None:
+    """A stock ``lmcache server`` never drains the queue, so it is never filled."""
+    a = adapter(tmp_path, capacity=4300)
+    try:
+        assert store(a, [key(1)], [b"a" * 4000])
+        assert not store(a, [key(2)], [b"b" * 4000])
+        a.start_reports()
+        assert a.take_reports() == []
     finally:
         a.close()
 
@@ -359,12 +369,11 @@ def test_every_write_task_completes_and_each_cause_is_logged_once(
         assert [line for line in tier_log if "bad_key" in line] == [tier_log[0]]
         assert len(tier_log) == 1
         # A buffer that is not one: the demotion path reports it failed, nothing escapes.
-        outcome: list[tuple[list, list]] = []
-        a.write_objects([key(2)], [None], lambda ok, failed: outcome.append((ok, failed)))
-        deadline = time.monotonic() + 10
-        while not outcome and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert outcome == [([], [key(2)])]
+        a.start_reports()
+        released = threading.Event()
+        a.write_objects([key(2)], [None], released.set)
+        assert released.wait(10)
+        assert a.take_reports() == [WriteDone([], [key(2)], store_task=False)]
         assert a.stats["not_persisted_error"] == 1
     finally:
         a.close()

@@ -20,12 +20,13 @@ from lmcache.v1.distributed.error import L1Error
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
+from lmcache_histate.backends.server.disk.tier import WriteDone
 from lmcache_histate.backends.server.runtime.object_map import node_key
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 
 from lmcache_histate.config import parse_config
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import KV, SNAPSHOT
+from lmcache_histate.core.tiers import KV, SNAPSHOT
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
@@ -284,7 +285,8 @@ def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
     key = ipc(t, 0, len(t), "w")
     commit(rt, key, [0, 1, 2, 3], [1, 3])
     inter, final = objects(rt, key, [1], 1)[0], objects(rt, key, [3], 1)[0]
-    rt.actions.on_disk_written([], [inter, final])  # as the disk tier reports a batch
+    with rt.actions.step():  # as a drain applies the disk tier's report of a batch
+        rt.actions.apply_disk_report(WriteDone([], [inter, final], store_task=True))
     assert rt.stats["snapshot_not_persisted"] == 2
     assert inter not in rt.objects.part_of  # it only had the disk copy: gone, and out of L1
     assert inter not in rt.actions.l1.resident
@@ -329,7 +331,7 @@ def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> N
         def dropped(self, node: Any, part: str, tiers: int) -> None:
             seen.add(("dropped", depth[node.key], part, tiers, 0))
 
-    rt.add_placement_observer(Observer())
+    rt.actions.listener.observers.append(Observer())
     t = toks(2, 13)
     key = ipc(t, 0, len(t), "obs")
     depth = {node_key(k.chunk_hash, k.cache_salt): i

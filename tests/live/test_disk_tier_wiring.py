@@ -1,9 +1,10 @@
-"""The disk tier wired to the runtime: headers decided under the lock, reports by one listener.
+"""The disk tier wired to the runtime: headers decided under the lock, reports queued.
 
 A file's header (kind, prefix depth, parent chunk hash) is decided where the runtime routes
-the write, under its lock, and travels down with it (``disk.tier`` NOTE 2); the tier's I/O
-threads never run the lock-guarded parts of the runtime (the object map, the core ...)
-without that lock. Real files and threads: a real ``HiStateDiskAdapter`` (one fsynced I/O
+the write, under its lock, and travels down with it (``disk.tier`` NOTE 2); what the I/O
+threads learn goes up through the tier's report queue, drained by the runtime under its
+lock (``disk.tier`` NOTE 3): no disk I/O thread runs any code of the runtime or the core.
+Real files and threads: a real ``HiStateDiskAdapter`` (one fsynced I/O
 worker, so writes queue) behind the runtime on the stand-in L1 of ``test_backend_runtime``,
 found by ``attach_server`` among the storage manager's L2 adapters as LMCache builds it,
 writes submitted as LMCache's store controller submits them, racing a thread that changes
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk import file_format as df
-from lmcache_histate.backends.server.disk.keys import to_key
+from lmcache_histate.backends.server.disk.entries import to_key
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 from lmcache_histate.backends.server.runtime import object_map as object_map_module
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
@@ -41,14 +42,12 @@ from test_backend_runtime import (
 
 import lmcache_histate.core
 from lmcache_histate.config import parse_config
+from lmcache_histate.core.defaults import ServerTier
 
-RUNTIME_DIR = Path(object_map_module.__file__).parent
-# The parts ``HiStateRuntime.lock`` guards (runtime module docstring): their code runs only
-# under it. ``tier_actions`` and ``runtime`` themselves also run with it released, by design.
-GUARDED = {str(RUNTIME_DIR / f"{m}.py") for m in (
-    "cpu_eviction", "model_core", "recovery", "reporting",
-    "object_map", "sessions")}
+# What a disk I/O thread must never run: the runtime's parts and the core.
+RUNTIME_DIR = str(Path(object_map_module.__file__).parent)
 CORE_DIR = str(Path(lmcache_histate.core.__file__).parent)
+DISK = ServerTier.DISK
 
 
 def disk_runtime(tmp_path: Path, disk_capacity: int) -> tuple[HiStateRuntime, HiStateDiskAdapter]:
@@ -65,14 +64,22 @@ def disk_runtime(tmp_path: Path, disk_capacity: int) -> tuple[HiStateRuntime, Hi
     return runtime, disk
 
 
-def test_attach_server_finds_the_disk_tier_and_listens_to_it(tmp_path: Path) -> None:
-    runtime, disk = disk_runtime(tmp_path, 1 << 20)
+def test_attach_server_finds_the_disk_tier_and_drains_its_reports(tmp_path: Path) -> None:
+    """A failed write is queued by the I/O thread and taken by the runtime's next step."""
+    runtime, disk = disk_runtime(tmp_path, 4096)
     try:
         assert runtime.actions.disk is disk
-        assert disk.listener is runtime
+        key = objects(runtime, ipc(toks(1, 1), 0, CHUNK, "r"), [0], 0)[0]
+        task = disk.submit_store_task([key], [Obj(8192)])  # over the capacity: fails
+        deadline = time.monotonic() + 10
+        while task not in disk.pop_completed_store_tasks():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        runtime.tick()  # the janitor's step drains the queue
+        assert disk.take_reports() == []
+        assert disk.stats["not_persisted_capacity"] == 1
     finally:
         disk.close()
-    assert disk.listener is None  # a closed tier reports to nobody
 
 
 def expected_headers(key: Any, chunks: int) -> dict[tuple[bytes, int], tuple[int, int, bytes]]:
@@ -93,9 +100,9 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     written as LMCache submits them, while another thread links 400 fresh chains through a
     64-link table (the links of chunks the core dropped are trimmed), evicts the CPU tier
     and ends sessions, and the disk (room for ~40 snapshots) makes the core drop disk
-    copies. Every file left has the header its routing (or demotion) decision gave it, and
-    no disk I/O thread ran a lock-guarded part of the runtime without the lock; the
-    object map still passes its ``check``."""
+    copies. Every file left has the header its routing (or demotion) decision gave it, no
+    disk I/O thread ran any code of the runtime or the core (their reports are queued and
+    drained under the lock), and the object map still passes its ``check``."""
     monkeypatch.setattr(object_map_module, "_LINKS_MAX", 64)
     violations: list[str] = []
     io_calls: list[str] = []
@@ -106,8 +113,7 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
             return
         path = frame.f_code.co_filename
         io_calls.append(frame.f_code.co_name)
-        if (path in GUARDED or path.startswith(CORE_DIR)) and runtime is not None \
-                and not runtime.lock._is_owned():  # type: ignore[attr-defined]
+        if path.startswith((RUNTIME_DIR, CORE_DIR)):
             violations.append(f"{Path(path).name}:{frame.f_code.co_qualname}")
 
     threading.setprofile(tracer)  # the tier's I/O thread starts at its first task
@@ -172,5 +178,15 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
             wrong.append((path.name, got, want))
     assert wrong == []
     assert "write_batch" in io_calls  # the tracer saw the I/O thread's work
+    # ... and the demotions' (their L1 read locks released there, LMCache's call)
+    assert runtime.stats["kv_demoted"] > 0 and "finish_read" in io_calls
     assert violations == [], sorted(set(violations))
+    runtime.tick()  # the last reports, as the janitor drains them
+    assert disk.take_reports() == []
+    # The drains let each demotion's written objects leave L1: no KV object the core holds
+    # on disk only is still resident (KV reaches the disk only by demotion here: the CPU
+    # tier has room for every committed chunk).
+    stale = [k for k in runtime.actions.l1.resident
+             if k.object_group_id == 0 and runtime.objects.key_tiers(k) == 1 << DISK]
+    assert stale == []
     runtime.check()  # the object map kept a link for every mapped node through the trims

@@ -20,7 +20,6 @@ from typing import Any
 
 import redis
 from lmcache_histate.backends.server.disk import file_format as df
-from lmcache_histate.backends.server.disk.keys import to_oid
 from lmcache_histate.backends.server.disk.shared_link import key_id
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 from lmcache_histate.backends.server.shared_index.layout import KeySpace
@@ -29,7 +28,7 @@ from test_backend_disk_tier import MODEL, key, load, lookup, store
 
 PAYLOAD = 1000
 KEYS = KeySpace("t", MODEL)
-F = df.header_size(to_oid(key(1)), b"") + PAYLOAD  # one file's size
+F = df.header_size(df.ObjectId.of(key(1)), b"") + PAYLOAD  # one file's size
 
 
 def tier(folder: Path, url: str, instance: str, budget: int, **index: Any) -> HiStateDiskAdapter:
@@ -102,7 +101,7 @@ def test_a_failed_write_gives_its_reservation_back_at_once(
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     a = tier(folder, redis_server.url, "a", 4 * F)
     try:
-        blocker = df.object_path(folder, to_oid(key(1))).parent
+        blocker = df.object_path(folder, df.ObjectId.of(key(1))).parent
         blocker.parent.mkdir(parents=True, exist_ok=True)
         blocker.write_bytes(b"not a directory")
         assert not store(a, [key(1)], payloads(1))

@@ -25,8 +25,8 @@ from support.shared_index import make_index, write
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import KV, SNAPSHOT, TierSpec
 from lmcache_histate.core.score import score
+from lmcache_histate.core.tiers import KV, SNAPSHOT, TierSpec
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 KEYS = [101, 102, 103, 104]

@@ -25,7 +25,8 @@ from lmcache_histate.sim.baselines.unlimited import UnlimitedPolicy
 from lmcache_histate.sim.baselines.vllm import vllm_align_policy
 from lmcache_histate.sim.capture import Capture
 from lmcache_histate.sim.policy import HiStatePolicy, Policy
-from lmcache_histate.sim.traces import Request, load_trace
+from lmcache_histate.sim.trace_model import Request
+from lmcache_histate.sim.traces import load_trace
 
 C = 100  # chunk tokens
 KVT = 1  # KV bytes per token

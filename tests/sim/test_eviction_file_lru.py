@@ -9,7 +9,7 @@ from __future__ import annotations
 from lmcache_histate.sim.baselines import BASELINES, baseline_policies
 from lmcache_histate.sim.baselines.file_lru import FileLRUPolicy, file_lru_policy
 from lmcache_histate.sim.capture import Capture, capture_of, capture_time
-from lmcache_histate.sim.traces import Request
+from lmcache_histate.sim.trace_model import Request
 
 GEO = {"chunk_tokens": 4, "kv_bytes_per_token": 1, "snapshot_bytes": 8}
 

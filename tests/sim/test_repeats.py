@@ -17,7 +17,7 @@ from lmcache_histate.sim.repeats import (
     verdict,
 )
 from lmcache_histate.sim.report import PolicySummary, TtftStats
-from lmcache_histate.sim.traces import Request, Session, Trace
+from lmcache_histate.sim.trace_model import Request, Session, Trace
 
 GIB = 1 << 30
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmcache_histate.sim.rewrite_stats import rewrite_stats, rewriting_requests
-from lmcache_histate.sim.traces import Request, Session, Trace
+from lmcache_histate.sim.trace_model import Request, Session, Trace
 
 
 def _session(sid: str, chains: list[tuple[int, ...]]) -> Session:

@@ -10,7 +10,7 @@ from lmcache_histate.sim.config import CostModel, SimSetup
 from lmcache_histate.sim.policy import Lookup
 from lmcache_histate.sim.server import simulate
 from lmcache_histate.sim.synthetic import synthetic_agent
-from lmcache_histate.sim.traces import Request, Session, Trace
+from lmcache_histate.sim.trace_model import Request, Session, Trace
 from lmcache_histate.sim.variants import histate_policy
 
 CHUNK = 4

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import PrefixIndex
-from lmcache_histate.core.placement import TieredStore, TierSpec
+from lmcache_histate.core.placement import TieredStore
+from lmcache_histate.core.tiers import TierSpec
 from lmcache_histate.sim.policy import TierCounter
 
 KVB, SNAPB = 10, 20

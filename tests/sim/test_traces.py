@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_histate.sim.synthetic import paper_rewrite_trace, synthetic_agent
+from lmcache_histate.sim.trace_model import Trace
 from lmcache_histate.sim.traces import (
-    Trace,
     TraceFormatError,
     load_mooncake,
     load_trace,

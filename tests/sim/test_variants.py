@@ -88,7 +88,7 @@ def test_final_snapshot_of_a_request_whose_hashes_stop_short() -> None:
 
     Final-only plan (``fixed_interval = 0``) and the interval controller alike: the
     final snapshot sits after chunk 4, on the final tier (the GPU)."""
-    from lmcache_histate.sim.traces import Request
+    from lmcache_histate.sim.trace_model import Request
     from lmcache_histate.sim.variants import three_tier_policy
 
     keys = tuple(range(1, 5))

@@ -1,9 +1,6 @@
-"""Listeners that record what they are told: the core's byte movements (``EventLog``) and
-the disk tier's reports (``DiskReports``)."""
+"""A listener that records what it is told: the core's byte movements (``EventLog``)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from lmcache_histate.core.index import Node
 
@@ -31,23 +28,3 @@ class EventLog:
         """The events so far; the log starts empty again."""
         out, self.events = self.events, []
         return out
-
-
-class DiskReports:
-    """A ``DiskTierListener`` that records each report: ``written`` holds ``(stored,
-    failed)`` per write batch, ``lost`` the keys of lost files, ``capacities`` each new
-    capacity, in call order."""
-
-    def __init__(self) -> None:
-        self.written: list[tuple[list[Any], list[Any]]] = []
-        self.lost: list[Any] = []
-        self.capacities: list[int] = []
-
-    def on_disk_written(self, stored: list[Any], failed: list[Any]) -> None:
-        self.written.append((list(stored), list(failed)))
-
-    def on_disk_lost(self, keys: list[Any]) -> None:
-        self.lost.extend(keys)
-
-    def on_disk_capacity(self, capacity_bytes: int) -> None:
-        self.capacities.append(capacity_bytes)

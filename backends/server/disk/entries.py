@@ -19,9 +19,15 @@ from typing import NamedTuple
 from lmcache.v1.distributed.api import ObjectKey
 
 from . import file_format as df
-from .keys import to_key
 
-__all__ = ["UNKNOWN_META", "DiskEntry", "ObjectMeta", "recover_entries"]
+__all__ = ["UNKNOWN_META", "DiskEntry", "ObjectMeta", "recover_entries", "to_key"]
+
+
+def to_key(oid: df.ObjectId) -> ObjectKey:
+    """The LMCache ``ObjectKey`` a file's id names (``df.ObjectId.of`` inverted)."""
+    return ObjectKey(chunk_hash=oid.chunk_hash, model_name=oid.model_name,
+                     kv_rank=oid.kv_rank, object_group_id=oid.object_group_id,
+                     cache_salt=oid.cache_salt)
 
 
 class ObjectMeta(NamedTuple):

@@ -20,7 +20,8 @@ under a final name; leftover temporary files are removed by ``scan``.
 Folder layout: ``<root>/<first byte of the chunk hash, 2 hex>/<file_name(oid)>``; names
 are bounded and collision-free (NOTE 1) and ``scan`` touches only names of this layout.
 
-Pure Python (no lmcache import): the adapter converts ``ObjectKey`` to ``ObjectId``.
+Pure Python (no lmcache import): ``ObjectId.of`` reads an LMCache ``ObjectKey``'s fields
+by name.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .direct_write import write_direct
 
@@ -62,6 +63,12 @@ class ObjectId(NamedTuple):
     object_group_id: int
     chunk_hash: bytes
     cache_salt: str = ""
+
+    @classmethod
+    def of(cls, key: Any) -> ObjectId:
+        """The id of an LMCache ``ObjectKey`` (the same five fields, read by name)."""
+        return cls(key.model_name, key.kv_rank, key.object_group_id, key.chunk_hash,
+                   key.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,6 @@ from ..shared_index.layout import ObjectRecord, object_id
 from ..shared_index.reconcile import reconcile
 from ..shared_index.registration import Registrar
 from . import file_format as df
-from .keys import to_oid
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -100,7 +99,7 @@ on its way)."""
 
 def key_id(key: ObjectKey) -> str:
     """The object's id in the index: the digest naming its file (``layout.object_id``)."""
-    return object_id(df.encode_id(to_oid(key)))
+    return object_id(df.encode_id(df.ObjectId.of(key)))
 
 
 class SharedIndexLink:
@@ -218,7 +217,7 @@ class SharedIndexLink:
         for k, size, payload, kind, depth, parent, score in written:
             cost, freed = score if score is not None else (float(size), float(size))  # NOTE 2
             records.append(ObjectRecord(
-                df.encode_id(to_oid(k)), self._relative(k), size,
+                df.encode_id(df.ObjectId.of(k)), self._relative(k), size,
                 zlib.crc32(memoryview(payload).cast("B")), kind, depth, parent,
                 cost=cost, freed=freed,
             ))
@@ -240,7 +239,7 @@ class SharedIndexLink:
         return gone
 
     def _relative(self, key: ObjectKey) -> str:
-        return str(df.object_path(self.root, to_oid(key)).relative_to(self.root))
+        return str(df.object_path(self.root, df.ObjectId.of(key)).relative_to(self.root))
 
     # ------------------------------------------------------------- background
     def _loop(self) -> None:

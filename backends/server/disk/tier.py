@@ -22,9 +22,10 @@ found again after a restart) with what HiState needs on top:
   follows);
 * a torn or corrupted file found on load is a miss, never served, and is deleted;
 * per-key lookup locks: a delete that races a lookup→load waits for the unlock;
-* one listener (``DiskTierListener``, given by ``attach``) told what happened below: writes
-  done or failed, files lost, capacity changes. The tier asks nothing of it: what a file's
-  header holds comes down with the write (``expect_headers``, NOTE 2).
+* one completion queue (``DiskReport``: writes done or failed, files lost, capacity
+  changes), filled by the I/O threads once ``start_reports`` is called and emptied by
+  whoever drives the tier (``take_reports``, NOTE 3). The tier asks nothing of its driver:
+  what a file's header holds comes down with the write (``expect_headers``, NOTE 2).
 * with a ``shared_index`` section, one folder (held with a shared lock) for a deployment's
   servers: the Redis index answers lookups, reserves writes, picks victims (``shared_link``).
 
@@ -39,12 +40,21 @@ An I/O thread so never reads the runtime's state, which it could only do without
 Headers of writes that never come (an object LMCache could not read back from L1) are
 bounded (``HEADERS_MAX``, oldest dropped).
 
+NOTE 3 (reports are queued, not called). What an I/O thread learns (a write failed, a file
+is corrupt, the capacity fell) matters to the runtime's core, which only its lock guards.
+Calling up from the I/O thread would run the runtime on a thread that holds disk buffers
+and make the two locks' order matter; instead the I/O thread appends a ``DiskReport`` to
+a ``deque`` (its ``append`` / ``popleft`` are atomic) and goes on, as LMCache's own L2
+adapters hand completed tasks to their controller (``pop_completed_store_tasks``). The
+runtime drains the queue under its lock at each of its steps and on its janitor tick, so a
+report waits at most one tick. A tier nobody drives (a stock ``lmcache server``) never
+starts reporting and queues nothing.
+
 Threads and locks: LMCache calls the ``submit_*`` / ``query_*`` / ``pop_*`` / ``delete``
 methods from its controller threads; reads and writes run on the I/O pool
 (``histate-disk-*``). ``self._lock`` guards the index, the lookup locks, the expected
-headers and the task results, and is never held across file I/O or while the listener is
-called. The listener is called on an I/O thread (written, lost, capacity) or on the
-caller's; it takes whatever lock its own state needs.
+headers and the task results, and is never held across file I/O. Reports are queued on
+the thread that saw the event, without it (NOTE 3).
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
@@ -60,11 +70,12 @@ import contextlib
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.logging import init_logger
@@ -77,7 +88,6 @@ from . import file_format as df
 from .config import HiStateDiskAdapterConfig
 from .entries import DiskEntry, ObjectMeta, recover_entries
 from .folder import FolderError, claim, hold
-from .keys import to_oid
 from .shared_link import SharedIndexLink
 from .writes import DiskWriter, TierAccess
 
@@ -87,32 +97,40 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["DiskEntry", "DiskTierListener", "HiStateDiskAdapter", "HiStateDiskAdapterConfig",
-           "ObjectMeta"]
-
-WriteCallback = Callable[[list[ObjectKey], list[ObjectKey]], None]
+__all__ = ["CapacityChanged", "DiskReport", "FilesLost", "HiStateDiskAdapter", "WriteDone"]
 
 HEADERS_MAX = 1 << 16
 """Expected headers kept for writes not yet submitted (NOTE 2); the oldest go first."""
 
 
-class DiskTierListener(Protocol):
-    """What the disk tier reports to the one who drives it (the HiState runtime).
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """A write batch finished: ``ok`` are on disk (written now or present already),
+    ``failed`` were not persisted (capacity, I/O error, budget). ``store_task``: submitted
+    by LMCache's store controller (which reads the outcome from the task itself), not by
+    ``write_objects``."""
 
-    Each call comes from the thread that saw the event (an I/O thread for writes, loads and
-    capacity), with no lock of the tier held; an implementation takes its own lock and must
-    not call back into the tier's write path from under it.
-    """
+    ok: list[ObjectKey]
+    failed: list[ObjectKey]
+    store_task: bool
 
-    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
-        """A write batch finished: ``stored`` are on disk now, ``failed`` were not
-        persisted (capacity, I/O error, budget)."""
 
-    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
-        """Files found corrupted or missing on load (already forgotten and removed)."""
+@dataclass(frozen=True, slots=True)
+class FilesLost:
+    """Files found corrupted or missing on load (already forgotten and removed)."""
 
-    def on_disk_capacity(self, capacity_bytes: int) -> None:
-        """The effective capacity changed (ENOSPC lowered it, freed space raised it)."""
+    keys: list[ObjectKey]
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityChanged:
+    """The effective capacity changed (ENOSPC lowered it, freed space raised it)."""
+
+    capacity_bytes: int
+
+
+DiskReport = WriteDone | FilesLost | CapacityChanged
+"""What the tier queues for its driver (NOTE 3)."""
 
 
 class HiStateDiskAdapter(L2AdapterInterface):
@@ -142,7 +160,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
         self._load_done: dict[L2TaskId, Bitmap] = {}
         self.stats: Counter[str] = Counter()
-        self.listener: DiskTierListener | None = None
+        self._reports: deque[DiskReport] | None = None  # NOTE 3: None until started
         self._headers: OrderedDict[ObjectKey, ObjectMeta] = OrderedDict()
         self._closed = False
         self.shared: SharedIndexLink | None = None
@@ -151,7 +169,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             lambda: self._max_capacity_bytes,
             lambda nbytes: setattr(self, "_max_capacity_bytes", nbytes),
             self._notify_keys_stored, self._notify_keys_deleted,
-            lambda nbytes: self._tell("capacity", "on_disk_capacity", nbytes),
+            lambda nbytes: self._report(CapacityChanged(nbytes)),
         ))
         if config.shared_index is None:
             self._recover_index(claimed)
@@ -170,10 +188,24 @@ class HiStateDiskAdapter(L2AdapterInterface):
                         self.root, claimed, self.shared.index.conn.where)
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, listener: DiskTierListener | None) -> None:
-        """The one told what happens below from now on (None: nobody). A stock ``lmcache
-        server`` never attaches one."""
-        self.listener = listener
+    def start_reports(self) -> None:
+        """Queue ``DiskReport``s from now on for ``take_reports`` (NOTE 3). A stock
+        ``lmcache server`` never starts them."""
+        if self._reports is None and not self._closed:
+            self._reports = deque()
+
+    def take_reports(self) -> list[DiskReport]:
+        """The reports queued so far, oldest first (any thread)."""
+        reports = self._reports
+        out: list[DiskReport] = []
+        while reports:
+            out.append(reports.popleft())
+        return out
+
+    def _report(self, report: DiskReport) -> None:
+        reports = self._reports
+        if reports is not None:
+            reports.append(report)
 
     def expect_headers(self, metas: Mapping[ObjectKey, ObjectMeta]) -> None:
         """The headers of writes about to be submitted (NOTE 2)."""
@@ -190,17 +222,6 @@ class HiStateDiskAdapter(L2AdapterInterface):
     def _take_headers(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, ObjectMeta]:
         with self._lock:
             return {k: m for k in keys if (m := self._headers.pop(k, None)) is not None}
-
-    def _tell(self, what: str, method: str, *args: Any) -> None:
-        """Report to the listener (no lock of the tier held); its failure is logged,
-        never the tier's."""
-        listener = self.listener
-        if listener is None:
-            return
-        try:
-            getattr(listener, method)(*args)
-        except Exception:
-            logger.exception("HiState disk tier: %s listener failed", what)
 
     def _recover_index(self, claimed: str) -> None:
         """Index the files of an own folder (one server); leftovers removed."""
@@ -261,10 +282,10 @@ class HiStateDiskAdapter(L2AdapterInterface):
     def _store_task(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         result = L2StoreResult(False, 0)
         try:
-            _ok, failed, stored, written = self.writer.write_batch(
+            ok, failed, _stored, written = self.writer.write_batch(
                 keys, [o.byte_array for o in objects], self._take_headers(keys))
             result = L2StoreResult(not failed, written)
-            self._tell("write", "on_disk_written", stored, failed)  # before the task completes
+            self._report(WriteDone(ok, failed, store_task=True))
         except BaseException as exc:  # the task must complete whatever happened
             self.writer.not_persisted_all(keys, exc)
         finally:
@@ -273,25 +294,26 @@ class HiStateDiskAdapter(L2AdapterInterface):
             self._store_efd.notify()
 
     def write_objects(
-        self, keys: Sequence[ObjectKey], buffers: Sequence[Any], done: WriteCallback
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Any], release: Callable[[], None]
     ) -> None:
         """Persist objects outside LMCache's store path (demotion of KV from the CPU tier).
 
-        ``buffers`` must stay valid until ``done(ok_keys, failed_keys)`` runs (on an I/O
-        thread); the headers are the ones ``expect_headers`` was given. The listener hears
-        of the batch before ``done`` runs.
+        ``buffers`` must stay valid until ``release()`` runs (on an I/O thread, once the
+        batch is written or failed; it must not call into the tier's driver); the headers
+        are the ones ``expect_headers`` was given. The outcome is queued as a ``WriteDone``
+        (``store_task`` False) before ``release`` runs.
         """
         def run() -> None:
             ok: list[ObjectKey] = []
             failed = list(keys)
             try:
-                ok, failed, stored, _ = self.writer.write_batch(
+                ok, failed, _stored, _ = self.writer.write_batch(
                     list(keys), list(buffers), self._take_headers(keys))
-                self._tell("write", "on_disk_written", stored, failed)
             except BaseException as exc:
                 self.writer.not_persisted_all(keys, exc)
             finally:
-                done(ok, failed)
+                self._report(WriteDone(ok, failed, store_task=False))
+                release()
 
         self._submit_write(keys, run)
 
@@ -359,9 +381,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
         corrupt: list[ObjectKey] = []
         for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
             try:
-                status, why = df.read_object(
-                    df.object_path(self.root, to_oid(key)), to_oid(key), memoryview(buf)
-                )
+                oid = df.ObjectId.of(key)
+                status, why = df.read_object(df.object_path(self.root, oid), oid, memoryview(buf))
             except Exception as exc:  # a bad buffer, an I/O error: a miss either way
                 status, why = df.ReadStatus.MISSING, str(exc)
             if status is df.ReadStatus.OK:
@@ -380,7 +401,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             self._forget(corrupt, unlink=True)
             if self.shared is not None:
                 self.shared.lost(corrupt)
-            self._tell("loss", "on_disk_lost", corrupt)
+            self._report(FilesLost(corrupt))
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)
@@ -425,7 +446,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
                     try:
-                        df.object_path(self.root, to_oid(key)).unlink()
+                        df.object_path(self.root, df.ObjectId.of(key)).unlink()
                     except OSError as exc:
                         if not isinstance(exc, FileNotFoundError):
                             logger.warning("HiState disk tier: cannot delete %s: %s", key, exc)
@@ -442,7 +463,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             return dict(self._index)
 
     def path_of(self, key: ObjectKey) -> Path:
-        return df.object_path(self.root, to_oid(key))
+        return df.object_path(self.root, df.ObjectId.of(key))
 
     def report_status(self) -> dict:
         usage = self.get_usage()
@@ -470,7 +491,6 @@ class HiStateDiskAdapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
-        self.listener = None
         self._pool.shutdown(wait=True, cancel_futures=False)
         if self.shared is not None:
             self.shared.close()

@@ -23,7 +23,7 @@ Invariants:
   is counted per cause (``stats["not_persisted_<cause>"]``) and logged once per cause,
   so a full disk does not flood the log with one warning per object;
 * the effective capacity (``_max_capacity_bytes``, what ``get_usage`` reports and what the
-  HiState core is told through the tier's listener) never exceeds what the filesystem
+  HiState core learns from the tier's ``CapacityChanged`` report) never exceeds what the filesystem
   can hold: ENOSPC lowers it to the bytes held + the free space (NOTE 1), and while it
   is below the configured capacity it is re-measured at most every ``RECHECK_S`` seconds,
   so it grows back when space is freed.
@@ -73,7 +73,6 @@ from . import file_format as df
 from .config import HiStateDiskAdapterConfig
 from .entries import UNKNOWN_META, DiskEntry, ObjectMeta
 from .folder import capacity_limit
-from .keys import to_oid
 from .shared_link import SharedIndexLink, key_id
 
 if TYPE_CHECKING:
@@ -223,7 +222,7 @@ class DiskWriter:
         sized = []
         for key, buf, meta in zip(keys, buffers, metas, strict=True):
             with contextlib.suppress(Exception):  # a bad key fails in _write_one
-                oid = to_oid(key)
+                oid = df.ObjectId.of(key)
                 payload = memoryview(buf).nbytes
                 sized.append((key, df.header_size(oid, meta.parent) + payload))
         got = self.shared.reserve(sized)
@@ -268,7 +267,7 @@ class DiskWriter:
         try:
             view = memoryview(buf).cast("B")
             kind, depth, parent, _score = meta
-            oid = to_oid(key)
+            oid = df.ObjectId.of(key)
             size = df.header_size(oid, parent) + len(view)
             path = df.object_path(self.root, oid)
             share = None if self.shared is None else self.shared.degraded_share()
@@ -358,7 +357,7 @@ class DiskWriter:
             self.recheck_capacity()
 
     def recheck_capacity(self) -> None:
-        """Set the capacity to min(configured, held + in flight + free); tell the listener.
+        """Set the capacity to min(configured, held + in flight + free); report a change.
 
         Writes in flight count as held: their temporary files already take the space.
         """

@@ -39,8 +39,8 @@ class CpuEvictor:
         before the L1 eviction loop picks victims.
         """
         if self._sweep is None:
-            score = core.score_status()
-            tau, p = float(score["tau_s"]), float(score["end_probability"])
+            stats = core.stats()
+            tau, p = stats.tau_s, stats.end_probability
             tau0, p0 = self._rank_basis
             if abs(tau - tau0) <= 0.1 * max(tau0, 1e-9) and abs(p - p0) <= 0.02:
                 return

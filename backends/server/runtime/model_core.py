@@ -23,13 +23,7 @@ from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.defaults import ServerTier, snapshot_tokens
-from lmcache_histate.core.placement import (
-    KV,
-    SNAPSHOT,
-    PlacementListener,
-    PlacementRules,
-    TierSpec,
-)
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener, PlacementRules, TierSpec
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey

@@ -78,8 +78,13 @@ class StatusReport:
                 "end_probability": stats.end_probability,
                 # The eviction score's scale (core/score.py): tau in use, calibrated or
                 # configured, and the session re-access gap it is calibrated from.
-                **{f"eviction_{k}": v for k, v in core.score_status().items()
-                   if k != "end_probability"},
+                "eviction_tau_s": stats.tau_s,
+                "eviction_tau_calibrated": stats.tau_calibrated,
+                "eviction_reaccess_gap_s": stats.reaccess_gap_s,
+                "eviction_reaccess_samples": stats.reaccess_samples,
+                **({} if stats.hit_position_samples is None else {
+                    "eviction_hit_position_samples": stats.hit_position_samples,
+                    "eviction_hit_position_spread": stats.hit_position_spread}),
                 "kv_residence_s": stats.kv_residence_s,
                 "snapshot_residence_s": stats.snapshot_residence_s,
             }

@@ -15,17 +15,16 @@ every other part reaches it through what LMCache built, never through a module g
 * the L1 eviction policy (``policies.HiStateL1EvictionPolicy``) reports L1 removals and
   asks for victims when LMCache's eviction loop finds L1 above its watermark;
 * the disk tier (``disk.tier.HiStateDiskAdapter``) is told the header of every write the
-  runtime decides (``TierActions.run``, before the write is submitted) and reports to
-  the runtime as its one ``DiskTierListener`` (``on_disk_written``, ``on_disk_lost``,
-  ``on_disk_capacity``): writes failed, files lost, capacity changed. It never asks the
-  runtime anything.
+  runtime decides (``TierActions.run``, before the write is submitted) and queues what
+  its I/O threads saw (``DiskReport``: writes done or failed, files lost, capacity
+  changed) for the runtime to drain under its lock (``TierActions.drain``). It never
+  calls the runtime.
 
-Its verbs, named by who calls them: ``on_<event>`` for what LMCache or the disk tier saw
-(``on_store``, ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
-``on_l1_removed``, ``on_disk_written``, ``on_disk_lost``, ``on_disk_capacity``); a plain
-verb for what a caller asks of it (``plan``, ``status``, ``evict_cpu``, ``tick``,
-``check``, and the reads ``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_*`` /
-``start_janitor`` / ``close`` for its wiring.
+Its verbs, named by who calls them: ``on_<event>`` for what LMCache saw (``on_store``,
+``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
+``on_l1_removed``); a plain verb for what a caller asks of it (``plan``, ``status``,
+``evict_cpu``, ``tick``, ``check``, and the reads ``is_cpu_tracked``,
+``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` / ``close`` for its wiring.
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
@@ -44,13 +43,13 @@ The runtime is composed of parts, each owning its state, built here with what it
 
 Locking: ``self.lock`` guards the core and every part. It is never held while calling
 into LMCache's L1 manager or waiting on disk I/O: each entry point that changes the core
-runs inside ``TierActions.step`` (lock → drain queued L1 removals → the parts → take the
-collected ``Actions`` → release → run them), the one place that sequence is written.
-Callbacks that LMCache makes while holding its own L1 lock (``on_l1_removed``) only
-append to a queue; the janitor thread drains it too. The disk tier's reports arrive on its
-I/O threads with none of its locks held and take ``self.lock`` like any entry point; the
-runtime calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with
-``self.lock`` released, so the two never wait on each other.
+runs inside ``TierActions.step`` (lock → drain the queued L1 removals and disk reports →
+the parts → take the collected ``Actions`` → release → run them), the one place that
+sequence is written. Callbacks that LMCache makes while holding its own L1 lock
+(``on_l1_removed``) only append to a queue, as the disk tier's I/O threads do with their
+reports; the janitor's tick drains both too, so none waits longer than a tick. The runtime
+calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with
+``self.lock`` released, and no disk I/O thread ever takes it.
 
 NOTE 1 (events are stamped under the lock). The core assumes its clock never runs back
 (a session's re-access gap is ``now − last access``; a negative one is clamped to 0). An
@@ -64,7 +63,7 @@ NOTE 2 (finding the disk tier). LMCache builds the disk tier from ``--l2-adapter
 its config only, before any server module exists, and exposes no public list of a storage
 manager's L2 adapters in 0.5.6; ``attach_server`` reads ``_l2_adapters`` (as it reads
 ``_l1_manager``). A stock ``lmcache server`` attaches nothing: the tier then has no
-listener and writes the ``UNKNOWN_META`` header.
+driver: it queues no reports and writes the ``UNKNOWN_META`` header.
 """
 
 from __future__ import annotations
@@ -79,7 +78,6 @@ from typing import TYPE_CHECKING, Any
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache
 from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.placement import PlacementListener
 
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter
@@ -112,7 +110,7 @@ class HiStateRuntime:
         self.objects = ObjectMap(self.model, self.stats)
         self.deployment = DeploymentSync(self.objects.keys, key_id, clock)
         self.actions = TierActions(self.lock, self.model, self.objects, self.deployment,
-                                   self.stats)
+                                   self.stats, clock)
         self.sessions = SessionTracker(cfg, self.model, self.objects, self.stats)
         self.evictor = CpuEvictor(cfg.end_probability_prior, self.stats)
         self.report = StatusReport(
@@ -128,21 +126,18 @@ class HiStateRuntime:
         return self.model.core
 
     # ================================================================ wiring
-    def attach_disk_tier(self, disk: HiStateDiskAdapter) -> None:
-        """Drive ``disk``: its writes, deletes and demotions follow the core, and this
-        runtime is its listener (``attach_server`` calls it with the server's)."""
+    def _drive_disk_tier(self, disk: HiStateDiskAdapter) -> None:
+        """Drive ``disk``: its writes, deletes and demotions follow the core, and its
+        reports are drained at each step (``attach_server`` calls it with the server's)."""
         self.actions.disk = disk
-        disk.attach(self)
+        disk.start_reports()
         if disk.shared is not None:  # one disk folder for the deployment
-            self.add_placement_observer(self.deployment)
+            # It sees each placement event too (``CoreListener.observers``).
+            self.actions.listener.observers.append(self.deployment)
 
     def _shared(self) -> SharedIndexLink | None:
         disk = self.actions.disk
         return None if disk is None else disk.shared
-
-    def add_placement_observer(self, observer: PlacementListener) -> None:
-        """Also tell ``observer`` every placement event of the core (``CoreListener``)."""
-        self.actions.listener.observers.append(observer)
 
     def attach_server(self, ctx: Any) -> None:
         """Called by the server module once the server context exists; ``start_janitor``
@@ -160,7 +155,7 @@ class HiStateRuntime:
         disks = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
                  if isinstance(a, HiStateDiskAdapter)]
         if disks and self.actions.disk is None:
-            self.attach_disk_tier(disks[0])
+            self._drive_disk_tier(disks[0])
         if ctx.chunk_size != self.model.chunk:
             logger.warning(
                 "server chunk size %d differs from the configuration's %d; using %d",
@@ -280,7 +275,7 @@ class HiStateRuntime:
 
     def cpu_used_bytes(self) -> int:
         core = self.model.core
-        return 0 if core is None else core.used_bytes(ServerTier.CPU)
+        return 0 if core is None else core.stats().used_bytes[ServerTier.CPU]
 
     def evict_cpu(self, need_bytes: int) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
@@ -290,20 +285,6 @@ class HiStateRuntime:
             if core is None:
                 return 0
             return self.evictor.evict(core, need_bytes, now)
-
-    # ================================================= disk tier (DiskTierListener)
-    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
-        """A write batch finished (disk I/O thread): the failed ones are lost on disk."""
-        self.actions.on_disk_written(stored, failed)
-
-    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
-        """Files found corrupted or missing on load (disk I/O thread)."""
-        self.actions.on_disk_lost(keys)
-
-    def on_disk_capacity(self, capacity_bytes: int) -> None:
-        """The disk tier's real capacity changed (ENOSPC, space freed): resize the core's."""
-        with self.actions.step():
-            self.model.resize_disk(capacity_bytes, self.clock())
 
     def _sync_deployment(self, link: SharedIndexLink) -> None:
         """The janitor's exchange with the deployment (``DeploymentSync``): collected under

@@ -129,7 +129,7 @@ class SessionTracker:
         idle = self.cfg.session_ttl_s
         for sid, seen in list(self.session_seen.items()):
             if now - seen > idle:
-                core.end_session(sid)
+                core.drop_session(sid)
                 del self.session_seen[sid]
 
     def _new_sid(self) -> str:

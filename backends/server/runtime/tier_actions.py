@@ -5,21 +5,22 @@ The core decides placement in terms of node parts and tiers; ``TierActions`` tur
 objects (delete from L1, delete from disk, demote = write an L1 object to disk, then delete
 it from L1). Actions are collected under the runtime lock and run after it is released
 (never call into LMCache's L1 manager or wait on disk I/O under it). The feedback paths
-live here too: L1 removals nobody here decided (queued by LMCache's callback, drained under
-the lock) and failed or lost disk files are reported to the core as losses.
+live here too, both queues drained under the lock: L1 removals nobody here decided
+(queued by LMCache's callback) and the disk tier's reports (queued by its I/O threads,
+``disk.tier`` NOTE 3) — failed writes and lost files become losses in the core, a new
+capacity resizes the core's disk tier, demoted objects leave L1.
 
 The lock sequence of every runtime entry point that changes the core is ``step``, written
-once: take the runtime lock, drain queued L1 removals, let the caller change the core, take
-the collected ``Actions`` (with the header of every disk write they decide,
-``header``), release the lock, run them. Running hands the disk tier the headers before it
-submits the writes, so the tier's I/O threads never read runtime state (``disk.tier``
-NOTE 2).
+once: take the runtime lock, drain both queues, let the caller change the core, take the
+collected ``Actions`` (with the header of every disk write they decide, ``header``),
+release the lock, run them. Running hands the disk tier the headers before it submits the
+writes, so the tier's I/O threads never read runtime state (``disk.tier`` NOTE 2), and
+they never call into it either: they only queue.
 
-Threads: ``step`` and the loss reports (``on_disk_written``, ``on_disk_lost``) run on
-whichever thread calls them (LMCache's request and controller threads, the janitor, the
-disk tier's I/O threads for its reports) and serialise on the runtime lock; ``run`` and
-``l1_delete`` are called with it released; ``on_l1_removed`` is called under LMCache's L1
-lock and only appends to a queue.
+Threads: ``step`` runs on whichever thread calls it (LMCache's request and controller
+threads, the janitor) and serialises on the runtime lock; ``run`` and ``l1_delete`` are
+called with it released; ``on_l1_removed`` is called under LMCache's L1 lock and only
+appends to a queue. No disk I/O thread runs code of this module.
 
 State owned here: the pending ``Actions``, the chunk nodes touched since the last
 ``take`` (reconciled then), the objects of a commit batch in flight, the queue of L1
@@ -32,16 +33,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.index import Node
-from lmcache_histate.core.placement import KV, SNAPSHOT, PlacementListener
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener
 
 from ..disk.entries import ObjectMeta
+from ..disk.tier import CapacityChanged, DiskReport, FilesLost, WriteDone
 from ..shared_index.deployment import DeploymentSync
 from .model_core import ModelCore
 from .object_map import ObjectMap
@@ -75,9 +78,10 @@ class Actions:
 class CoreListener:
     """The core's placement listener: its events become ``Actions`` and counters.
 
-    ``observers`` (``HiStateRuntime.add_placement_observer``) then see each event too, with
-    the runtime lock held and the part's objects still in the object map: the extension
-    point for a shared index of what this server holds (they must not block).
+    ``observers`` then see each event too, with the runtime lock held and the part's
+    objects still in the object map: a shared disk tier's ``DeploymentSync`` (added by
+    ``HiStateRuntime._drive_disk_tier``) learns there what this server holds (they must
+    not block).
     """
 
     def __init__(self, owner: TierActions) -> None:
@@ -133,8 +137,10 @@ class TierActions:
         objects: ObjectMap,
         deployment: DeploymentSync,
         stats: Counter[str],
+        clock: Callable[[], float],
     ) -> None:
         self.lock = lock
+        self.clock = clock
         self.model = model
         self.objects = objects
         self.deployment = deployment
@@ -216,21 +222,22 @@ class TierActions:
         return ObjectMeta(kind, depth, parent, score)
 
     # ================================================================ disk events
-    def on_disk_written(self, stored: list[ObjectKey], failed: list[ObjectKey]) -> None:
-        """A disk write finished: the failed ones are lost on disk, and leave L1 unless
-        the core keeps them on the CPU tier."""
-        if not failed:
-            return
-        with self.step():
-            self._lose_on_disk(failed, "not_persisted")
-            # Before ``take``: a part it reconciles away is not CPU-tracked here either.
+    def apply_disk_report(self, report: DiskReport) -> None:
+        """One report of the disk tier (under the lock, from ``drain``): failed writes and
+        lost files are losses on disk (a failed object leaves L1 unless the core keeps it
+        on the CPU tier), a demotion's written objects leave L1 likewise (a store task's
+        are let go by the store policy, ``on_persisted``), a new capacity resizes the
+        core's disk tier. Called before ``take``: a part it reconciles away is not
+        CPU-tracked here either."""
+        if isinstance(report, WriteDone):
+            self._lose_on_disk(report.failed, "not_persisted")
+            leaving = report.failed if report.store_task else [*report.failed, *report.ok]
             self.pending.l1_delete.extend(
-                k for k in failed if not self.objects.is_cpu_tracked(k))
-
-    def on_disk_lost(self, keys: list[ObjectKey]) -> None:
-        """Files found corrupted or missing on load (already removed by the disk tier)."""
-        with self.step():
-            self._lose_on_disk(keys, "lost.disk")
+                k for k in leaving if not self.objects.is_cpu_tracked(k))
+        elif isinstance(report, FilesLost):
+            self._lose_on_disk(report.keys, "lost.disk")
+        elif isinstance(report, CapacityChanged):
+            self.model.resize_disk(report.capacity_bytes, self.clock())
 
     def _lose_on_disk(self, keys: list[ObjectKey], counter: str) -> None:
         """Tell the core the disk copies of ``keys``' parts are gone (under the lock)."""
@@ -251,8 +258,11 @@ class TierActions:
             self.events.append(list(keys))
 
     def drain(self) -> None:
-        """Apply queued L1 removals (under the lock): the ones nobody here decided are
-        losses."""
+        """Apply the queued L1 removals (the ones nobody here decided are losses) and the
+        disk tier's reports (``apply_disk_report``), under the lock."""
+        if self.disk is not None:
+            for report in self.disk.take_reports():
+                self.apply_disk_report(report)
         core = self.model.core
         while self.events:
             for key in self.events.popleft():
@@ -347,7 +357,7 @@ class TierActions:
 
         disk, l1 = self.disk, self.l1
         if disk is None or l1 is None:
-            self.on_disk_written([], keys)
+            self._not_demoted(keys)
             return
         result = l1.reserve_read(keys)
         found = [k for k in keys if result[k][0] == L1Error.SUCCESS]
@@ -357,11 +367,13 @@ class TierActions:
             if found:
                 l1.finish_read(found)
             self.stats[f"{part}_demote_missing"] += 1
-            self.on_disk_written([], keys)
+            self._not_demoted(keys)
             return
+        # The read lock goes as soon as the write is done (LMCache's own call, on the I/O
+        # thread); which objects then leave L1 is decided at the next drain.
+        disk.write_objects(found, [o.byte_array for o in objs], partial(l1.finish_read, found))
 
-        def done(ok: list[ObjectKey], failed: list[ObjectKey]) -> None:
-            l1.finish_read(found)
-            self.l1_delete(self._leaving_l1(ok))
-
-        disk.write_objects(found, [o.byte_array for o in objs], done)
+    def _not_demoted(self, keys: list[ObjectKey]) -> None:
+        """A demotion that never reached the disk tier: its disk copies are lost."""
+        with self.step():
+            self.apply_disk_report(WriteDone([], keys, store_task=True))

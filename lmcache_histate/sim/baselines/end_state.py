@@ -18,7 +18,7 @@ from __future__ import annotations
 from ...core.index import Node
 from ..capture import Capture
 from ..policy import Lookup
-from ..traces import Request
+from ..trace_model import Request
 from .tiered_lru import KV, STATE, TieredLRU, UseHandle
 
 __all__ = ["EndStatePolicy", "StatePlan"]

@@ -37,7 +37,7 @@ from ...core.index import Node, PrefixIndex
 from ...core.interval import IntervalController, ResidenceTracker, supported_intervals
 from ..capture import Capture
 from ..policy import Lookup
-from ..traces import Request
+from ..trace_model import Request
 from .end_state import EndStatePolicy, StatePlan
 from .tiered_lru import STATE, PoolSpec, TieredLRU, UseHandle
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from ..capture import Capture
 from ..policy import Lookup
-from ..traces import Request
+from ..trace_model import Request
 from .marconi import DEFAULT_FLOPS, FlopModel, MarconiCache, MarconiHandle
 
 __all__ = ["ALPHA_GRID", "MarconiPolicy"]

@@ -56,7 +56,7 @@ SGLang's page size (we use the vLLM chunk grid of every row), write-back timing.
 
 from __future__ import annotations
 
-from ..traces import Request
+from ..trace_model import Request
 from .end_state import EndStatePolicy, StatePlan
 from .tiered_lru import KV, STATE, PoolSpec, TieredLRU, UseHandle
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..capture import Capture
 from ..policy import Lookup
-from ..traces import Request
+from ..trace_model import Request
 
 __all__ = ["UnlimitedPolicy"]
 

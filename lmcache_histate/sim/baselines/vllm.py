@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..traces import Request
+from ..trace_model import Request
 from .end_state import EndStatePolicy, StatePlan
 from .tiered_lru import PoolSpec, TieredLRU, UseHandle
 
