@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_histate.core.index import Node
-from lmcache_histate.core.placement import SNAPSHOT
+from lmcache_histate.core.tiers import SNAPSHOT
 from lmcache_histate.sim.capture import Capture, capacity_of, capture_of
 from lmcache_histate.sim.config import load_setup
 from lmcache_histate.sim.policy import HiStatePolicy, Lookup
@@ -46,7 +46,7 @@ from lmcache_histate.sim.repeats import DEFAULT_JITTER, jitter_trace
 from lmcache_histate.sim.report import REFERENCE
 from lmcache_histate.sim.runner import load_sim_trace, policy_factories, run_policies
 from lmcache_histate.sim.server import RequestResult
-from lmcache_histate.sim.traces import Request
+from lmcache_histate.sim.trace_model import Request
 
 AGE_BINS = ((60.0, "< 1 min"), (240.0, "1–4 min"), (float("inf"), "≥ 4 min"))
 
