@@ -2,7 +2,8 @@
 .PHONY: setup demo test test-avx2 lint fuzz mutants planted-mutants
 
 VLLM_TESTS = tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py \
-             tests/live/test_vllm_demo.py tests/examples/test_serve_openai.py
+             tests/live/test_vllm_demo.py tests/examples/test_serve_openai.py \
+             tests/live/test_model_sizes.py
 
 setup:
 	bash scripts/setup.sh

