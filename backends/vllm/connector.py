@@ -70,7 +70,18 @@ NOTE 5 (the plan travels with the lookup): a request's plan needs its segment st
 longer of vLLM's own hit and LMCache's, and LMCache's is known only when the lookup
 returns. The plan RPC is sent when the lookup is, for the start vLLM's hit gives; when the
 lookup returns no longer hit (every fresh prompt) that answer is the plan and the request
-waited for one round trip, not two; a longer LMCache hit asks again for its own start.
+waited for one round trip, not two; a longer LMCache hit asks again for its own start, on
+the poll where the lookup returned.
+
+NOTE 6 (the request waits, not the engine): the scheduler needs the plan when it splits the
+request's first step (NOTE 4), in the scheduling loop every running request shares. Waiting
+there for a plan RPC stops every request's next step for a server round trip (under load,
+tenths of a second; in the live benchmark once per request that hit LMCache beyond vLLM's own
+cache). So once the lookup has returned, ``get_num_new_matched_tokens`` answers "not yet"
+(``None``, vLLM's own protocol for an unfinished lookup: the request stays waiting and is
+asked again next step) until the plan for the request's segment is in or its timeout has
+passed; the split then reads an answer that is already there. ``plans_blocking`` counts
+the plans still fetched on the scheduling loop (a server that had not seen the model yet).
 
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
 back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
@@ -340,6 +351,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             self._count("plans_prefetched", int(bool(plan)))
         if not plan:  # none sent, another start, or the server had not seen the model yet
             plan = self._plans.plan(start, end)
+            self._count("plans_blocking", int(self._plans.active))
         source = "server"
         if not plan:
             # None: no server plan. []: the server's core has not seen this model yet (it is
@@ -505,9 +517,28 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             saves.plan = None  # NOTE 4: a new lookup may move the segment start
         matched = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if self._saves_active and (saves is None or saves.plan is None):
-            # After the lookup was sent: the server learns a model from its first lookup.
-            self._send_plan(request.request_id, num_computed_tokens, request.num_prompt_tokens)
+            if matched[0] is None:
+                # After the lookup was sent: the server learns a model from its first lookup.
+                self._send_plan(request.request_id, num_computed_tokens,
+                                request.num_prompt_tokens)
+            elif not self._plan_ready(request.request_id):
+                self._count("plan_polls_deferred")
+                return None, True  # NOTE 6: the request waits for its plan, the engine not
         return matched
+
+    def _plan_ready(self, request_id: str) -> bool:
+        """After the lookup returned: send the plan for the segment the hits give, if the one
+        in flight is for another start (NOTE 5), and say whether its answer is in (NOTE 6)."""
+        tracker = self.request_trackers.get(request_id)
+        if tracker is None:
+            return True
+        start = max(tracker.num_vllm_hit_tokens, tracker.num_lmcache_hit_tokens)
+        end = tracker.num_prompt_tokens
+        self._send_plan(request_id, start, end)
+        pending = self._pending_plans.get(request_id)
+        key = (start - start % self._chunk_tokens, end)
+        return pending is None or pending[0] != key or pending[1].ready()
+
 
     def _send_plan(self, request_id: str, start: int, end: int) -> None:
         """Ask for the plan of segment ``[start, end)`` now, with the lookup (NOTE 5)."""
