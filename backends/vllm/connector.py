@@ -70,10 +70,23 @@ NOTE 5 (the plan travels with the lookup): a request's plan needs its segment st
 longer of vLLM's own hit and LMCache's, and LMCache's is known only when the lookup
 returns. The plan RPC is sent when the lookup is, for the start vLLM's hit gives; when the
 lookup returns no longer hit (every fresh prompt) that answer is the plan and the request
-waited for one round trip, not two; a longer LMCache hit asks again for its own start.
+waited for one round trip, not two; a longer LMCache hit asks again for its own start, on
+the poll where the lookup returned.
 
-A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its plan and saves
-back in ``RequestOutput.kv_transfer_params["histate_saves"]`` (tests, the demo).
+NOTE 6 (the request waits, not the engine): the scheduler needs the plan when it splits the
+request's first step (NOTE 4), in the scheduling loop every running request shares. Waiting
+there for a plan RPC stops every request's next step for a server round trip (under load,
+tenths of a second; in the live benchmark once per request that hit LMCache beyond vLLM's own
+cache). So once the lookup has returned, ``get_num_new_matched_tokens`` answers "not yet"
+(``None``, vLLM's own protocol for an unfinished lookup: the request stays waiting and is
+asked again next step) until the plan for the request's segment is in or its timeout has
+passed; the split then reads an answer that is already there. ``plans_blocking`` counts
+the plans still fetched on the scheduling loop (a server that had not seen the model yet).
+
+A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its prefill step
+ends (``step_ends``: where each prefill step ended, in token positions), and with interval
+saves on its plan and saves, back in ``RequestOutput.kv_transfer_params["histate_saves"]``
+(tests, the demo, the live benchmark's correctness guard).
 """
 
 from __future__ import annotations
@@ -187,6 +200,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             raise SettingsError(f"{exc} With histate-server: set chunk_size: auto in its YAML "
                                 "(vLLM's block size for the model on this machine).") from exc
         self._saves: dict[str, RequestSaves] = {}
+        self._step_ends: dict[str, list[int]] = {}  # requests that asked for the report
         self._pending_plans: dict[str, tuple[tuple[int, int], PendingPlan]] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
@@ -340,6 +354,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             self._count("plans_prefetched", int(bool(plan)))
         if not plan:  # none sent, another start, or the server had not seen the model yet
             plan = self._plans.plan(start, end)
+            self._count("plans_blocking", int(self._plans.active))
         source = "server"
         if not plan:
             # None: no server plan. []: the server's core has not seen this model yet (it is
@@ -382,7 +397,9 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     self._pin(saves, block_id, boundary)
 
     def _record_steps(self, scheduler_output: SchedulerOutput) -> None:
-        """Note where this step's prefill of each request ends (reported with the saves)."""
+        """Note where this step's prefill of each request asking for the report ends."""
+        if not self._step_ends:
+            return
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         starts = {new.req_id: new.num_computed_tokens
                   for new in getattr(scheduler_output, "scheduled_new_reqs", ())}
@@ -390,10 +407,10 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if cached is not None:
             starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         for request_id, start in starts.items():
-            saves = self._saves.get(request_id)
+            ends = self._step_ends.get(request_id)
             tracker = self.request_trackers.get(request_id)
-            if saves is not None and tracker is not None and start < tracker.num_prompt_tokens:
-                saves.step_ends.append(int(start) + int(scheduled.get(request_id, 0)))
+            if ends is not None and tracker is not None and start < tracker.num_prompt_tokens:
+                ends.append(int(start) + int(scheduled.get(request_id, 0)))
 
     def _pin(self, saves: RequestSaves, block_id: int, boundary: int) -> None:
         """Hold a reference on a state block until the store carrying it has its data.
@@ -456,6 +473,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._step += 1
         self._watchdog.scheduled(scheduler_output)
+        self._record_steps(scheduler_output)
         if not self._saves_active:
             metadata = super().build_connector_meta(scheduler_output)
             setattr(metadata, STEP_ATTR, self._step)
@@ -466,7 +484,6 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                 self._unpin(saves.preempted())
                 self._count("preemptions_seen")
         self._take_offers(scheduler_output)
-        self._record_steps(scheduler_output)
         metadata = super().build_connector_meta(scheduler_output)
         setattr(metadata, STEP_ATTR, self._step)
         for request_meta in getattr(metadata, "requests", ()):
@@ -500,14 +517,34 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             tracker.num_lmcache_hit_tokens = 0
             tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
             return 0, False
+        if (request.kv_transfer_params or {}).get(REPORT_PARAM):
+            self._step_ends.setdefault(request.request_id, [])
         saves = self._saves.get(request.request_id)
         if saves is not None and saves.untouched:
             saves.plan = None  # NOTE 4: a new lookup may move the segment start
         matched = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if self._saves_active and (saves is None or saves.plan is None):
-            # After the lookup was sent: the server learns a model from its first lookup.
-            self._send_plan(request.request_id, num_computed_tokens, request.num_prompt_tokens)
+            if matched[0] is None:
+                # After the lookup was sent: the server learns a model from its first lookup.
+                self._send_plan(request.request_id, num_computed_tokens,
+                                request.num_prompt_tokens)
+            elif not self._plan_ready(request.request_id):
+                self._count("plan_polls_deferred")
+                return None, True  # NOTE 6: the request waits for its plan, the engine not
         return matched
+
+    def _plan_ready(self, request_id: str) -> bool:
+        """After the lookup returned: send the plan for the segment the hits give, if the one
+        in flight is for another start (NOTE 5), and say whether its answer is in (NOTE 6)."""
+        tracker = self.request_trackers.get(request_id)
+        if tracker is None:
+            return True
+        start = max(tracker.num_vllm_hit_tokens, tracker.num_lmcache_hit_tokens)
+        end = tracker.num_prompt_tokens
+        self._send_plan(request_id, start, end)
+        pending = self._pending_plans.get(request_id)
+        key = (start - start % self._chunk_tokens, end)
+        return pending is None or pending[0] != key or pending[1].ready()
 
     def _send_plan(self, request_id: str, start: int, end: int) -> None:
         """Ask for the plan of segment ``[start, end)`` now, with the lookup (NOTE 5)."""
@@ -537,17 +574,19 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         saves = self._saves.get(request.request_id) if self._saves_active else None
         params = getattr(request, "kv_transfer_params", None) or {}
         delay, out = super().request_finished(request, block_ids)
-        if saves is not None and params.get(REPORT_PARAM):
-            out = dict(out or {})
-            out[REPORT_PARAM] = {
-                "plan": list(saves.plan or []),
-                "source": saves.plan_source,
-                "segment": list(saves.segment),
-                "kept": list(saves.kept),
-                "dropped": saves.dropped,
-                "missing": list(saves.missing),
-                "step_ends": list(saves.step_ends),
-            }
+        step_ends = self._step_ends.pop(request.request_id, None)
+        if params.get(REPORT_PARAM) and (saves is not None or step_ends is not None):
+            report: dict[str, Any] = {"step_ends": list(step_ends or [])}
+            if saves is not None:
+                report.update({
+                    "plan": list(saves.plan or []),
+                    "source": saves.plan_source,
+                    "segment": list(saves.segment),
+                    "kept": list(saves.kept),
+                    "dropped": saves.dropped,
+                    "missing": list(saves.missing),
+                })
+            out = {**(out or {}), REPORT_PARAM: report}
         self._watchdog.progressed(request.request_id)
         if self._saves_active and not delay:
             self._release(request.request_id)

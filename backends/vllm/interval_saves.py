@@ -295,8 +295,6 @@ class RequestSaves:
     """Chunks stored without their recurrent object (not chosen)."""
     missing: list[int] = field(default_factory=list)
     """Chosen chunk ends for which vLLM offered no state block (stored without it)."""
-    step_ends: list[int] = field(default_factory=list)
-    """Token position at the end of each prefill step vLLM scheduled for the request."""
 
     @property
     def untouched(self) -> bool:

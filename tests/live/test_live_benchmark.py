@@ -8,6 +8,7 @@ answers with the same prompts computed from zero. Real processes on loopback por
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import re
@@ -25,6 +26,55 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _live_module(name: str) -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "live"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_the_reference_step_takes_the_tokens_up_to_the_next_listed_end() -> None:
+    forced_steps = _live_module("forced_steps")
+    ends = [512, 1024, 1300]
+    assert forced_steps.forced_step_length(ends, 0, 2048) == 512
+    assert forced_steps.forced_step_length(ends, 512, 2048) == 512  # 512 is not "past" 512
+    assert forced_steps.forced_step_length(ends, 700, 2048) == 324
+    assert forced_steps.forced_step_length(ends, 1024, 100) == 100  # vLLM's cap wins
+    assert forced_steps.forced_step_length(ends, 1300, 2048) is None  # decode: vLLM's own
+
+
+def test_a_like_reference_ends_steps_where_the_stored_and_the_restored_runs_did() -> None:
+    client = _live_module("client")
+    seed = list(range(1100))
+    check = [*range(1024), *range(5000, 6076)]  # shares the seed's first 1,024 tokens
+    # The seed, computed from zero in steps ending at 512, 1024, 1100. The check restored
+    # 1,024 tokens and prefilled [1024, 2048) and [2048, 2100): the reference ends at 512 and
+    # 1024 (the seed's, up to the hit), then at the check's 2048 and 2100; the seed's 1100
+    # lies above the hit.
+    history = [(seed, [512, 1024, 1100])]
+    assert client.like_steps(history, check, 1024, [2048, 2100]) == [512, 1024, 2048, 2100]
+    # The source is the latest prompt sharing the hit with a step end there: an older one
+    # with other ends below the hit does not count.
+    older = (seed, [256, 1024, 1100])
+    assert client.like_steps([older, *history], check, 1024, [2100]) == [512, 1024, 2100]
+    # A prompt that shares the tokens but has no step end at the hit is not the source.
+    assert client.like_steps([(seed, [768, 1100])], check, 1024, [2100]) == [1024, 2100]
+    # Different tokens below the hit: not the source either.
+    other = [7, *seed[1:]]
+    assert client.like_steps([(other, [512, 1024])], check, 1024, [2100]) == [1024, 2100]
+    # No hit: the prompt's own steps from zero.
+    assert client.like_steps(history, check, 0, [768, 900]) == [768, 900]
+
+
+def test_the_guard_speaks_the_connectors_and_the_references_parameter_names() -> None:
+    from lmcache_histate.backends.vllm import connector
+
+    client = _live_module("client")
+    assert client.REPORT_PARAM == connector.REPORT_PARAM
+    assert client.STEP_ENDS_PARAM == _live_module("forced_steps").STEP_ENDS_PARAM
+
+
 def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks" / "live"))
     try:
@@ -39,6 +89,16 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     data = json.loads((out / "live.json").read_text())
     assert rc == 0, data["guard_mismatches"]  # the guard passed: same first tokens/logprobs
     assert set(data["summary"]) == {"vllm", "histate"} and not data["errors"]
+    # The guard compared HiState with a from-zero reference at HiState's own step ends (its
+    # connector reported them); vLLM alone reports none and meets the default reference.
+    assert set(data["guard_reference_like"]) == {"histate"}
+    for answer, ends in zip(data["guard"]["histate"], data["guard_reference_like"]["histate"],
+                            strict=True):
+        assert answer["cached_tokens"] > 0  # a restore is what the guard checks
+        assert answer["cached_tokens"] in answer["like_step_ends"]  # a state is a step end
+        assert ends["cached_tokens"] == 0  # the reference computed from zero
+    assert all(a["like_step_ends"] is None for a in data["guard"]["vllm"])
+    assert "default_steps" in data["guard_mismatches"]["histate"]
     assert data["layout"]["block_size"] == tiny_layout.block_size
     for key, rows in data["rows"].items():
         assert len(rows) == 4, key

@@ -26,7 +26,9 @@ C = N = 384 with N_s = 828 on AVX-512-BF16, C = 256 with N_s = 432 on AVX2):
 3. negative control: with the hook zeroing restored recurrent state, a prompt hitting the
    first boundary gives other logprobs than recompute;
 4. a fresh prompt (nothing to hit) gets the plan the connector sent with its lookup
-   (``plans_prefetched`` + 1); the prompts that hit at a boundary ask for their own start.
+   (``plans_prefetched`` + 1); the prompts that hit at a boundary ask for their own start
+   when their lookup returns: one with whole chunks past its hit (D) gets that plan
+   prefetched, and no plan is fetched on the scheduling loop (``plans_blocking`` unchanged).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def prompts(vocab: int, chunk: int, plan: list[int], seed: int = 28) -> dict[str
         out[f"B{b}"] = diverging(b + min(chunk, len(a) - b) // 2)
     out["Z"] = diverging(plan[0] + chunk // 2)
     out["F"] = tokens(2 * chunk + 10)  # fresh: hits nothing
+    out["D"] = diverging(plan[0] + chunk // 2) + tokens(2 * chunk)  # hit + 2 chunks to plan
     return out
 
 
@@ -122,7 +125,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     with EngineProcess(engine_kwargs(tiny_model, **kwargs), workdir=tmp_path,
                        name="reference", block_size=chunk) as ref:
         reference = {name: ref.generate(p, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
-                     for name, p in ps.items() if name not in ("A", "F")}
+                     for name, p in ps.items() if name not in ("A", "F", "D")}
 
     zero_flag = tmp_path / "zero-restored-recurrent"
     disk = tmp_path / "disk"
@@ -149,6 +152,9 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
         restored = {f"B{b}": engine.generate(ps[f"B{b}"], max_tokens=MAX_TOKENS,
                                              logprobs=TOP_LOGPROBS, kv_transfer_params=ask,
                                              reset=True) for b in plan}
+        hits = engine.stats()["histate"]
+        d = engine.generate(ps["D"], kv_transfer_params=ask, reset=True)
+        after_d = engine.stats()["histate"]
         zero_flag.touch()  # arm the negative control
         z = engine.generate(ps["Z"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
                             kv_transfer_params=ask, reset=True)
@@ -181,6 +187,16 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     assert fresh["kv_transfer_params"]["histate_saves"]["plan"] == [2 * chunk]
     assert after.get("plans_prefetched", 0) == before.get("plans_prefetched", 0) + 1
     assert after.get("plans_server", 0) == before.get("plans_server", 0) + 1
+    # ... and a prompt hitting a boundary with whole chunks after it (D) asked for its own
+    # start's plan when its lookup returned and waited for it outside the scheduling loop
+    # (connector NOTE 6): one more prefetched plan, none fetched on the loop. (The B prompts
+    # end less than a chunk past their hit: nothing to plan.)
+    segment = [plan[0], len(ps["D"])]
+    assert d["num_cached_tokens"] == plan[0]
+    assert d["kv_transfer_params"]["histate_saves"]["segment"] == segment
+    assert d["kv_transfer_params"]["histate_saves"]["source"] == "server"
+    assert after_d.get("plans_prefetched", 0) == hits.get("plans_prefetched", 0) + 1
+    assert after_d.get("plans_blocking", 0) == after.get("plans_blocking", 0)
     # 3. Negative control: the same kind of hit with the restored state zeroed differs.
     assert z["num_cached_tokens"] == plan[0]
     assert z["logprobs"] != reference["Z"]["logprobs"], "zeroed state left outputs unchanged"
