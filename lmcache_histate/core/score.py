@@ -188,17 +188,21 @@ class ReturnScale(ReaccessScale):
     def observe_at(self, gap: float, now: float) -> None:
         self.observe(gap)
         self._bins[gap_bin(gap)] += 1
+        if self.samples < self._due:
+            return
         reach = self.reach()
         if reach <= 0.0:
-            self._tau = self.value
-        elif self.samples >= self._due:
+            self._tau = self.value  # due again at the next gap
+        else:
             self._tau = self.estimate(reach, now)
             self._due = self.samples + max(1, len(self.sessions))
 
     def reach(self) -> float:
         """``D``: the tiers' dwell times summed, 0 until something has left the last tier."""
         dwell = self.dwell
-        return sum(d.value for d in dwell) if dwell and dwell[-1].samples else 0.0
+        if not dwell or not dwell[-1].samples:
+            return 0.0
+        return sum([d.value for d in dwell])
 
     def estimate(self, reach: float, now: float) -> float:
         """``τ = D / −ln r`` with ``D = reach`` at ``now`` (NOTE 4)."""
