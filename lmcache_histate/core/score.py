@@ -103,6 +103,10 @@ Worked example: ``D = 150 s``; 188 gaps longer than 150 s, 83 sessions idle long
 (those that ended): ``r = 188.5/272 = 0.693``, ``τ = 150/0.367 = 409 s``, against
 ``T = 40 s``. A bundle unread 150 s then sits ``150/409 = 0.37`` e-folds below a fresh
 one, not ``150/40 = 3.75``.
+Measured (``benchmarks/sim_pressure.md``, last section, 3 and 5 repeats): ``τ`` ends a
+replay at 371-405 s; ahead of the mean-gap ``τ`` beyond the spread at 48 sessions × 1/4
+of the paper's CPU+disk, behind it within the spread at 24 sessions and at 48 × 1/8, the
+same at × 1 and × 1/2. So it is a row (``histate-return-tau``), not the default.
 """
 
 from __future__ import annotations
