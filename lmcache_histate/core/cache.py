@@ -37,7 +37,7 @@ from .index import Match, Node, PrefixIndex
 from .interval import IntervalController, ResidenceTracker, check_step_tokens
 from .placement import TieredStore
 from .request_path import RequestPath
-from .score import ReaccessScale
+from .score import ReaccessScale, ReturnScale
 from .tiers import KV, PlacementListener, TierSpec
 from .units import HitModel
 
@@ -53,7 +53,11 @@ class HiStateCache:
         self._positions = HitPositions() if config.hit_positions == "measured" else None
         self._hit_model = HitModel(config.ema_alpha, config.end_probability_prior)
         self._residence = ResidenceTracker(config.ema_alpha, config.initial_pressure_factor)
-        self._reaccess = ReaccessScale(config.ema_alpha)
+        self._reaccess = (
+            ReturnScale(config.ema_alpha, self._index.sessions)
+            if config.return_tau
+            else ReaccessScale(config.ema_alpha)
+        )
         self._queue = EvictionQueue(
             self._index,
             len(config.tiers),
@@ -69,6 +73,8 @@ class HiStateCache:
             positions=self._positions,
             recency_tiers=config.recency_tiers,
         )
+        if isinstance(self._reaccess, ReturnScale):
+            self._reaccess.dwell = self._queue.dwell  # ``score`` NOTE 4's ``D``
         self._store = TieredStore(
             self._index, self._queue, config.tiers, config.rules, self._residence, listener
         )

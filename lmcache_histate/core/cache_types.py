@@ -35,7 +35,10 @@ class CacheConfig:
     those last used (``eviction`` NOTE 8). ``exposed_ends``: a snapshot's ``C`` counts the end
     hits of a session whose tail below it is in a tier above the last weighted by the
     chance that the tail has left the cache when the session returns (``eviction`` NOTE
-    7; off: the paper's pricing, every passing session in full).
+    7; off: the paper's pricing, every passing session in full). ``return_tau``: the
+    calibrated ``τ`` is fitted to whether a session idle as long as the tiers' dwell
+    returns, not to the mean gap (``score`` NOTE 4; needs ``exposed_ends``, which
+    measures the dwell: without it ``τ`` stays the mean gap).
     ``attention_tokens``: the context length at which causal attention costs as much per
     recomputed token as the rest of the prefill (linear cost ÷ attention cost per token
     pair; ``inf``: cost in tokens only, ``units``).
@@ -68,6 +71,7 @@ class CacheConfig:
     refresh_used: bool = False
     refresh_learned: bool = False
     exposed_ends: bool = False
+    return_tau: bool = False
     supported_intervals: tuple[int, ...] | None = None
     ema_alpha: float = EMA_ALPHA
     end_probability_prior: float = END_PROBABILITY_PRIOR

@@ -110,9 +110,10 @@ class RequestPath:
             if not at_end and self.positions is not None:
                 self._observe_divergence(session, end, path, self.positions)
             segment_start = session.segments.end
-            if session.last_access is not None:
-                self.reaccess.observe(now - session.last_access)
-            session.last_access = now
+            last, session.last_access = session.last_access, now
+            if last is not None:
+                # After the update: this session is no longer idle (``score`` NOTE 4).
+                self.reaccess.observe_at(now - last, now)
         self.queue.touch(path, match.hit_chunks, now)
         pinned = path[: match.kv_chunks]
         for node in pinned:

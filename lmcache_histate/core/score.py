@@ -81,17 +81,50 @@ apart), mean TTFT: CPU by recency 8.05 / 8.12 / 8.06 s, CPU by ``H`` 7.92 / 7.62
 (``file-lru`` 8.46 / 8.04 / 9.01 s); the GPU ranked by ``H`` as well 7.84 s (60 s
 apart): it pushed active sessions' history out of the engine's pool, as measured before
 on the compressed subset (``benchmarks/sim_eviction.md``).
+NOTE 4 (calibrating on whether a session returns; ``ReturnScale``, the
+``histate-return-tau`` row). The mean gap ``T`` says how soon a session that returns does
+so; eviction needs whether a session idle ``a`` seconds returns at all, and the two
+differ when gaps are heavy-tailed and some sessions never return. On the shared Weka
+subset (``benchmarks/sim_pressure.md``): mean gap 40 s, median 13-14 s, yet a session
+unread 150 s comes back with probability 0.69, where ``exp(−150/T)`` says 0.08. A single
+``τ`` fits ``P(return | idle a) = exp(−a/τ)`` at one idle only, so it is fitted at the age
+where the last tier decides: ``D``, the dwell times of every tier summed (``eviction``
+NOTE 7: how long a unit unread since it was stored sits before it leaves the cache).
+Among the idles that reached ``D``, those that ended in a return are the gaps longer
+than ``D`` (counted in log bins, ``GAP_BINS_PER_DOUBLING`` to a doubling: ``D``'s own bin,
+a 4.4 % band, counts as not longer); those that did not are the sessions idle longer
+than ``D`` now (a session that never returns stays in that count; one that will return
+is counted until it does). With ``b`` and ``p`` those counts, the Krichevsky-Trofimov
+estimate ``r = (b + ½)/(b + p + 1)`` (never 0 or 1) gives ``τ = D / −ln r``. Before
+anything has left the last tier ``D`` is unmeasured and ``τ`` is the mean gap ``T``
+(NOTE 1). The estimate is redone once per ``max(1, sessions)`` gaps (it scans the
+sessions and the bins), so its cost per access is amortised O(1).
+Worked example: ``D = 150 s``; 188 gaps longer than 150 s, 83 sessions idle longer
+(those that ended): ``r = 188.5/272 = 0.693``, ``τ = 150/0.367 = 409 s``, against
+``T = 40 s``. A bundle unread 150 s then sits ``150/409 = 0.37`` e-folds below a fresh
+one, not ``150/40 = 3.75``.
+Measured (``benchmarks/sim_pressure.md``, last section, 3 and 5 repeats): ``τ`` ends a
+replay at 371-405 s; ahead of the mean-gap ``τ`` beyond the spread at 48 sessions × 1/4
+of the paper's CPU+disk, behind it within the spread at 24 sessions and at 48 × 1/8, the
+same at × 1 and × 1/2. So it is a row (``histate-return-tau``), not the default.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from .ema import SeededEMA
 
-__all__ = ["MIN_RATIO", "ReaccessScale", "score"]
+__all__ = ["GAP_BINS_PER_DOUBLING", "MIN_RATIO", "ReaccessScale", "ReturnScale", "score"]
 
 MIN_RATIO = 1e-9
+# NOTE 4: gaps are counted in log bins this many to a doubling (4.4 % wide), from
+# ``_GAP_FLOOR_S`` up (``_GAP_BINS`` of them: 2^40 ms, about 35 years).
+GAP_BINS_PER_DOUBLING = 16
+_GAP_FLOOR_S = 1e-3
+_GAP_BINS = 40 * GAP_BINS_PER_DOUBLING
 
 
 def score(access: float, cost: float, freed: float, tau: float) -> float:
@@ -115,3 +148,72 @@ class ReaccessScale(SeededEMA):
     def tau(self) -> float:
         """Seconds of recency per e-fold of expected loss per byte (0 until observed)."""
         return self.value
+
+    def observe_at(self, gap: float, now: float) -> None:
+        """One gap, ending at ``now`` (the time is for ``ReturnScale``; here it is unused)."""
+        self.observe(gap)
+
+
+class _Idle(Protocol):
+    last_access: float | None
+
+
+def gap_bin(gap: float) -> int:
+    """The log bin of a gap of ``gap`` seconds (NOTE 4); gaps under the floor go in bin 0."""
+    if gap <= _GAP_FLOOR_S:
+        return 0
+    k = int(GAP_BINS_PER_DOUBLING * math.log2(gap / _GAP_FLOOR_S)) + 1
+    return k if k < _GAP_BINS else _GAP_BINS - 1
+
+
+class ReturnScale(ReaccessScale):
+    """``τ`` fitted to whether a session idle ``D`` seconds returns (NOTE 4).
+
+    ``sessions``: every known session by id (their ``last_access``, the index's own map);
+    ``dwell``: the eviction queue's dwell EMAs per tier (``eviction`` NOTE 7), bound by the
+    cache after the queue is built. The EMA of the gaps (``gap_ema``) is kept: it is ``τ``
+    until something has left the last tier.
+    """
+
+    __slots__ = ("_bins", "_due", "_tau", "dwell", "sessions")
+
+    def __init__(self, alpha: float, sessions: Mapping[str, _Idle]) -> None:
+        super().__init__(alpha)
+        self.sessions = sessions
+        self.dwell: Sequence[SeededEMA] = ()
+        self._bins = [0] * _GAP_BINS
+        self._due = 0
+        self._tau = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self._tau
+
+    def observe_at(self, gap: float, now: float) -> None:
+        self.observe(gap)
+        self._bins[gap_bin(gap)] += 1
+        if self.samples < self._due:
+            return
+        reach = self.reach()
+        if reach <= 0.0:
+            self._tau = self.value  # due again at the next gap
+        else:
+            self._tau = self.estimate(reach, now)
+            self._due = self.samples + max(1, len(self.sessions))
+
+    def reach(self) -> float:
+        """``D``: the tiers' dwell times summed, 0 until something has left the last tier."""
+        dwell = self.dwell
+        if not dwell or not dwell[-1].samples:
+            return 0.0
+        return sum([d.value for d in dwell])
+
+    def estimate(self, reach: float, now: float) -> float:
+        """``τ = D / −ln r`` with ``D = reach`` at ``now`` (NOTE 4)."""
+        back = sum(self._bins[gap_bin(reach) + 1 :])
+        gone = sum(
+            1
+            for s in self.sessions.values()
+            if s.last_access is not None and now - s.last_access > reach
+        )
+        return reach / -math.log((back + 0.5) / (back + gone + 1.0))

@@ -23,6 +23,8 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 ``learned``            two: ``used + w·(access − used)``, ``w`` the measured resume rate of
                        snapshots last refreshed by a pass over that of those last used
                        (``refresh_learned``, ``core.eviction`` NOTE 8).
+``histate-return-``    ``histate`` with ``τ`` fitted to whether a session idle as long as
+``tau``                the tiers' dwell returns, not to the mean gap (``core.score`` NOTE 4).
 ``histate-fixed-tau``  the same with the set-up's fixed ``tau`` (``histate.tau`` in the
                        config, seconds per e-fold of cost per byte): what calibration buys.
 ``histate-align``      snapshots only where vLLM's align mode keeps them
@@ -103,6 +105,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate-refresh-hit": {"tau": None, "refresh_all": False},
     "histate-refresh-used": {"tau": None, "refresh_all": True, "refresh_used": True},
     "histate-refresh-learned": {"tau": None, "refresh_all": True, "refresh_learned": True},
+    "histate-return-tau": {"tau": None, "return_tau": True},
     "histate-fixed-tau": {},
     "histate-align": {"fixed_interval": 0},
     "histate-every32": {"fixed_interval_chunks": 32},
