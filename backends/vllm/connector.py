@@ -340,16 +340,14 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             return saves
         if saves is None:
             saves = self._saves[request_id] = RequestSaves(request_id)
-        start = max(tracker.num_vllm_hit_tokens, tracker.num_lmcache_hit_tokens)
-        end = tracker.num_prompt_tokens
+        start, end = saves.segment = _segment(tracker)
         chunk = self._chunk_tokens
-        saves.segment = (start, end)
         if end - end % chunk <= start - start % chunk:
             saves.plan, saves.plan_source = [], "empty"
             return saves
         pending = self._pending_plans.pop(request_id, None)
         plan = None
-        if pending is not None and pending[0] == (start - start % chunk, end):
+        if pending is not None and pending[0] == self._plan_key(start, end):
             plan = pending[1].result()  # sent with the lookup (NOTE 5)
             self._count("plans_prefetched", int(bool(plan)))
         if not plan:  # none sent, another start, or the server had not seen the model yet
@@ -539,22 +537,27 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         tracker = self.request_trackers.get(request_id)
         if tracker is None:
             return True
-        start = max(tracker.num_vllm_hit_tokens, tracker.num_lmcache_hit_tokens)
-        end = tracker.num_prompt_tokens
-        self._send_plan(request_id, start, end)
-        pending = self._pending_plans.get(request_id)
-        key = (start - start % self._chunk_tokens, end)
-        return pending is None or pending[0] != key or pending[1].ready()
+        pending = self._send_plan(request_id, *_segment(tracker))
+        return pending is None or pending.ready()
 
-    def _send_plan(self, request_id: str, start: int, end: int) -> None:
-        """Ask for the plan of segment ``[start, end)`` now, with the lookup (NOTE 5)."""
+    def _plan_key(self, start: int, end: int) -> tuple[int, int]:
+        """What a plan is asked for: the segment with its start on a chunk boundary."""
+        return start - start % self._chunk_tokens, end
+
+    def _send_plan(self, request_id: str, start: int, end: int) -> PendingPlan | None:
+        """Ask for the plan of segment ``[start, end)`` now, with the lookup (NOTE 5), unless
+        it is in flight already; the plan in flight for that segment, if any."""
         chunk = self._chunk_tokens
-        key = (start - start % chunk, end)
+        key = self._plan_key(start, end)
         pending = self._pending_plans.get(request_id)
-        if (pending is None or pending[0] != key) and end - end % chunk > key[0]:
+        if pending is not None and pending[0] == key:
+            return pending[1]
+        if end - end % chunk > key[0]:
             sent = self._plans.submit(start, end)
             if sent is not None:
                 self._pending_plans[request_id] = (key, sent)
+                return sent
+        return None
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -591,3 +594,9 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if self._saves_active and not delay:
             self._release(request.request_id)
         return delay, out
+
+
+def _segment(tracker: Any) -> tuple[int, int]:
+    """A request's segment: from the longer of vLLM's and LMCache's hits to the prompt's end."""
+    start = max(tracker.num_vllm_hit_tokens, tracker.num_lmcache_hit_tokens)
+    return start, tracker.num_prompt_tokens
