@@ -34,6 +34,9 @@ NOTE 4 (the reference's steps): the reference runs ``forced_steps.ForcedStepSche
 its prefill step ends gets exactly those, so the guard can compute a prompt from zero with
 the step ends of the restored run it checks. Requests without the list (the replay never
 sends one) are scheduled as in the ``vllm`` stack.
+NOTE 5 (``histate-final``): HiState's server and eviction with interval saves off, so only the
+final snapshot of each request is kept and no prefill step ends early. Beside ``histate`` it
+shows what the interval saves (their early step ends and extra stores) cost and buy.
 """
 
 from __future__ import annotations
@@ -56,12 +59,16 @@ from lmcache_histate.backends.demo.runs import server_config
 from lmcache_histate.backends.demo.servers import ServerProcess, free_ports
 from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV, EngineFacts
 
-STACKS = ("vllm", "vllm-offload", "lmcache", "histate")
+STACKS = ("vllm", "vllm-offload", "lmcache", "histate", "histate-final")
+DEFAULT_STACKS = STACKS[:4]
+"""What a run compares unless ``--stacks`` says otherwise; ``histate-final`` is an ablation
+(NOTE 5)."""
 TITLES = {
     "vllm": "vLLM prefix caching",
     "vllm-offload": "vLLM + CPU/disk offload",
     "lmcache": "vLLM + stock LMCache",
     "histate": "vLLM + HiState",
+    "histate-final": "vLLM + HiState, final snapshots only (ablation)",
     "reference": "vLLM, prefix cache reset before each prompt (reference)",
 }
 
@@ -205,7 +212,7 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
         attempts = [(name, [*base, "--kv-transfer-config", json.dumps(cfg)])
                     for name, cfg in _offload_configs(work, budget)]
     else:
-        policy = "histate" if key == "histate" else "lru"
+        policy = "lru" if key == "lmcache" else "histate"
         config = server_config(key, policy, model, work, budget.cpu_bytes / 2**30,
                                budget.disk_bytes / 2**30, layout,
                                ports=(server_port, server_http_port))
@@ -214,7 +221,7 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
         cfg = load_config(config)
         flags = vllm_flags(cfg)
         transfer = kv_transfer_config(cfg)
-        if key == "lmcache":  # NOTE 2: stock LMCache's saving rule
+        if key in ("lmcache", "histate-final"):  # NOTE 2, NOTE 5: no interval saves
             transfer["kv_connector_extra_config"]["histate.interval_saves"] = False
         flags[flags.index("--kv-transfer-config") + 1] = json.dumps(transfer)
         # The dtype flags are in base already; keep the server's scheduler/caching flags.
