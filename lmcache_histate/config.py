@@ -34,12 +34,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .core.defaults import (
-    EMA_ALPHA,
-    END_PROBABILITY_PRIOR,
-    HIT_POSITION_MODES,
-    MAX_INTERVAL_CHUNKS,
-)
+from .core.cache_types import HIT_POSITION_MODES, config_default
 from .core.model_geometry import GeometryError, ModelGeometry
 from .core.model_presets import load_geometry
 from .exposure import check_exposure
@@ -71,15 +66,16 @@ class HiStateConfig:
     disk_path: str
     disk_gib: float
     policy: str = "histate"
-    tau: float | None = None  # None = "auto": calibrated online (core/score.py)
+    # The core's knobs: their defaults are CacheConfig's (core/cache_types.py).
+    tau: float | None = config_default("tau")  # None = "auto": calibrated online
     supported_intervals: tuple[int, ...] | None = None
-    max_interval_chunks: int = MAX_INTERVAL_CHUNKS
+    max_interval_chunks: int = config_default("max_interval_chunks")
     cpu_fill: float = 0.75
-    refresh_all: bool = True
-    hit_positions: str = "uniform"  # or "measured" (learned online; core/hit_positions.py)
-    end_probability_prior: float = END_PROBABILITY_PRIOR
-    ema_alpha: float = EMA_ALPHA
-    initial_pressure_factor: float = 0.0  # until a snapshot leaves (core/interval.py NOTE 2)
+    refresh_all: bool = config_default("refresh_all")
+    hit_positions: str = config_default("hit_positions")  # or "measured" (learned online)
+    end_probability_prior: float = config_default("end_probability_prior")
+    ema_alpha: float = config_default("ema_alpha")
+    initial_pressure_factor: float = config_default("initial_pressure_factor")
     host: str = "127.0.0.1"
     port: int = 5555
     http_host: str = "127.0.0.1"

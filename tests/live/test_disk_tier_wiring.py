@@ -42,7 +42,7 @@ from test_backend_runtime import (
 
 import lmcache_histate.core
 from lmcache_histate.config import parse_config
-from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.tiers import ServerTier
 
 # What a disk I/O thread must never run: the runtime's parts and the core.
 RUNTIME_DIR = str(Path(object_map_module.__file__).parent)
