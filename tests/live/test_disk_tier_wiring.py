@@ -51,8 +51,9 @@ DISK = ServerTier.DISK
 
 
 def disk_runtime(tmp_path: Path, disk_capacity: int) -> tuple[HiStateRuntime, HiStateDiskAdapter]:
-    disk = HiStateDiskAdapter({"path": str(tmp_path / "disk"), "capacity_bytes": disk_capacity,
-                               "io_workers": 1, "fsync": True})
+    disk = HiStateDiskAdapter({"disk_path": str(tmp_path / "disk"),
+                               "disk_gib": disk_capacity / 2**30, "disk_io_workers": 1,
+                               "disk_fsync": True})
     cfg = parse_config(
         {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
          "disk_path": str(tmp_path / "disk"), "disk_gib": 1}
