@@ -5,7 +5,10 @@ validated here and nowhere else: the top-level keys (``HiStateConfig``), the
 ``shared_index`` section (``SharedIndexConfig``), who may reach the server (NOTE 4) and
 the disk tier's keys, which the LMCache process re-validates with the same checks when
 it builds the disk adapter (``parse_disk_tier``, NOTE 5). Defaults of the core's knobs
-are ``CacheConfig``'s (``core/cache_types.py``), read, not restated.
+are ``CacheConfig``'s (``core/cache_types.py``), read, not restated. What needs the
+machine or LMCache itself is checked at start, after this: the filesystem, ports and
+hosts (``backends/server/preflight.py``) and which ``lmcache server`` flags
+``extra_server_args`` may give (``backends/server/access_flags.py``, LMCache's parser).
 
 Pure (no lmcache/vllm imports) so that the schema can be unit-tested and reused by the
 CLI. ``backends/server/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
@@ -472,7 +475,8 @@ def parse_disk_tier(data: Any) -> dict[str, Any]:
     model = data.get(INDEX_MODEL, "model")
     values[INDEX_MODEL] = _text(INDEX_MODEL, model, errors)
     _raise_if_any(errors)
-    defaults = {f.name: f.default for f in fields(HiStateConfig) if f.name in DISK_TIER_KEYS}
+    defaults = {f.name: f.default for f in fields(HiStateConfig)
+                if f.name in DISK_TIER_KEYS and f.name not in DISK_TIER_REQUIRED}
     return {**defaults, **values}
 
 
