@@ -52,7 +52,7 @@ from lmcache_histate.backends.server.shared_index.layout import KeySpace, Object
 from redis._parsers import _HiredisParser, _RESP2Parser
 from redis.utils import HIREDIS_AVAILABLE
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' redis-server starter, reused
@@ -170,7 +170,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="histate-bench-"))
     objects = _objects(work / "disk", args.files)
     adapter = HiStateDiskAdapter(
-        {"path": str(work / "disk"), "capacity_bytes": 1 << 30, "adopt": True}
+        {"disk_path": str(work / "disk"), "disk_gib": 1, "disk_adopt": True}
     )
     server = RedisServer(work / "redis")
     server.start()

@@ -1,5 +1,15 @@
 """The HiState server configuration: one YAML file, validated before anything starts.
 
+The schema of the server process kind (``histate-server`` / ``histate serve``), every key
+validated here and nowhere else: the top-level keys (``HiStateConfig``), the
+``shared_index`` section (``SharedIndexConfig``), who may reach the server (NOTE 4) and
+the disk tier's keys, which the LMCache process re-validates with the same checks when
+it builds the disk adapter (``parse_disk_tier``, NOTE 5). Defaults of the core's knobs
+are ``CacheConfig``'s (``core/cache_types.py``), read, not restated. What needs the
+machine or LMCache itself is checked at start, after this: the filesystem, ports and
+hosts (``backends/server/preflight.py``) and which ``lmcache server`` flags
+``extra_server_args`` may give (``backends/server/access_flags.py``, LMCache's parser).
+
 Pure (no lmcache/vllm imports) so that the schema can be unit-tested and reused by the
 CLI. ``backends/server/launcher.py`` turns a validated ``HiStateConfig`` into ``lmcache server``
 flags and the vLLM ``--kv-transfer-config``.
@@ -24,29 +34,75 @@ fewer concurrent requests of this size (benchmarks/README.md "disk_io": 4 thread
 default), and every thread costs a stack and, with ``disk_direct_io``, an aligned buffer
 per file in flight. 64 leaves room for striped volumes; a larger number is a typo
 (``100000`` threads would exhaust the process's thread limit at start).
+
+NOTE 3 (``shared_index``, no password in the URL): absent (the default), one server owns
+its disk folder. Present, the server registers its disk-tier objects in Redis so that the
+other servers of the same ``deployment`` (and model) find them, and evicts from one
+deployment-wide budget (``backends/server/shared_index``, ``docs/shared-index.md``)::
+
+    shared_index:
+      url: rediss://histate@redis.internal:6380/0   # redis://, rediss:// (TLS) or unix://
+      password_file: /etc/histate/redis-password    # chmod 600; the AUTH password
+      tls_ca_file: /etc/histate/redis-ca.pem        # rediss:// only; default: system CAs
+      deployment: prod-a                            # namespace, with the model
+      instance: gpu0                                # this server's name in the deployment
+      connect_timeout_s: 1.0
+      op_timeout_s: 0.25
+      lease_ttl_s: 30          # a load lease: no other server deletes the file meanwhile
+      claim_ttl_s: 60          # an eviction claim: its file deleted within this, or reclaimed
+      write_ttl_s: 120         # a reservation: the file written and committed within this
+      retry_s: 2.0             # while Redis is unreachable, how often it is probed
+
+The URL may name the ACL user; the password must come from ``password_file``. A URL is
+printed (``--print-config``, start-up logs) and shows up in process listings of tools
+that take it as an argument; a file with mode 600 does not. A URL holding a password is
+refused at load, naming the key, without echoing it.
+
+NOTE 4 (protected mode, as Redis does it): LMCache's ZMQ and HTTP APIs have no
+authentication, so binding beyond loopback is refused unless ``allow_remote: true`` says
+so and ``auth_token_file`` holds a shared secret (docs/deployment.md, Security). The
+secret is enforced by ``backends/server/access.py`` (HTTP) and the HiState server module
+(RPCs); reading it and telling loopback hosts apart is ``exposure``.
+
+NOTE 5 (the disk tier's ``adapter_params``): LMCache builds the disk adapter from the JSON
+of ``--l2-adapter`` in its own process and calls ``HiStateDiskAdapterConfig.from_dict``
+on it (``backends/server/disk/config.py``). Its ``adapter_params`` are the server keys of
+``DISK_TIER_KEYS`` under the same names, plus ``index_model`` (the shared index's model
+namespace), and ``parse_disk_tier`` validates them with the checks ``parse_config`` uses:
+one rule per key, one message for a bad value wherever it is given.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import socket
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from .core.defaults import (
-    EMA_ALPHA,
-    END_PROBABILITY_PRIOR,
-    HIT_POSITION_MODES,
-    MAX_INTERVAL_CHUNKS,
-)
+from .core.cache_types import HIT_POSITION_MODES, config_default
 from .core.model_geometry import GeometryError, ModelGeometry
 from .core.model_presets import load_geometry
-from .exposure import check_exposure
-from .shared_index_config import SharedIndexConfig, parse_shared_index
+from .exposure import is_loopback, read_secret
 from .yamlfile import read_yaml
 
-__all__ = ["PLATFORMS", "POLICIES", "ConfigError", "HiStateConfig", "load_config", "parse_config"]
+__all__ = [
+    "DISK_TIER_KEYS",
+    "PLATFORMS",
+    "POLICIES",
+    "SCHEMES",
+    "ConfigError",
+    "HiStateConfig",
+    "SharedIndexConfig",
+    "load_config",
+    "parse_config",
+    "parse_disk_tier",
+    "redacted_url",
+]
 
 POLICIES = ("histate", "lru")
 """``histate``: HiState placement + unified H eviction; ``lru``: stock LMCache LRU (baseline)."""
@@ -55,10 +111,61 @@ MAX_DISK_IO_WORKERS = 64
 """NOTE 2: the most disk I/O threads a server may ask for."""
 DISK_IO = ("thread",)
 """Disk I/O engines (benchmarks/README.md "disk_io": a thread pool beat aiofiles)."""
+SCHEMES = ("redis", "rediss", "unix")
+"""URL schemes of ``shared_index.url`` (NOTE 3)."""
+MIN_SECRET = 16
+"""Shortest accepted shared secret in ``auth_token_file``, in characters (NOTE 4)."""
+SHARED_INDEX = "shared_index"
+_NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names every offending key."""
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe to log)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
+@dataclass(frozen=True)
+class SharedIndexConfig:
+    """A validated ``shared_index`` section (NOTE 3)."""
+
+    url: str
+    deployment: str
+    instance: str
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    connect_timeout_s: float = 1.0
+    op_timeout_s: float = 0.25
+    lease_ttl_s: float = 30.0
+    claim_ttl_s: float = 60.0
+    write_ttl_s: float = 120.0
+    retry_s: float = 2.0
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __repr__(self) -> str:
+        return f"SharedIndexConfig(url={redacted_url(self.url)!r}, deployment={self.deployment!r})"
+
+
+SHARED_INDEX_ALLOWED = tuple(f.name for f in fields(SharedIndexConfig))
+_SHARED_INDEX_TIMES = ("connect_timeout_s", "op_timeout_s", "lease_ttl_s", "claim_ttl_s",
+                       "write_ttl_s", "retry_s")
 
 
 @dataclass(frozen=True)
@@ -71,15 +178,16 @@ class HiStateConfig:
     disk_path: str
     disk_gib: float
     policy: str = "histate"
-    tau: float | None = None  # None = "auto": calibrated online (core/score.py)
+    # The core's knobs: their defaults are CacheConfig's (core/cache_types.py).
+    tau: float | None = config_default("tau")  # None = "auto": calibrated online
     supported_intervals: tuple[int, ...] | None = None
-    max_interval_chunks: int = MAX_INTERVAL_CHUNKS
+    max_interval_chunks: int = config_default("max_interval_chunks")
     cpu_fill: float = 0.75
-    refresh_all: bool = True
-    hit_positions: str = "uniform"  # or "measured" (learned online; core/hit_positions.py)
-    end_probability_prior: float = END_PROBABILITY_PRIOR
-    ema_alpha: float = EMA_ALPHA
-    initial_pressure_factor: float = 0.0  # until a snapshot leaves (core/interval.py NOTE 2)
+    refresh_all: bool = config_default("refresh_all")
+    hit_positions: str = config_default("hit_positions")  # or "measured" (learned online)
+    end_probability_prior: float = config_default("end_probability_prior")
+    ema_alpha: float = config_default("ema_alpha")
+    initial_pressure_factor: float = config_default("initial_pressure_factor")
     host: str = "127.0.0.1"
     port: int = 5555
     http_host: str = "127.0.0.1"
@@ -157,6 +265,15 @@ class HiStateConfig:
 
 REQUIRED = ("model", "chunk_size", "cpu_gib", "disk_path", "disk_gib")
 ALLOWED = tuple(f.name for f in fields(HiStateConfig))
+DISK_TIER_KEYS = (
+    "disk_path", "disk_gib", "disk_io_workers", "disk_fsync", "disk_direct_io", "disk_adopt",
+    "shared_index",
+)
+"""The server keys the disk adapter takes as its ``adapter_params`` (NOTE 5)."""
+INDEX_MODEL = "index_model"
+"""The one ``adapter_params`` key that is not a server key: the shared index's model
+namespace, which the launcher derives from ``model`` (NOTE 5)."""
+DISK_TIER_REQUIRED = ("disk_path", "disk_gib")
 ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 """Values of the engine-dtype keys (vLLM's ``--dtype`` / ``--mamba-ssm-cache-dtype``)."""
 
@@ -170,9 +287,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _positive_number(key: str, value: Any, errors: list[str]) -> float | None:
+def _positive_number(key: str, value: Any, errors: list[str], unit: str = "") -> float | None:
+    """``unit``: what the number counts, named in the message (e.g. ``" (seconds)"``)."""
     if not _is_number(value) or value <= 0:
-        errors.append(f"{key}: must be a positive number, got {_show(value)}")
+        errors.append(f"{key}: must be a positive number{unit}, got {_show(value)}")
         return None
     return float(value)
 
@@ -233,12 +351,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
             f"the configuration must be a mapping of keys to values, got {type(data).__name__}"
         )
     errors: list[str] = []
-    unknown = sorted(str(k) for k in data if k not in ALLOWED)
-    for key in unknown:
-        errors.append(f"{key}: unknown key; allowed keys: {', '.join(ALLOWED)}")
-    for key in REQUIRED:
-        if key not in data or data[key] is None:
-            errors.append(f"{key}: required key is missing")
+    _check_keys(data, ALLOWED, REQUIRED, errors)
     values: dict[str, Any] = {}
     get = data.get
 
@@ -250,18 +363,8 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("dtype", "mamba_ssm_cache_dtype"):
         if key in data:
             values[key] = _choice(key, get(key), ENGINE_DTYPES, errors)
-    for key in ("cpu_gib", "disk_gib"):
-        if get(key) is not None:
-            values[key] = _positive_number(key, get(key), errors)
-    if get("disk_path") is not None:
-        path = _text("disk_path", get("disk_path"), errors)
-        if path is not None:
-            p = Path(path).expanduser()
-            if not p.is_absolute() and base_dir is not None:
-                p = base_dir / p
-            if p.exists() and not p.is_dir():
-                errors.append(f"disk_path: {str(p)!r} exists and is not a directory")
-            values["disk_path"] = str(p)
+    if get("cpu_gib") is not None:
+        values["cpu_gib"] = _gib("cpu_gib", get("cpu_gib"), errors)
     if get("model") is not None:
         model = _text("model", get("model"), errors)
         if model is not None:
@@ -314,22 +417,16 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     ):
         if key in data:
             values[key] = _number_in(key, get(key), lo, hi, errors)
-    for key in ("max_interval_chunks", "disk_io_workers", "max_model_tokens"):
+    for key in ("max_interval_chunks", "max_model_tokens"):
         if key in data:
             values[key] = _positive_int(key, get(key), errors)
-    workers = values.get("disk_io_workers")
-    if workers is not None and workers > MAX_DISK_IO_WORKERS:
-        errors.append(
-            f"disk_io_workers: must be at most {MAX_DISK_IO_WORKERS} (threads of one disk "
-            f"tier), got {workers}"
-        )
     for key in ("port", "http_port"):
         if key in data:
             values[key] = _port(key, get(key), errors)
     for key in ("host", "http_host", "kv_connector"):
         if key in data:
             values[key] = _text(key, get(key), errors)
-    for key in ("refresh_all", "disk_fsync", "disk_direct_io", "disk_adopt", "allow_remote"):
+    for key in ("refresh_all", "allow_remote"):
         if key in data:
             values[key] = _boolean(key, get(key), errors)
     if get("kv_connector_module_path") is not None:
@@ -349,33 +446,260 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         values["supported_intervals"] = _intervals(
             get("supported_intervals"), values.get("chunk_size"), errors
         )
-    if get("shared_index") is not None:
-        values["shared_index"] = parse_shared_index(
-            get("shared_index"), values.get("port"), base_dir, errors
-        )
-    _check_rounding(values, errors)
-    check_exposure(data, values, base_dir, errors)
+    _check_disk_tier(data, values, values.get("port"), base_dir, errors)
+    _check_exposure(data, values, base_dir, errors)
     port, http_port = values.get("port", 5555), values.get("http_port", 8080)
     if port is not None and port == http_port:
         errors.append("http_port: must differ from port (both are opened by the server)")
-
-    if len(errors) == 1:  # one problem, one line
-        raise ConfigError(f"invalid HiState configuration: {errors[0]}")
-    if errors:
-        raise ConfigError("invalid HiState configuration:\n  " + "\n  ".join(errors))
+    _raise_if_any(errors)
     clean = {k: v for k, v in values.items() if v is not None}
     return HiStateConfig(**clean)
 
 
-def _check_rounding(values: dict[str, Any], errors: list[str]) -> None:
-    """Sizes are turned into whole bytes: one that rounds to 0 would start nothing."""
-    for key in ("cpu_gib", "disk_gib"):
-        gib = values.get(key)
-        if gib is not None and int(gib * 2**30) < 1:
+def parse_disk_tier(data: Any) -> dict[str, Any]:
+    """Validate the disk adapter's ``adapter_params`` (NOTE 5) with ``parse_config``'s checks.
+
+    Returns every key of ``DISK_TIER_KEYS`` and ``INDEX_MODEL``, absent ones at
+    ``HiStateConfig``'s defaults (``index_model``: ``"model"``). A relative ``disk_path``
+    is kept as given: there is no YAML file to resolve it against.
+
+    Raises:
+        ConfigError: listing every problem, in the words ``parse_config`` uses.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"adapter_params must be a mapping, got {type(data).__name__}")
+    errors: list[str] = []
+    _check_keys(data, (*DISK_TIER_KEYS, INDEX_MODEL), DISK_TIER_REQUIRED, errors)
+    values: dict[str, Any] = {}
+    _check_disk_tier(data, values, None, None, errors)
+    model = data.get(INDEX_MODEL, "model")
+    values[INDEX_MODEL] = _text(INDEX_MODEL, model, errors)
+    _raise_if_any(errors)
+    defaults = {f.name: f.default for f in fields(HiStateConfig)
+                if f.name in DISK_TIER_KEYS and f.name not in DISK_TIER_REQUIRED}
+    return {**defaults, **values}
+
+
+def _check_keys(
+    data: Mapping[Any, Any], allowed: Sequence[str], required: Sequence[str], errors: list[str]
+) -> None:
+    for key in sorted(str(k) for k in data if k not in allowed):
+        errors.append(f"{key}: unknown key; allowed keys: {', '.join(allowed)}")
+    for key in required:
+        if key not in data or data[key] is None:
+            errors.append(f"{key}: required key is missing")
+
+
+def _raise_if_any(errors: list[str]) -> None:
+    if len(errors) == 1:  # one problem, one line
+        raise ConfigError(f"invalid HiState configuration: {errors[0]}")
+    if errors:
+        raise ConfigError("invalid HiState configuration:\n  " + "\n  ".join(errors))
+
+
+def _resolve(path: str, base_dir: Path | None) -> Path:
+    """``path`` with ``~`` expanded; relative to ``base_dir`` (the YAML's folder) if given."""
+    p = Path(path).expanduser()
+    return base_dir / p if base_dir is not None and not p.is_absolute() else p
+
+
+def _gib(key: str, value: Any, errors: list[str]) -> float | None:
+    """A size in GiB. Sizes are turned into whole bytes: one that rounds to 0 would start
+    nothing."""
+    gib = _positive_number(key, value, errors)
+    if gib is not None and int(gib * 2**30) < 1:
+        errors.append(
+            f"{key}: {gib:g} GiB rounds to 0 bytes; must be at least 1 byte "
+            f"({1 / 2**30:.3g} GiB)"
+        )
+        return None
+    return gib
+
+
+def _check_disk_tier(
+    data: Mapping[str, Any],
+    values: dict[str, Any],
+    port: int | None,
+    base_dir: Path | None,
+    errors: list[str],
+) -> None:
+    """The keys of ``DISK_TIER_KEYS`` present in ``data`` into ``values`` (NOTE 5).
+
+    ``port`` names the shared index instance when the section gives none.
+    """
+    get = data.get
+    if get("disk_path") is not None:
+        path = _text("disk_path", get("disk_path"), errors)
+        if path is not None:
+            p = _resolve(path, base_dir)
+            if p.exists() and not p.is_dir():
+                errors.append(f"disk_path: {str(p)!r} exists and is not a directory")
+            values["disk_path"] = str(p)
+    if get("disk_gib") is not None:
+        values["disk_gib"] = _gib("disk_gib", get("disk_gib"), errors)
+    if "disk_io_workers" in data:
+        workers = _positive_int("disk_io_workers", get("disk_io_workers"), errors)
+        if workers is not None and workers > MAX_DISK_IO_WORKERS:
             errors.append(
-                f"{key}: {gib:g} GiB rounds to 0 bytes; must be at least 1 byte "
-                f"({1 / 2**30:.3g} GiB)"
+                f"disk_io_workers: must be at most {MAX_DISK_IO_WORKERS} (threads of one disk "
+                f"tier), got {workers}"
             )
+            workers = None
+        values["disk_io_workers"] = workers
+    for key in ("disk_fsync", "disk_direct_io", "disk_adopt"):
+        if key in data:
+            values[key] = _boolean(key, get(key), errors)
+    if get(SHARED_INDEX) is not None:
+        values[SHARED_INDEX] = _shared_index(get(SHARED_INDEX), port, base_dir, errors)
+
+
+# ---------------------------------------------------------------- shared_index (NOTE 3)
+def _shared_index(
+    value: Any, port: int | None, base_dir: Path | None, errors: list[str]
+) -> SharedIndexConfig | None:
+    """Validate the section; problems go to ``errors``, each naming ``shared_index.<key>``.
+
+    ``port`` (the server's ZMQ port) names the instance when ``instance`` is not given.
+    """
+    if not isinstance(value, Mapping):
+        errors.append(
+            f"{SHARED_INDEX}: must be a mapping with at least 'url' and 'deployment', "
+            f"got {value!r}"
+        )
+        return None
+    n0 = len(errors)
+    for key in sorted(str(k) for k in value if k not in SHARED_INDEX_ALLOWED):
+        errors.append(
+            f"{SHARED_INDEX}.{key}: unknown key; allowed keys: {', '.join(SHARED_INDEX_ALLOWED)}"
+        )
+    out: dict[str, Any] = {}
+    out["url"] = _redis_url(value.get("url"), errors)
+    for key in ("deployment", "instance"):
+        raw = value.get(key)
+        if raw is None and key == "instance":
+            raw = f"{socket.gethostname()}-{port or 5555}"
+            raw = re.sub(r"[^A-Za-z0-9._/-]", "_", raw)[:128]
+        if not isinstance(raw, str) or not _NAME.fullmatch(raw):
+            errors.append(
+                f"{SHARED_INDEX}.{key}: must be 1-128 characters of [A-Za-z0-9._/-], "
+                f"got {raw!r}"
+            )
+        out[key] = raw
+    for key in _SHARED_INDEX_TIMES:
+        if key in value:
+            out[key] = _positive_number(f"{SHARED_INDEX}.{key}", value[key], errors, " (seconds)")
+    if value.get("password_file") is not None:
+        out["password_file"] = _secret_file(
+            f"{SHARED_INDEX}.password_file", value["password_file"], base_dir, errors,
+            min_length=1,
+        )
+    ca = value.get("tls_ca_file")
+    if ca is not None:
+        path = _resolve(str(ca), base_dir)
+        if not isinstance(ca, str) or not path.is_file():
+            errors.append(f"{SHARED_INDEX}.tls_ca_file: must be a readable file, got {ca!r}")
+        elif isinstance(out["url"], str) and not out["url"].startswith("rediss://"):
+            errors.append(f"{SHARED_INDEX}.tls_ca_file: only used with a rediss:// (TLS) url")
+        out["tls_ca_file"] = str(path)
+    if len(errors) > n0:
+        return None
+    return SharedIndexConfig(**out)
+
+
+def _redis_url(raw: Any, errors: list[str]) -> str | None:
+    key = f"{SHARED_INDEX}.url"
+    if not isinstance(raw, str) or not raw.strip():
+        errors.append(f"{key}: required: a redis://, rediss:// or unix:// URL, got {raw!r}")
+        return None
+    try:
+        parts = urlsplit(raw)
+        port = parts.port
+        password = parts.password
+    except ValueError as exc:
+        errors.append(f"{key}: not a valid URL ({exc})")
+        return None
+    shown = redacted_url(raw)
+    if parts.scheme not in SCHEMES:
+        errors.append(f"{key}: the scheme must be one of {', '.join(SCHEMES)}; got {shown!r}")
+        return None
+    if password is not None:  # NOTE 3
+        errors.append(
+            f"{key}: must not hold a password ({shown!r}); put it in "
+            f"{SHARED_INDEX}.password_file (chmod 600)"
+        )
+        return None
+    if parts.scheme == "unix":
+        if not parts.path:
+            errors.append(f"{key}: a unix:// URL needs the socket path, got {shown!r}")
+            return None
+    else:
+        if not parts.hostname:
+            errors.append(f"{key}: names no host, got {shown!r}")
+            return None
+        if port is not None and not 1 <= port <= 65535:
+            errors.append(f"{key}: port must be in 1..65535, got {shown!r}")
+            return None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            errors.append(f"{key}: the path must be a database number (e.g. /0), got {shown!r}")
+            return None
+    return raw
+
+
+# ---------------------------------------------------------------- exposure (NOTE 4)
+def _check_exposure(
+    data: Mapping[str, Any], values: dict[str, Any], base_dir: Path | None, errors: list[str]
+) -> None:
+    """``auth_token_file`` and, unless ``allow_remote``, loopback-only hosts (NOTE 4)."""
+    remote = values.get("allow_remote", False)
+    token = data.get("auth_token_file")
+    if token is not None:
+        values["auth_token_file"] = _secret_file("auth_token_file", token, base_dir, errors)
+    elif remote:
+        errors.append(
+            "auth_token_file: required when allow_remote is true (a file holding the shared "
+            "secret for HiState's RPCs and the HTTP API)"
+        )
+    if remote:
+        return
+    for key in ("host", "http_host"):
+        host = values.get(key)
+        if host is not None and not is_loopback(host):
+            errors.append(
+                f"{key}: {host!r} is not a loopback address; LMCache's ZMQ and HTTP APIs "
+                "have no authentication: set allow_remote: true and auth_token_file to "
+                "bind beyond this machine (docs/deployment.md, Security)"
+            )
+
+
+def _secret_file(
+    key: str, value: Any, base_dir: Path | None, errors: list[str], min_length: int = MIN_SECRET
+) -> str | None:
+    """The absolute path of a secret file named by ``key``, or None with the problem in
+    ``errors``: a regular file, not readable by group or others, holding at least
+    ``min_length`` characters. The secret itself never appears in a message."""
+    if not isinstance(value, str) or not value.strip():
+        errors.append(f"{key}: must be a non-empty string (a file path), got {value!r}")
+        return None
+    p = _resolve(value, base_dir)
+    try:
+        st = p.stat()
+        secret = read_secret(p) if stat.S_ISREG(st.st_mode) else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        errors.append(f"{key}: cannot read {str(p)!r}: {exc}")
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        errors.append(f"{key}: {str(p)!r} is not a regular file")
+    elif st.st_mode & 0o077:
+        errors.append(
+            f"{key}: {str(p)!r} is readable by other users (mode {st.st_mode & 0o777:o}); "
+            "chmod 600 it"
+        )
+    elif len(secret) < min_length:
+        errors.append(f"{key}: the secret in {str(p)!r} must be at least {min_length} characters")
+    else:
+        return str(p)
+    return None
 
 
 def _intervals(value: Any, chunk: int | None, errors: list[str]) -> tuple[int, ...] | None:

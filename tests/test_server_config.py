@@ -191,7 +191,60 @@ def test_the_connector_is_told_where_the_secret_is(tmp_path: Path) -> None:
     extra = kv_transfer_config(cfg)["kv_connector_extra_config"]
     assert extra["histate.auth_token_file"] == str(path)
     assert "s3cret" not in repr(kv_transfer_config(cfg))  # the path, never the secret
-    assert disk_adapter_spec(cfg)["adapter_params"]["adopt"] is True
+    assert disk_adapter_spec(cfg)["adapter_params"]["disk_adopt"] is True
     assert "histate.auth_token_file" not in kv_transfer_config(parse_config(VALID))[
         "kv_connector_extra_config"
     ]
+
+
+# ------------------------------------------------ the disk adapter: the same keys, the same rules
+DISK = {"disk_path": "/tmp/histate-test-disk", "disk_gib": 1}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"disk_io_workers": 100},
+         "disk_io_workers: must be at most 64 (threads of one disk tier), got 100"),
+        ({"disk_io_workers": 0}, "disk_io_workers: must be a positive integer, got 0"),
+        ({"disk_gib": 1e-12},
+         "disk_gib: 1e-12 GiB rounds to 0 bytes; must be at least 1 byte (9.31e-10 GiB)"),
+        ({"disk_gib": "big"}, "disk_gib: must be a positive number, got 'big'"),
+        ({"disk_fsync": "yes"}, "disk_fsync: must be true or false, got 'yes'"),
+        ({"disk_path": ""}, "disk_path: must be a non-empty string, got ''"),
+        ({"shared_index": {"url": "redis://u:pw@h/0", "deployment": "d", "instance": "i"}},
+         "shared_index.url: must not hold a password ('redis://u:***@h/0'); put it in "
+         "shared_index.password_file (chmod 600)"),
+    ],
+)
+def test_disk_adapter_and_server_yaml_refuse_alike(changes: dict, message: str) -> None:
+    """A bad disk value is refused with one message, whether the server YAML or LMCache's
+    ``--l2-adapter`` JSON (the adapter's ``from_dict``) carries it."""
+    from lmcache_histate.backends.server.disk.config import HiStateDiskAdapterConfig
+
+    expected = f"invalid HiState configuration: {message}"
+    with pytest.raises(ConfigError) as yaml_error:
+        parse_config({**VALID, **changes})
+    with pytest.raises(ValueError) as adapter_error:
+        HiStateDiskAdapterConfig.from_dict({**DISK, **changes})
+    assert str(yaml_error.value) == expected
+    assert str(adapter_error.value) == expected
+
+
+def test_disk_adapter_gets_the_servers_values() -> None:
+    from lmcache_histate.backends.server.disk.config import HiStateDiskAdapterConfig
+    from lmcache_histate.backends.server.launcher import disk_adapter_spec
+
+    cfg = parse_config({**VALID, "disk_gib": 0.5, "disk_io_workers": 2, "disk_fsync": False})
+    params = disk_adapter_spec(cfg)["adapter_params"]
+    disk = HiStateDiskAdapterConfig.from_dict(params)
+    assert disk.capacity_bytes == 536_870_912  # 0.5 GiB = 2**29 bytes
+    assert (disk.path, disk.io_workers, disk.fsync, disk.direct_io, disk.adopt) == (
+        "/tmp/histate-test-disk", 2, False, True, False)
+    assert (disk.shared_index, disk.model) == (None, "model")
+    with pytest.raises(ValueError, match=r"^invalid HiState configuration: size: unknown key; "
+                       r"allowed keys: disk_path, disk_gib, disk_io_workers, disk_fsync, "
+                       r"disk_direct_io, disk_adopt, shared_index, index_model$"):
+        HiStateDiskAdapterConfig.from_dict({**DISK, "size": 2})
+    with pytest.raises(ValueError, match=r"disk_gib: required key is missing"):
+        HiStateDiskAdapterConfig.from_dict({"disk_path": "/tmp/histate-test-disk"})

@@ -1,7 +1,7 @@
 """Access control of the control plane: the shared secret on HTTP routes and HiState RPCs.
 
 With ``auth_token_file`` set (required by ``allow_remote: true``, see
-``lmcache_histate.exposure``):
+``lmcache_histate.config`` NOTE 4):
 
 * every HTTP route of the server (LMCache's and HiState's: ``/cache/clear``,
   ``DELETE /cache/objects``, ``/config``, ``/env``, ``/status``, ``/metrics``, ...) needs

@@ -5,7 +5,7 @@ server binds once every source of flags is applied.
 order (argparse keeps the last value of a repeated flag): the YAML translated by the
 launcher, the YAML's ``extra_server_args``, and ``histate-server``'s own command line.
 LMCache's ZMQ port has no authentication, so binding only to loopback is the protection
-(``lmcache_histate.exposure``); this module keeps every source from getting around it:
+(``lmcache_histate.config`` NOTE 4); this module keeps every source from getting around it:
 
 * ``screen_extra_server_args``: the file may not set what a YAML key owns (``--host``,
   ``--port``, ``--http-host``, ...: the error names the key), load code into the server

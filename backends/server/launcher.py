@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from lmcache_histate.config import ConfigError, HiStateConfig, load_config
+from lmcache_histate.config import DISK_TIER_KEYS, ConfigError, HiStateConfig, load_config
 
 from . import preflight
 from .access_flags import (
@@ -143,22 +143,18 @@ def _module_available(name: str) -> bool:
 
 
 def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
+    """The ``--l2-adapter`` JSON of the disk tier: its ``adapter_params`` are the server's
+    own disk keys, validated again by the adapter with the same checks (``config`` NOTE 5)."""
+    values = cfg.to_dict()
+    params = {key: values[key] for key in DISK_TIER_KEYS if values[key] is not None}
+    if cfg.shared_index is not None:  # one folder for the deployment (docs/shared-index.md)
+        params["index_model"] = index_model_name(cfg.model)
     spec: dict[str, Any] = {
         "type": "plugin",
         "module_path": DISK_ADAPTER_MODULE,
         "class_name": "HiStateDiskAdapter",
-        "adapter_params": {
-            "path": str(cfg.disk_path),
-            "capacity_bytes": cfg.disk_bytes,
-            "io_workers": cfg.disk_io_workers,
-            "fsync": cfg.disk_fsync,
-            "direct_io": cfg.disk_direct_io,
-            "adopt": cfg.disk_adopt,
-        },
+        "adapter_params": params,
     }
-    if cfg.shared_index is not None:  # one folder for the deployment (docs/shared-index.md)
-        spec["adapter_params"]["shared_index"] = cfg.shared_index.to_dict()
-        spec["adapter_params"]["model"] = index_model_name(cfg.model)
     if cfg.policy == "lru":
         # Baseline: LMCache's own LRU evicts the disk tier when it is full.
         spec["eviction"] = {"eviction_policy": "LRU", "trigger_watermark": 0.9,

@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
-from .cache_types import CacheConfig, CacheStats, RequestHandle
+from .cache_types import CacheConfig, CacheStats, RequestHandle, check_step_tokens
 from .eviction import EvictionQueue
 from .hit_positions import HitPositions
 from .index import Match, Node, PrefixIndex
-from .interval import IntervalController, ResidenceTracker, check_step_tokens
+from .interval import IntervalController, ResidenceTracker, supported_intervals
 from .placement import TieredStore
 from .request_path import RequestPath
 from .score import ReaccessScale, ReturnScale
@@ -81,7 +81,8 @@ class HiStateCache:
         self._interval = IntervalController(
             config.chunk_tokens,
             config.snapshot_tokens,
-            config.supported_intervals,
+            config.supported_intervals
+            or supported_intervals(config.chunk_tokens, config.max_interval_chunks),
             self._residence,
             step_tokens=config.step_tokens,
             step_price=config.step_price,

@@ -1,6 +1,12 @@
 """The values that cross the core's facade (``cache.HiStateCache``): its configuration,
 a request's handle between ``begin`` and ``complete``, and the stats it reports.
 
+``CacheConfig``'s field defaults are the core's knob defaults, written once: the server
+and simulator schemas, the core's own parts (``ema``, ``units``, ``interval``) and the
+simulator's baselines read them through ``config_default``. Invariants of those defaults:
+``0 < ema_alpha <= 1`` (``ema.check_alpha``), ``0 <= end_probability_prior <= 1``
+(``units.HitModel``), ``max_interval_chunks >= 1`` (``CacheConfig.__post_init__``).
+
 Their own module because both sides of the facade use them: ``request_path`` (which
 ``cache`` owns) takes the configuration and the handle, so they cannot live in ``cache``
 without an import cycle. ``cache`` names them in its ``__all__``: a caller of the core
@@ -11,14 +17,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
-from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR, HIT_POSITION_MODES, snapshot_tokens
 from .index import Match, Node
-from .interval import check_step_tokens
+from .model_geometry import snapshot_tokens
 from .tiers import PlacementRules, TierSpec
 
-__all__ = ["CacheConfig", "CacheStats", "RequestHandle"]
+__all__ = [
+    "HIT_POSITION_MODES",
+    "CacheConfig",
+    "CacheStats",
+    "RequestHandle",
+    "check_step_tokens",
+    "config_default",
+]
+
+HIT_POSITION_MODES = ("measured", "uniform")
+"""Values of ``CacheConfig.hit_positions``: learned online, or the paper's uniform model."""
+
+
+def check_step_tokens(step_tokens: int | None, chunk_tokens: int) -> int | None:
+    """``step_tokens`` if it is None or a positive multiple of ``chunk_tokens``, else
+    ``ValueError`` naming both."""
+    if step_tokens is not None and (
+        isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
+        or step_tokens <= 0 or step_tokens % chunk_tokens
+    ):
+        raise ValueError(
+            f"step_tokens must be a positive multiple of the chunk size {chunk_tokens} "
+            f"(the step budget rounded down to whole chunks), got {step_tokens!r}"
+        )
+    return step_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +72,10 @@ class CacheConfig:
     ``attention_tokens``: the context length at which causal attention costs as much per
     recomputed token as the rest of the prefill (linear cost ÷ attention cost per token
     pair; ``inf``: cost in tokens only, ``units``).
+    ``ema_alpha``: the weight of the newest sample in every EMA of the core (residence
+    times, ``p_end``, re-access gap); ``end_probability_prior``: ``p_end`` before any access
+    was seen. ``max_interval_chunks``: without ``supported_intervals``, the interval
+    controller offers every multiple of the chunk up to this many chunks.
     ``fixed_interval`` (tokens) replaces the controller's choice, for
     baselines and ablations; 0 saves only each segment's final snapshot.
     ``hit_positions``: ``"uniform"`` (default) is the paper's model; ``"measured"`` learns
@@ -73,8 +107,9 @@ class CacheConfig:
     exposed_ends: bool = False
     return_tau: bool = False
     supported_intervals: tuple[int, ...] | None = None
-    ema_alpha: float = EMA_ALPHA
-    end_probability_prior: float = END_PROBABILITY_PRIOR
+    max_interval_chunks: int = 64
+    ema_alpha: float = 0.05
+    end_probability_prior: float = 0.9
     initial_pressure_factor: float = 0.0
     fixed_interval: int | None = None
     attention_tokens: float = math.inf
@@ -94,7 +129,7 @@ class CacheConfig:
                 f"hit_positions must be one of {', '.join(HIT_POSITION_MODES)}, "
                 f"got {self.hit_positions!r}"
             )
-        for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes"):
+        for name in ("chunk_tokens", "kv_chunk_bytes", "snapshot_bytes", "max_interval_chunks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.initial_pressure_factor < math.inf:
@@ -123,6 +158,18 @@ class CacheConfig:
     def snapshot_tokens(self) -> float:
         """``N_s``: one snapshot in KV-token units (of whole KV bytes per token)."""
         return snapshot_tokens(self.snapshot_bytes, self.token_bytes)
+
+
+def config_default(name: str) -> Any:
+    """``CacheConfig``'s default value of the knob ``name`` (module docstring).
+
+    NOTE 1: read through ``dataclasses.fields``: with ``slots=True`` a field's class
+    attribute is its slot descriptor, not its default.
+    """
+    for f in fields(CacheConfig):
+        if f.name == name and f.default is not MISSING:
+            return f.default
+    raise KeyError(f"CacheConfig has no knob {name!r} with a default value")
 
 
 @dataclass(frozen=True, slots=True)

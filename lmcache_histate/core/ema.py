@@ -8,7 +8,7 @@ arbitrary zero, so an estimate is usable after one observation.
 
 from __future__ import annotations
 
-from .defaults import EMA_ALPHA
+from .cache_types import config_default
 
 __all__ = ["SeededEMA", "check_alpha", "seeded_step"]
 
@@ -30,7 +30,7 @@ class SeededEMA:
 
     __slots__ = ("alpha", "samples", "value")
 
-    def __init__(self, alpha: float = EMA_ALPHA) -> None:
+    def __init__(self, alpha: float = config_default("ema_alpha")) -> None:
         self.alpha = check_alpha(alpha)
         self.value = 0.0
         self.samples = 0

@@ -116,12 +116,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from .defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
+from .cache_types import check_step_tokens, config_default
 from .ema import check_alpha, seeded_step
 from .hit_positions import HitPositions
 from .units import HitModel
 
-__all__ = ["IntervalController", "ResidenceTracker", "check_step_tokens", "supported_intervals"]
+__all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
 
 
 class ResidenceTracker:
@@ -135,7 +135,11 @@ class ResidenceTracker:
         "alpha", "initial_factor", "kv_ema", "kv_samples", "snapshot_ema", "snapshot_samples"
     )
 
-    def __init__(self, alpha: float = EMA_ALPHA, initial_factor: float = 0.0) -> None:
+    def __init__(
+        self,
+        alpha: float = config_default("ema_alpha"),
+        initial_factor: float = config_default("initial_pressure_factor"),
+    ) -> None:
         self.alpha = check_alpha(alpha)
         if not 0.0 <= initial_factor < math.inf:
             raise ValueError(f"initial_factor must be a finite number ≥ 0, got {initial_factor}")
@@ -169,22 +173,8 @@ class ResidenceTracker:
         return max(self.kv_ema / self.snapshot_ema, 1e-6)
 
 
-def check_step_tokens(step_tokens: int | None, chunk_tokens: int) -> int | None:
-    """``step_tokens`` if it is None or a positive multiple of ``chunk_tokens``, else
-    ``ValueError`` naming both."""
-    if step_tokens is not None and (
-        isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
-        or step_tokens <= 0 or step_tokens % chunk_tokens
-    ):
-        raise ValueError(
-            f"step_tokens must be a positive multiple of the chunk size {chunk_tokens} "
-            f"(the step budget rounded down to whole chunks), got {step_tokens!r}"
-        )
-    return step_tokens
-
-
 def supported_intervals(
-    chunk_tokens: int, max_multiple: int = MAX_INTERVAL_CHUNKS
+    chunk_tokens: int, max_multiple: int = config_default("max_interval_chunks")
 ) -> tuple[int, ...]:
     """Every multiple of the engine's chunk size up to ``max_multiple`` chunks."""
     if chunk_tokens <= 0:

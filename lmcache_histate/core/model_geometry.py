@@ -10,7 +10,8 @@ dtypes and per-layer state tensors, and derives:
   bytes;
 * ``snapshot_bytes`` = recurrent layers × Σ bytes of the per-layer state tensors (one
   snapshot is every recurrent layer's state at one position);
-* ``snapshot_tokens`` = N_s, the ratio of the two (``defaults.snapshot_tokens``).
+* ``snapshot_tokens`` = N_s, the ratio of the two (the module function ``snapshot_tokens``,
+  which ``CacheConfig`` and the live server use for their own byte counts).
 
 Invariants (checked at construction, ``GeometryError`` naming the model otherwise): both
 layer kinds are present (no attention: N_s is undefined; no recurrent layer: nothing to
@@ -26,9 +27,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import snapshot_tokens
+__all__ = [
+    "DTYPE_BYTES",
+    "GeometryError",
+    "ModelGeometry",
+    "StateTensor",
+    "norm_dtype",
+    "snapshot_tokens",
+]
 
-__all__ = ["DTYPE_BYTES", "GeometryError", "ModelGeometry", "StateTensor", "norm_dtype"]
+
+def snapshot_tokens(snapshot_bytes: float, kv_bytes_per_token: float) -> float:
+    """``N_s`` of the paper: one snapshot's size in KV-token units (docs/design.md §2.2)."""
+    if kv_bytes_per_token <= 0:
+        raise ValueError(f"kv_bytes_per_token must be positive, got {kv_bytes_per_token}")
+    return snapshot_bytes / kv_bytes_per_token
 
 
 class GeometryError(ValueError):

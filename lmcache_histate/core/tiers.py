@@ -4,8 +4,10 @@ Vocabulary shared by ``placement.TieredStore`` and its callers (the facade, the 
 the live runtime), who import it from here: a caller that names a tier or a part needs
 no store.
 
-* Tiers are numbered fast → slow (``0`` = CPU, ``1`` = disk in the paper's setup); a
-  ``TierSpec`` is a tier's name and capacity in bytes (≥ 0).
+* Tiers are numbered fast → slow; a ``TierSpec`` is a tier's name and capacity in bytes
+  (≥ 0). A tier id is an index into a cache's ``tiers``, so ``1 << tier`` is the tier's bit
+  in a node's ``kv_tiers`` / ``snap_tiers`` mask. The two layouts in use are named here,
+  ``ServerTier`` and ``SimTier`` (NOTE 1).
 * ``PlacementRules`` names the home tier of each kind of object: the KV tier, the
   snapshot tier for intermediate snapshots, the final tier for a session's final
   snapshot and the optional tier of its write-through copy. Every home must be a tier
@@ -16,11 +18,16 @@ no store.
 * A ``PlacementListener`` hears every byte movement the store decides (``stored``,
   ``moved``, ``dropped``); the live backend moves or deletes the real objects, the
   simulator uses ``NullListener`` and only counts.
+
+NOTE 1: the simulator and the live server use different tier layouts (the simulated
+server models vLLM's GPU pool as tier 0; the live server's core starts at LMCache's L1),
+so there are two sets of ids, each named once: ``ServerTier`` and ``SimTier``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
 
 from .index import Node
@@ -31,6 +38,8 @@ __all__ = [
     "NullListener",
     "PlacementListener",
     "PlacementRules",
+    "ServerTier",
+    "SimTier",
     "TierSpec",
     "bits",
     "only_on",
@@ -38,6 +47,21 @@ __all__ = [
 
 KV = "kv"
 SNAPSHOT = "snapshot"
+
+
+class ServerTier(IntEnum):
+    """The live server's tiers: LMCache's L1 (host memory), then the HiState disk tier."""
+
+    CPU = 0
+    DISK = 1
+
+
+class SimTier(IntEnum):
+    """The simulated server's exclusive hierarchy (``sim/variants.py``): GPU pool first."""
+
+    GPU = 0
+    CPU = 1
+    DISK = 2
 
 
 @dataclass(frozen=True, slots=True)

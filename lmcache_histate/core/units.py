@@ -88,7 +88,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from enum import Enum
 
-from .defaults import EMA_ALPHA, END_PROBABILITY_PRIOR
+from .cache_types import config_default
 from .hit_positions import HitPositions
 from .index import Node
 
@@ -125,7 +125,11 @@ class HitModel:
 
     __slots__ = ("alpha", "end_probability", "samples")
 
-    def __init__(self, alpha: float = EMA_ALPHA, prior: float = END_PROBABILITY_PRIOR) -> None:
+    def __init__(
+        self,
+        alpha: float = config_default("ema_alpha"),
+        prior: float = config_default("end_probability_prior"),
+    ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not 0.0 <= prior <= 1.0:

@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS, PAPER_TAU_S
+from ..core.cache_types import config_default
 from ..core.model_geometry import GeometryError, ModelGeometry
 from ..core.model_presets import load_geometry
 from ..yamlfile import read_yaml
@@ -247,9 +247,9 @@ class SimSetup:
     cpu_bytes: int = 96 * GIB
     disk_bytes: int = 150 * GIB
     max_sessions: int = 24
-    tau: float = PAPER_TAU_S
-    max_interval_chunks: int = MAX_INTERVAL_CHUNKS
-    ema_alpha: float = EMA_ALPHA
+    tau: float = 600.0  # the paper's fixed recency scale (the core's default calibrates it)
+    max_interval_chunks: int = config_default("max_interval_chunks")
+    ema_alpha: float = config_default("ema_alpha")
     max_think_s: float = 600.0
     session_gap_s: float = 60.0
     gpu_scheduling: str = "shared"

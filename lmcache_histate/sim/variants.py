@@ -78,9 +78,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..core.defaults import SimTier
 from ..core.interval import supported_intervals
-from ..core.tiers import PlacementRules
+from ..core.tiers import PlacementRules, SimTier
 from .capture import SMALL_STEP_ROWS
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy

@@ -15,8 +15,7 @@ import pytest
 from support.core_probe import next_victim
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.tiers import KV, SNAPSHOT, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier, TierSpec
 
 CHUNK, KV_BYTES, SNAP_BYTES = 4, 10, 25
 CPU, DISK = ServerTier.CPU, ServerTier.DISK

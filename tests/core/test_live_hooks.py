@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from support.listeners import EventLog
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache, RequestHandle
-from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementRules, TierSpec
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementRules, ServerTier, TierSpec
 
 CHUNK = 4
 KV_BYTES = 10

@@ -39,7 +39,8 @@ def key(i: int, group: int = 1) -> ObjectKey:
 
 
 def adapter(path: Path, capacity: int = 1 << 20, **kw: object) -> HiStateDiskAdapter:
-    return HiStateDiskAdapter({"path": str(path), "capacity_bytes": capacity, **kw})
+    """A tier of ``capacity`` bytes; ``kw``: more ``adapter_params`` (the server's keys)."""
+    return HiStateDiskAdapter({"disk_path": str(path), "disk_gib": capacity / 2**30, **kw})
 
 
 def wait(fd: int, timeout: float = 10.0) -> None:
@@ -113,7 +114,7 @@ def test_a_delete_before_its_write_starts_cancels_it(tmp_path: Path) -> None:
     when the delete of one of its keys arrives; that key must never reach the disk (no
     orphan file outside the index), the other must, and a store submitted after the delete
     is written."""
-    a = adapter(tmp_path, io_workers=1)
+    a = adapter(tmp_path, disk_io_workers=1)
     try:
         gate = threading.Event()
         a._pool.submit(gate.wait)  # the only I/O thread is busy until the gate opens
@@ -233,7 +234,7 @@ def test_delete_waits_for_unlock(tmp_path: Path) -> None:
 def test_header_carries_prefix_structure(tmp_path: Path) -> None:
     """The header holds what the write's decider handed down before submitting it; a write
     nobody described gets the unknown header (kind other, depth -1, no parent)."""
-    a = adapter(tmp_path, fsync=False)
+    a = adapter(tmp_path, disk_fsync=False)
     a.expect_headers({key(1): ObjectMeta(df.KIND_SNAPSHOT, 7, b"p" * 32)})
     try:
         assert store(a, [key(1), key(2)], [b"a" * 10, b"b" * 10])
@@ -247,10 +248,10 @@ def test_header_carries_prefix_structure(tmp_path: Path) -> None:
 
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="capacity_bytes must be a positive integer"):
-        HiStateDiskAdapter({"path": str(tmp_path), "capacity_bytes": 0})
-    with pytest.raises(ValueError, match="unknown adapter_params"):
-        HiStateDiskAdapter({"path": str(tmp_path), "capacity_bytes": 1, "size": 2})
+    with pytest.raises(ValueError, match="disk_gib: must be a positive number, got 0"):
+        HiStateDiskAdapter({"disk_path": str(tmp_path), "disk_gib": 0})
+    with pytest.raises(ValueError, match="size: unknown key; allowed keys: disk_path, disk_gib"):
+        HiStateDiskAdapter({"disk_path": str(tmp_path), "disk_gib": 1, "size": 2})
 
 
 # ------------------------------------------------------------ hardening: whose files, bad keys
@@ -289,7 +290,7 @@ def test_refuses_a_foreign_folder_unless_adopted(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not empty \(2 entries: draft.tmp, model.hsf\)"):
         adapter(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.tmp", "model.hsf"]
-    a = adapter(tmp_path, adopt=True)
+    a = adapter(tmp_path, disk_adopt=True)
     try:
         assert (tmp_path / ".histate-disk").is_file()
         assert store(a, [key(1)], [b"x" * 10])

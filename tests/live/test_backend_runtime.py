@@ -25,8 +25,7 @@ from lmcache_histate.backends.server.runtime.object_map import node_key
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 
 from lmcache_histate.config import parse_config
-from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.tiers import KV, SNAPSHOT
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 

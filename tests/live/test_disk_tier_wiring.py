@@ -42,7 +42,7 @@ from test_backend_runtime import (
 
 import lmcache_histate.core
 from lmcache_histate.config import parse_config
-from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.tiers import ServerTier
 
 # What a disk I/O thread must never run: the runtime's parts and the core.
 RUNTIME_DIR = str(Path(object_map_module.__file__).parent)
@@ -51,8 +51,9 @@ DISK = ServerTier.DISK
 
 
 def disk_runtime(tmp_path: Path, disk_capacity: int) -> tuple[HiStateRuntime, HiStateDiskAdapter]:
-    disk = HiStateDiskAdapter({"path": str(tmp_path / "disk"), "capacity_bytes": disk_capacity,
-                               "io_workers": 1, "fsync": True})
+    disk = HiStateDiskAdapter({"disk_path": str(tmp_path / "disk"),
+                               "disk_gib": disk_capacity / 2**30, "disk_io_workers": 1,
+                               "disk_fsync": True})
     cfg = parse_config(
         {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
          "disk_path": str(tmp_path / "disk"), "disk_gib": 1}

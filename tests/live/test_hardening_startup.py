@@ -116,7 +116,7 @@ def test_a_disk_folder_in_use_is_one_line(tmp_path: Path) -> None:
     from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 
     disk = tmp_path / "disk"
-    tier = HiStateDiskAdapter({"path": str(disk), "capacity_bytes": 1 << 20})
+    tier = HiStateDiskAdapter({"disk_path": str(disk), "disk_gib": 1 / 1024})
     try:
         rc, stderr, _ = start(tmp_path)
     finally:

@@ -37,7 +37,7 @@ from test_shared_index_servers import (
     two_servers,
 )
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 BEFORE, AFTER = 60, 160
 """Prefixes A stores at least before the restart, and exactly after it (the ones B must

@@ -34,8 +34,8 @@ F = df.header_size(df.ObjectId.of(key(1)), b"") + PAYLOAD  # one file's size
 def tier(folder: Path, url: str, instance: str, budget: int, **index: Any) -> HiStateDiskAdapter:
     section = {"url": url, "deployment": "t", "instance": instance, "connect_timeout_s": 0.3,
                "op_timeout_s": 0.3, "retry_s": 0.2, **index}
-    return HiStateDiskAdapter({"path": str(folder), "capacity_bytes": budget, "model": MODEL,
-                               "shared_index": section})
+    return HiStateDiskAdapter({"disk_path": str(folder), "disk_gib": budget / 2**30,
+                               "index_model": MODEL, "shared_index": section})
 
 
 def files(folder: Path) -> dict[str, int]:

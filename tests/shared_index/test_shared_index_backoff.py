@@ -11,7 +11,7 @@ import redis
 from lmcache_histate.backends.server.shared_index.connection import IndexConnection
 from support.redis_server import RedisServer
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 PASSWORD = "backoff-test-password-0123"
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_histate.config import ConfigError, load_config, parse_config
-from lmcache_histate.shared_index_config import redacted_url
+from lmcache_histate.config import ConfigError, load_config, parse_config, redacted_url
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"model": "tiny-qwen3-next", "chunk_size": 16, "cpu_gib": 0.05,

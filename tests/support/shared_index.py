@@ -20,7 +20,7 @@ from lmcache_histate.backends.server.shared_index.layout import (
     object_id,
 )
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 __all__ = ["MODEL", "eviction_worker", "hold_lease", "make_index", "oid", "record_size",
            "settings", "write"]

@@ -67,7 +67,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 from ..shared_index import open_index
 from ..shared_index.budget import delete_victims, reserve_with_eviction

@@ -2,7 +2,8 @@
 
 Load it with ``--l2-adapter '{"type": "plugin", "module_path":
 "lmcache_histate.backends.server.disk.tier", "class_name": "HiStateDiskAdapter",
-"adapter_params": {"path": ..., "capacity_bytes": ...}}'`` (the launcher does).
+"adapter_params": {"disk_path": ..., "disk_gib": ...}}'`` (the launcher does; the keys
+are the server YAML's, ``config``).
 
 Modelled on LMCache's ``fs_l2_adapter.FSL2Adapter`` (event fds, tmp + rename, files
 found again after a restart) with what HiState needs on top:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.tiers import ServerTier
 
 __all__ = ["RERANK_BUDGET", "CpuEvictor"]
 

@@ -22,8 +22,15 @@ from lmcache_histate.backends.server.disk import file_format as df
 
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.defaults import ServerTier, snapshot_tokens
-from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener, PlacementRules, TierSpec
+from lmcache_histate.core.model_geometry import snapshot_tokens
+from lmcache_histate.core.tiers import (
+    KV,
+    SNAPSHOT,
+    PlacementListener,
+    PlacementRules,
+    ServerTier,
+    TierSpec,
+)
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -130,6 +137,7 @@ class ModelCore:
             refresh_all=cfg.refresh_all,
             hit_positions=cfg.hit_positions,
             supported_intervals=tuple(i for i in cfg.intervals if i % self.chunk == 0) or None,
+            max_interval_chunks=cfg.max_interval_chunks,
             ema_alpha=cfg.ema_alpha,
             end_probability_prior=cfg.end_probability_prior,
             initial_pressure_factor=cfg.initial_pressure_factor,

@@ -49,8 +49,7 @@ from typing import TYPE_CHECKING
 from lmcache_histate.backends.server.disk import file_format as df
 
 from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.tiers import KV, SNAPSHOT
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 from .model_core import ModelCore
 

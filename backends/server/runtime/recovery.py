@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 
 from lmcache_histate.backends.server.disk import file_format as df
 
-from lmcache_histate.core.defaults import ServerTier
-from lmcache_histate.core.tiers import KV, SNAPSHOT
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 from .model_core import ModelCore
 from .object_map import Link, ObjectMap, node_key

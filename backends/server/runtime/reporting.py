@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 from lmcache_histate.config import HiStateConfig
-from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.tiers import ServerTier
 
 from .model_core import ModelCore
 from .object_map import ObjectMap

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.defaults import ServerTier
+from lmcache_histate.core.tiers import ServerTier
 
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter

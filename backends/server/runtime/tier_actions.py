@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.index import Node
-from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener
+from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener, ServerTier
 
 from ..disk.entries import ObjectMeta
 from ..disk.tier import CapacityChanged, DiskReport, FilesLost, WriteDone

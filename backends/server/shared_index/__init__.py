@@ -18,7 +18,7 @@ One concept per module (``docs/shared-index.md`` has the design and the key layo
 
 from __future__ import annotations
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 from .connection import IndexConnection
 from .index import SharedIndex

@@ -55,8 +55,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from lmcache_histate.config import SharedIndexConfig, redacted_url
 from lmcache_histate.exposure import read_secret
-from lmcache_histate.shared_index_config import SharedIndexConfig, redacted_url
 
 __all__ = ["IndexConnection", "Unavailable"]
 

@@ -46,9 +46,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.core.defaults import ServerTier
 from lmcache_histate.core.score import MIN_RATIO
-from lmcache_histate.core.tiers import KV, SNAPSHOT
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey

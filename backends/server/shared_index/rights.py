@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import redis
 
-from lmcache_histate.shared_index_config import SharedIndexConfig
+from lmcache_histate.config import SharedIndexConfig
 
 from .connection import Unavailable, make_client
 from .layout import KeySpace
@@ -122,7 +122,7 @@ def _login(client: redis.Redis, where: str) -> None:
 def check_rights(cfg: SharedIndexConfig, keys: KeySpace) -> None:
     """Raise ``connection.Unavailable`` (one line, no credential) unless the configured
     user can run the shared index on ``keys`` (module docstring)."""
-    from lmcache_histate.shared_index_config import redacted_url
+    from lmcache_histate.config import redacted_url
 
     where = redacted_url(cfg.url)
     client = make_client(cfg)

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
+from ...core.cache_types import config_default
 from ...core.interval import supported_intervals
 from ..policy import Policy
 from ..variants import three_tier_policy
@@ -109,8 +109,8 @@ def baseline_policies(
     flops: FlopModel = DEFAULT_FLOPS,
     host_kv_fraction: float | None = None,
     same_memory: bool = False,
-    max_interval_chunks: int = MAX_INTERVAL_CHUNKS,
-    ema_alpha: float = EMA_ALPHA,
+    max_interval_chunks: int = config_default("max_interval_chunks"),
+    ema_alpha: float = config_default("ema_alpha"),
     step_grid: tuple[int | None, float] = (None, 0.0),
 ) -> dict[str, Callable[[], Policy]]:
     """Row name → factory of a fresh policy, in report order (``BASELINES``).

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.defaults import EMA_ALPHA, MAX_INTERVAL_CHUNKS
+from ...core.cache_types import config_default
 from ...core.index import Node, PrefixIndex
 from ...core.interval import IntervalController, ResidenceTracker, supported_intervals
 from ..capture import Capture
@@ -142,8 +142,8 @@ def file_lru_policy(
     chunk_tokens: int,
     kv_bytes_per_token: int,
     snapshot_bytes: int,
-    max_interval_chunks: int = MAX_INTERVAL_CHUNKS,
-    ema_alpha: float = EMA_ALPHA,
+    max_interval_chunks: int = config_default("max_interval_chunks"),
+    ema_alpha: float = config_default("ema_alpha"),
 ) -> FileLRUPolicy:
     """File-level LRU over ``tiers`` = [(name, capacity bytes), ...], fastest first (the
     last one is the snapshot tier), with HiState's interval control: the supported
