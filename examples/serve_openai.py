@@ -197,26 +197,8 @@ def converse(base: str, words: int, histate_http: str) -> dict[str, Any]:
             time.sleep(0.2)
         raise RuntimeError("vLLM's prefix cache could not be reset")
 
-    def wait_until_taken(prompt_tokens: int) -> None:
-        # LMCache hands objects committed to its L1 to the store policy on its own thread;
-        # a LOOKUP sent before that is served from L1 but not yet seen by HiState's core
-        # (no hit counted, nothing refreshed). An agent's next turn comes after its think
-        # time; this back-to-back replay waits until the server has taken the turn's full
-        # chunks and its final snapshot.
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:
-            status = json.loads(get(histate_http + "/status"))["histate"]
-            counters, chunk = status["counters"], status["chunk_tokens"]
-            kv = sum(v for k, v in counters.items() if k.startswith("kv_stored."))
-            snapshots = sum(v for k, v in counters.items() if k.startswith("snapshot_stored."))
-            if kv >= prompt_tokens // chunk and snapshots >= 1:
-                return
-            time.sleep(0.1)
-        raise RuntimeError("histate-server did not take the first turn's store in 30 s")
-
     turns = [ask("turn 1")]
     reset_vllm_prefix_cache()
-    wait_until_taken(turns[0]["prompt_tokens"])
     turns.append(ask("repeat"))
     messages += [{"role": "assistant", "content": turns[0]["answer"] or "ok"},
                  {"role": "user", "content": "now run the tests"}]

@@ -36,6 +36,7 @@ from support.lmcache_mp import (
     LMCacheServerError,
     TokenSource,
     lmcache_server,
+    support_pythonpath,
 )
 
 CHUNK = 16
@@ -66,11 +67,21 @@ def write_config(path: Path, disk: Path, **values: Any) -> Path:
 
 
 @contextlib.contextmanager
-def histate(workdir: Path, disk: Path, **values: Any) -> Iterator[LMCacheServer]:
+def histate(workdir: Path, disk: Path, *, test_module: tuple[str, dict[str, Any]] | None = None,
+            **values: Any) -> Iterator[LMCacheServer]:
+    """The launcher with a configuration of ``values``; ``test_module`` = (name, config)
+    of a test-only server module from ``tests/support`` loaded beside HiState's."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = write_config(workdir / "histate.yaml", disk, **values)
     command = [sys.executable, "-m", LAUNCHER, "--config", str(config)]
-    with lmcache_server(workdir=workdir, chunk_size=CHUNK, command=command) as server:
+    extra: list[str] = []
+    if test_module is not None:
+        name, module_config = test_module
+        extra = ["--server-module", json.dumps({"module_path": name, "factory_name":
+                                                "build_server_modules",
+                                                "config": module_config})]
+    with lmcache_server(extra, workdir=workdir, chunk_size=CHUNK, command=command,
+                        env=support_pythonpath() if test_module else None) as server:
         yield server
 
 
@@ -215,6 +226,46 @@ def test_placement_tiers_and_hits_across_them(tmp_path: Path, tokens: TokenSourc
                                                            20 * CHUNK]
         again = rpc("histate.plan", {"start_tokens": 2 * CHUNK, "input_tokens": 20 * CHUNK})
         assert again["boundaries"] == [8 * CHUNK, 14 * CHUNK, 20 * CHUNK]
+
+
+def test_lookup_before_the_store_hand_off_is_a_hit_histate_sees(
+    tmp_path: Path, tokens: TokenSource
+) -> None:
+    """LMCache serves a LOOKUP from L1 at once but hands the committed objects to the store
+    policy later, on its store controller's thread (runtime NOTE 3). A next turn that
+    arrives in between is a hit HiState counts, and the late hand-off still routes the
+    snapshots to disk. The hand-off is held back 2 s (``tests/support/slow_store_handoff``)
+    so the LOOKUP lands in that gap every time; a loaded host makes the same gap."""
+    disk = tmp_path / "disk"
+    flag = tmp_path / "hold-hand-off"
+    flag.touch()
+    module = ("slow_store_handoff", {"flag": str(flag), "delay_s": 2.0})
+    with (
+        histate(tmp_path / "srv", disk, test_module=module) as server,
+        HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine,
+    ):
+        p = tokens.tokens(4 * CHUNK)
+        sp = engine.store_chunks(p, snapshot_chunks=[1, 3], wait=False)
+        # Committed to L1 (4 KV chunks, 2 snapshots), seen without a LOOKUP of our own.
+        wait_until(lambda: server.l1_object_count() == 6, "the STORE's commit to L1")
+        got = engine.lookup_and_retrieve(p + tokens.tokens(CHUNK))  # the next turn
+        assert got.hit_chunks == 4 and engine.matches(sp, got)
+        held = server.status()["TEST_slow_store_handoff"]
+        assert held["held"] >= 1 and held["released"] == 0  # the LOOKUP came first
+        flag.unlink()
+        wait_until(lambda: server.status()["TEST_slow_store_handoff"]["released"]
+                   == held["held"], "the held hand-off")
+        status = settle(server)
+        c = status["counters"]
+        # One LOOKUP; it hit the whole 4-chunk prefix, ending at the stored prompt's end.
+        assert c["lookups"] == 1 and c["hit_tokens"] == 4 * CHUNK
+        assert c["hits.end"] == 1 and c.get("hits.internal", 0) == 0
+        # All six objects (4 KV chunks, 2 snapshots) were placed by the LOOKUP, none by
+        # the hand-off, and the hand-off used the routes decided then.
+        assert c["commits.queued"] == 6 and c.get("commits.unseen", 0) == 0
+        assert on_disk(disk, engine, p, REC_GROUP) == [1, 3]
+        assert on_disk(disk, engine, p, ATTN_GROUP) == []
+        assert server.l1_object_count() == 5  # 4 KV + the final snapshot
 
 
 def test_clear_l1_then_hit_from_disk_and_restart(tmp_path: Path, tokens: TokenSource) -> None:

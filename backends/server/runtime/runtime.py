@@ -10,8 +10,11 @@ every other part reaches it through what LMCache built, never through a module g
   manager's L2 adapters) and reports each LOOKUP (refresh-all, pins, hit counters), STORE
   (the request's ordered chunk-hash chain: positions and parents of the objects about to be
   committed) and END_SESSION;
-* the store policy (``policies.HiStateStorePolicy``) reports every batch of objects
-  committed to L1 and asks where they go; after a disk write it asks which may leave L1;
+* LMCache's L1 manager tells it of every object committed to L1 the moment the write
+  finishes (``CommitListener``, registered by ``attach_server``); the store policy
+  (``policies.HiStateStorePolicy``) hands the same objects over later, from the store
+  controller's thread, and asks where they go (NOTE 3); after a disk write it asks which
+  may leave L1;
 * the L1 eviction policy (``policies.HiStateL1EvictionPolicy``) reports L1 removals and
   asks for victims when LMCache's eviction loop finds L1 above its watermark;
 * the disk tier (``disk.tier.HiStateDiskAdapter``) is told the header of every write the
@@ -22,9 +25,10 @@ every other part reaches it through what LMCache built, never through a module g
 
 Its verbs, named by who calls them: ``on_<event>`` for what LMCache saw (``on_store``,
 ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
-``on_l1_removed``); a plain verb for what a caller asks of it (``plan``, ``status``,
-``evict_cpu``, ``tick``, ``check``, and the reads ``is_cpu_tracked``,
-``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` / ``close`` for its wiring.
+``on_l1_committed``, ``on_l1_removed``); a plain verb for what a caller asks of it
+(``plan``, ``status``, ``evict_cpu``, ``tick``, ``check``, and the reads
+``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` /
+``close`` for its wiring.
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
@@ -64,6 +68,25 @@ its config only, before any server module exists, and exposes no public list of 
 manager's L2 adapters in 0.5.6; ``attach_server`` reads ``_l2_adapters`` (as it reads
 ``_l1_manager``). A stock ``lmcache server`` attaches nothing: the tier then has no
 driver: it queues no reports and writes the ``UNKNOWN_META`` header.
+
+NOTE 3 (commits are placed when first seen). LMCache serves a LOOKUP from every object in
+L1, but hands committed objects to the store policy later, on its store controller's
+thread (``StoreListener`` queues them, the controller's loop calls
+``select_store_targets``; lmcache 0.5.6 ``storage_controllers/store_controller.py``). A
+LOOKUP arriving in between (an agent's next turn right after the last one's store, or any
+turn while the controller is busy submitting disk writes) would hit objects the core does
+not know: no hit counted, nothing refreshed or pinned. So the L1 manager's write-finished
+callback (``CommitListener``, run under LMCache's L1 lock) only queues the keys, and both
+a LOOKUP and the store policy's hand-off place every queued commit first
+(``_place_commits``). The route decided for each key (to disk or not) waits in
+``_routes`` until the store controller asks for it. Both listeners are called one after
+the other in the same ``finish_write``, so a hand-off can come in the instant before our
+callback queues the same keys: ``on_committed`` then waits up to ``COMMIT_WAIT_S`` for
+them, and places any still missing itself (``_direct`` then skips their queued copy).
+What is left is a LOOKUP that overlaps the STORE's own commit: LMCache commits from a
+stream callback after the STORE has answered, and serves a LOOKUP from a prefetch task,
+so a LOOKUP sent while the copy is still running can be served objects committed after
+our hook ran (a window of one copy, where the store controller's was unbounded).
 """
 
 from __future__ import annotations
@@ -71,9 +94,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from lmcache.v1.distributed.internal_api import L1ManagerListener
 
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache
@@ -95,7 +120,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
-__all__ = ["HiStateRuntime"]
+__all__ = ["CommitListener", "HiStateRuntime"]
+
+# How long a hand-off waits for ``CommitListener`` to queue its keys (NOTE 3): the callback
+# is one call away under the same L1 lock, so it is microseconds unless the host stalls.
+COMMIT_WAIT_S = 0.05
 
 
 class HiStateRuntime:
@@ -117,6 +146,12 @@ class HiStateRuntime:
             cfg, self.model, self.sessions, self.objects, self.actions, self.stats
         )
         self.ctx: Any = None
+        # NOTE 3: commits queued by ``CommitListener``, routes decided for them before the
+        # store controller asked, and keys it placed before their queued copy arrived.
+        self._commits: deque[list[ObjectKey]] = deque()
+        self._routes: dict[ObjectKey, bool] = {}
+        self._direct: Counter[ObjectKey] = Counter()
+        self._listening = False
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
 
@@ -151,6 +186,9 @@ class HiStateRuntime:
         if l1 is None or not callable(getattr(l1, "delete", None)):
             raise RuntimeError("HiState needs LMCache's single-L1 storage manager (0.5.6)")
         self.actions.l1 = l1
+        if not self._listening and callable(getattr(l1, "register_listener", None)):
+            l1.register_listener(CommitListener(self))  # NOTE 3
+            self._listening = True
         # NOTE 2: the disk tier LMCache built from ``--l2-adapter``, among its L2 adapters.
         disks = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
                  if isinstance(a, HiStateDiskAdapter)]
@@ -207,7 +245,8 @@ class HiStateRuntime:
             self.sessions.record_store(key, hashes)
 
     def on_lookup(self, key: Any) -> None:
-        """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit."""
+        """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit. Objects
+        committed to L1 but not handed over yet are placed first (NOTE 3)."""
         if self.ctx is None:
             return
         chunk = self.model.chunk
@@ -216,8 +255,10 @@ class HiStateRuntime:
         hashes = _chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
         with self.actions.step():
             now = self.clock()  # under the lock: NOTE 1
-            chain = self.objects.link_chain(hashes, key.cache_salt, None)
             core = self._core_for(key.model_name, key.world_size)
+            if core is not None:
+                self._place_commits(core, now)
+            chain = self.objects.link_chain(hashes, key.cache_salt, None)
             if core is None or not chain:
                 return
             self.sessions.lookup(core, key, chain, now)
@@ -250,15 +291,63 @@ class HiStateRuntime:
 
     # ============================================================ store policy
     def on_committed(self, keys: Sequence[ObjectKey]) -> set[ObjectKey]:
-        """Objects just committed to L1: place them; returns the keys to write to disk."""
+        """Objects committed to L1, handed over by the store controller: placed now unless
+        a LOOKUP placed them first (NOTE 3); returns the keys to write to disk."""
         if not keys or self.ctx is None:
             return set()
-        with self.actions.step():  # the routed writes' headers go down as it ends
-            now = self.clock()  # under the lock: NOTE 1
-            core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
-            if core is None:
-                return set()
-            return self.objects.place(core, keys, now, self.sessions, self.actions)
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while True:
+            with self.actions.step():  # the routed writes' headers go down as it ends
+                now = self.clock()  # under the lock: NOTE 1
+                core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
+                own = self.model.core
+                if own is not None:
+                    self._place_commits(own, now)
+                else:  # no hybrid model yet: nothing queued is ours
+                    self._commits.clear()
+                unseen = [k for k in keys if k not in self._routes]
+                if not unseen or not self._listening or time.monotonic() >= deadline:
+                    return self._hand_over(core, keys, unseen, now)
+            time.sleep(0.001)  # the listener is queuing them (NOTE 3)
+
+    def _hand_over(self, core: HiStateCache | None, keys: Sequence[ObjectKey],
+                   unseen: list[ObjectKey], now: float) -> set[ObjectKey]:
+        """The route of a hand-off's ``keys`` (under the lock): decided earlier for the ones
+        already placed, now for the ``unseen`` ones."""
+        route = {k for k in keys if self._routes.pop(k, False)}
+        if not unseen:
+            return route
+        if self._listening:  # their queued copies are still to come: skip those
+            self.stats["commits.unseen"] += len(unseen)
+            self._direct.update(unseen)
+        if core is None:
+            return route
+        return route | self.objects.place(core, unseen, now, self.sessions, self.actions)
+
+    def _place_commits(self, core: HiStateCache, now: float) -> None:
+        """Place every commit ``CommitListener`` queued (under the lock), keeping each
+        key's route for the store controller's hand-off (NOTE 3)."""
+        batch: list[ObjectKey] = []
+        direct = self._direct
+        while self._commits:
+            for key in self._commits.popleft():
+                if direct[key]:
+                    direct[key] -= 1
+                    if not direct[key]:
+                        del direct[key]
+                    continue
+                batch.append(key)
+        if not batch:
+            return
+        route = self.objects.place(core, batch, now, self.sessions, self.actions)
+        self.stats["commits.queued"] += len(batch)
+        for key in batch:
+            self._routes[key] = key in route
+
+    def on_l1_committed(self, keys: list[ObjectKey]) -> None:
+        """Called by LMCache under its L1 lock when writes finish: queue only (NOTE 3)."""
+        if keys:
+            self._commits.append(list(keys))
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
@@ -334,6 +423,36 @@ class HiStateRuntime:
         # /status janitor_ticks: the background thread is alive (a stalled count is a
         # janitor stuck on the lock or on I/O).
         self.stats["janitor_ticks"] += 1
+
+
+class CommitListener(L1ManagerListener):
+    """Hears LMCache's L1 manager: the keys of each finished write reach the runtime's
+    commit queue (NOTE 3). Every callback runs under LMCache's L1 lock; the others are
+    other parts' business (removals reach the runtime through the L1 eviction policy)."""
+
+    def __init__(self, runtime: HiStateRuntime) -> None:
+        self.runtime = runtime
+
+    def on_l1_keys_write_finished(self, keys: list[ObjectKey]) -> None:
+        self.runtime.on_l1_committed(keys)
+
+    def on_l1_keys_reserved_read(self, keys: list[ObjectKey]) -> None:
+        return None
+
+    def on_l1_keys_read_finished(self, keys: list[ObjectKey]) -> None:
+        return None
+
+    def on_l1_keys_reserved_write(self, keys: list[ObjectKey]) -> None:
+        return None
+
+    def on_l1_keys_finish_write_and_reserve_read(self, keys: list[ObjectKey]) -> None:
+        return None  # a prefetch from disk: no commit
+
+    def on_l1_keys_deleted_by_manager(self, keys: list[ObjectKey]) -> None:
+        return None
+
+    def on_l1_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        return None
 
 
 def _chain_hashes(ctx: Any, token_ids: Sequence[int], end: int) -> list[bytes]:
