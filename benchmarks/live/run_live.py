@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shlex
 import statistics
@@ -125,11 +126,6 @@ def summarize(rows: list[dict[str, Any]], sensitive: set[int]) -> dict[str, Any]
         "first_turns": len(first),
         "first_turns_mean_s": statistics.fmean(first) if first else float("nan"),
     }
-
-
-def _as_dicts(rows: list[client.Row]) -> list[dict[str, Any]]:
-    return [{"session": r.session, "turn": r.turn, "prompt_tokens": r.prompt_tokens,
-             "cached_tokens": r.cached_tokens, "ttft_s": r.ttft_s} for r in rows]
 
 
 def reuse_sensitive(per_stack: dict[str, list[dict[str, Any]]], chunk: int) -> set[int]:
@@ -254,20 +250,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mismatches = {k: guard_mismatches(v, like.get(k, reference)) for k, v in guard.items()}
     for key in like:  # what the step ends alone change: reported, never a failure
         mismatches[key]["default_steps"] = guard_mismatches(guard[key], reference)
+    rows_of = {k: [[dataclasses.asdict(r) for r in rows] for rows in v]
+               for k, v in runs.items() if v}
     per_stack = {k: _median_rows(v) for k, v in runs.items() if v}
     sensitive = reuse_sensitive(per_stack, chunk)
     summary = {k: summarize(v, sensitive) for k, v in per_stack.items()}
     # Each repetition on its own, over the same reuse-sensitive requests: the spread that a
     # difference between stacks must exceed (the medians above hide it).
-    repetitions = {k: [summarize(_as_dicts(rows), sensitive) for rows in v]
-                   for k, v in runs.items() if v}
+    repetitions = {k: [summarize(rows, sensitive) for rows in v] for k, v in rows_of.items()}
     io = io_check.measure(work, args.io_mb)
     _plot(per_stack, out / "ttft_cdf.png")
     return {"model_size": args.model_size, "layout": layout.__dict__, "budget": budget.__dict__,
             "footprint": footprint,
             "requests": len(workload), "sensitive": sorted(sensitive), "summary": summary,
             "repetitions": repetitions, "rows": per_stack,
-            "runs": {k: [_as_dicts(rows) for rows in v] for k, v in runs.items() if v},
+            "runs": rows_of,
             "errors": errors, "guard_mismatches": mismatches,
             "guard": guard, "guard_reference": reference, "guard_reference_like": like,
             "guard_sample": len(sample), "io": io}
