@@ -61,6 +61,11 @@ production (this size)     278 µs       452     1,572          360
 9B's full head counts      3,924 µs     1,593   1,572          25
 =========================  ===========  ======  =============  ======================
 
+On an AVX2-only CPU (``vllm._C_AVX2``, 2 cores, quiet, same method) prefill is ~25x slower
+while memory is not: tiny 1,554 µs and production 6,851 µs per token, so ``R`` is ~10,000
+and ~11,000 (``B = 3.3 GB/s``) and 0.1 s is 64 and 15 tokens of prefill. There a hit is
+worth more and a fixed cost less than on an H100; ``N_s`` alone keeps its value.
+
 NOTE 1 (why ``R = 122`` is out of reach on this CPU): ``R = (FLOP per token / b) * (B / F)``
 for a compute rate ``F``. An H100 has ``B / F = 50e9 / 225e12``; this CPU ``3.3e9 / ~40e9``,
 about 400x more bytes per FLOP, so a model would need ~400x fewer FLOP per KV byte than 9B's
