@@ -8,6 +8,7 @@ without a recorded STORE, objects removed from L1 behind HiState's back, session
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk.tier import WriteDone
 from lmcache_histate.backends.server.runtime.object_map import node_key
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
+from lmcache_histate.backends.server.runtime.tier_actions import take_one
 
 from lmcache_histate.config import parse_config
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
@@ -412,3 +414,15 @@ def test_object_map_check_names_each_broken_invariant(
     breaks(rt, key, nk)
     with pytest.raises(AssertionError, match=invariant):
         rt.check()
+
+
+def test_take_one_counts_down_and_leaves_no_zero_entry() -> None:
+    """``take_one`` (the pending-count step shared by the commit queue and the expected L1
+    removals): a key counted twice is taken twice, then refused; a key never counted is
+    refused; no entry is left at zero."""
+    counts: Counter[str] = Counter({"a": 2, "b": 1})
+    assert take_one(counts, "a") and counts == Counter({"a": 1, "b": 1})
+    assert take_one(counts, "a") and "a" not in counts
+    assert not take_one(counts, "a") and "a" not in counts
+    assert take_one(counts, "b") and not take_one(counts, "c")
+    assert dict(counts) == {}

@@ -113,7 +113,7 @@ from .object_map import ObjectMap
 from .recovery import recover_from_disk
 from .reporting import StatusReport
 from .sessions import SessionTracker
-from .tier_actions import TierActions
+from .tier_actions import TierActions, take_one
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -328,15 +328,8 @@ class HiStateRuntime:
         """Place every commit ``CommitListener`` queued (under the lock), keeping each
         key's route for the store controller's hand-off (NOTE 3)."""
         batch: list[ObjectKey] = []
-        direct = self._direct
         while self._commits:
-            for key in self._commits.popleft():
-                if direct[key]:
-                    direct[key] -= 1
-                    if not direct[key]:
-                        del direct[key]
-                    continue
-                batch.append(key)
+            batch.extend(k for k in self._commits.popleft() if not take_one(self._direct, k))
         if not batch:
             return
         route = self.objects.place(core, batch, now, self.sessions, self.actions)

@@ -54,10 +54,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
-__all__ = ["Actions", "CoreListener", "TierActions"]
+__all__ = ["Actions", "CoreListener", "TierActions", "take_one"]
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 TIER_NAMES = {t: t.name.lower() for t in ServerTier}
+
+
+def take_one(counts: Counter[Any], key: Any) -> bool:
+    """Take one of ``key``'s pending count: True (and one fewer, no entry at zero) when it
+    had one, False when it had none. Invariant kept: ``counts`` holds no zero entries."""
+    if not counts.get(key):
+        return False
+    if counts[key] == 1:
+        del counts[key]
+    else:
+        counts[key] -= 1
+    return True
 
 
 @dataclass(slots=True)
@@ -266,10 +278,7 @@ class TierActions:
         while self.events:
             for key in self.events.popleft():
                 with self._expected_lock:
-                    if self._expected.get(key):
-                        self._expected[key] -= 1
-                        if not self._expected[key]:
-                            del self._expected[key]
+                    if take_one(self._expected, key):
                         continue
                 where = self.objects.where(key)
                 if where is None or core is None:
@@ -345,10 +354,7 @@ class TierActions:
     def _unexpect(self, keys: Iterable[ObjectKey]) -> None:
         with self._expected_lock:
             for key in keys:
-                if self._expected[key] <= 1:
-                    self._expected.pop(key, None)
-                else:
-                    self._expected[key] -= 1
+                take_one(self._expected, key)
 
     def _demote(self, nk: int, part: str, keys: list[ObjectKey]) -> None:
         """Write L1 objects to the disk tier, then let them leave L1."""
