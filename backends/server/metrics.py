@@ -25,6 +25,8 @@ and appear with a ``_total`` suffix, e.g.::
                                                   not export these)
     histate_snapshot_interval_tokens              interval chosen for the latest segment
     histate_pressure_factor                       T_KV / T_state
+    histate_step_tokens                           the engine's step grid the plans use
+    histate_step_price_tokens                     its measured price of one step end
     histate_tier_used_bytes{tier}, histate_tier_capacity_bytes{tier}
     histate_shared_index_connected                with a shared_index section: 1 / 0
                                                   (degraded: serving the local view)
@@ -139,6 +141,14 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
         ),
         "histate_pressure_factor": (
             "Interval controller pressure factor T_KV / T_state", status_value("pressure_factor")
+        ),
+        "histate_step_tokens": (
+            "The engine's step grid the plans use (tokens; absent until reported)",
+            status_value("step_tokens"),
+        ),
+        "histate_step_price_tokens": (
+            "Price of one extra prefill step end the plans use (tokens of prefill time)",
+            status_value("step_price"),
         ),
         "histate_end_probability": (
             "Estimated probability that an access continues a session from its end",

@@ -18,8 +18,9 @@ handlers (``v1/multiprocess/ext_server_module.py``). It:
 * reports the runtime's state in ``GET /status`` (key ``histate``) and as Prometheus
   metrics on ``GET /metrics`` (``histate_*``);
 * answers two extension RPCs (``server_module_call``): ``histate.status`` (JSON) and
-  ``histate.plan`` (JSON ``{"start_tokens": s, "input_tokens": n}`` → the token
-  positions whose recurrent states HiState's interval controller wants saved). Every
+  ``histate.plan`` (JSON ``{"start_tokens": s, "input_tokens": n}``, optionally with the
+  engine's ``step_tokens`` and measured ``step_price`` → the token positions whose
+  recurrent states HiState's interval controller wants saved). Every
   argument is checked before the runtime lock is taken (NOTE 1); with ``auth_token_file``
   set both need ``"token"`` in the payload (``access.check_rpc_token``).
 
@@ -42,7 +43,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
     server_module_handler,
 )
 
-from lmcache_histate.core.cache_types import check_step_tokens
+from lmcache_histate.core.cache_types import check_step_price, check_step_tokens
 from lmcache_histate.exposure import read_secret
 from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 
@@ -73,11 +74,14 @@ def _request(payload: bytes, method: str) -> dict[str, Any]:
 
 def parse_plan_request(
     request: dict[str, Any], max_tokens: int, chunk_tokens: int
-) -> tuple[int, int, int | None]:
-    """``(start_tokens, input_tokens, step_tokens)`` of a ``histate.plan`` request, each
-    checked: integers with 0 <= start_tokens <= input_tokens <= ``max_tokens``; the optional
-    ``step_tokens`` (the engine's step grid, ``HiStateCache.set_step_grid``; None when
-    absent) a positive multiple of ``chunk_tokens`` up to ``max_tokens``."""
+) -> tuple[int, int, int | None, float | None]:
+    """``(start_tokens, input_tokens, step_tokens, step_price)`` of a ``histate.plan``
+    request, each checked: integers with 0 <= start_tokens <= input_tokens <=
+    ``max_tokens``; the optional ``step_tokens`` (the engine's step grid,
+    ``HiStateCache.set_step_grid``; None when absent) a positive multiple of
+    ``chunk_tokens`` up to ``max_tokens``; the optional ``step_price`` (the engine's
+    measured ``σ``, tokens of prefill per step end; None when absent) a finite number
+    ≥ 0."""
     if "input_tokens" not in request:
         raise RpcRefused("histate.plan: input_tokens is missing")
     values = []
@@ -102,7 +106,15 @@ def parse_plan_request(
             f"histate.plan: step_tokens must be a positive multiple of the chunk size "
             f"{chunk_tokens} up to {max_tokens}, got {step!r}"[:300]
         )
-    return start, end, step
+    price = request.get("step_price")
+    try:
+        price = None if price is None else check_step_price(price)
+    except ValueError:
+        raise RpcRefused(
+            f"histate.plan: step_price must be a finite number >= 0 (tokens of prefill per "
+            f"step end), got {price!r}"[:300]
+        ) from None
+    return start, end, step, price
 
 
 class HiStateServerModule:
@@ -143,10 +155,10 @@ class HiStateServerModule:
         request = self._checked(payload, PLAN_METHOD)
         if self.runtime is None:
             return json.dumps({"boundaries": []}).encode()
-        start, end, step = parse_plan_request(
+        start, end, step, price = parse_plan_request(
             request, self.runtime.cfg.max_model_tokens, self.runtime.model.chunk
         )
-        return json.dumps({"boundaries": self.runtime.plan(start, end, step)}).encode()
+        return json.dumps({"boundaries": self.runtime.plan(start, end, step, price)}).encode()
 
 
 def _guarded(runtime: HiStateRuntime, what: str, fn: Any, *args: Any) -> None:

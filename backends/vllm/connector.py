@@ -32,7 +32,9 @@ is unchanged. What it adds:
   budget of at least one block, or vLLM's own with steps of one block (checked at start:
   ``interval_saves.check_vllm_settings``). Extra config keys:
   ``histate.interval_saves`` (default true; false = stock LMCache saves),
-  ``histate.plan_timeout_s`` (default 5).
+  ``histate.plan_timeout_s`` (default 5), ``histate.step_price`` (default ``"measured"``: the
+  step scheduler's measured price of a step end goes with each plan; a number: that fixed
+  price in tokens, 0 = unpriced).
 * **CPU support** (CPU platform only; see ``cpu_support`` and docs/vllm-cpu.md): the
   lmcache-driven transfer mode by default (``lmcache.mp.mp_transfer_mode``: LMCache's CPU
   default is the engine-driven path, which rejects more than one KV group, i.e. every hybrid
@@ -103,6 +105,7 @@ from lmcache_histate.backends.vllm.interval_saves import (
     SettingsError,
     check_server_geometry,
     check_vllm_settings,
+    configured_step_price,
     planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
@@ -143,6 +146,8 @@ AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
 """The server's shared-secret file (the launcher prints its path, never the secret)."""
 REPORT_PARAM = "histate_saves"
 STALL_POLLS_KEY = "histate.stall_polls"
+STEP_PRICE_KEY = "histate.step_price"
+"""``"measured"`` (default) or a fixed step price in tokens (``configured_step_price``)."""
 STEP_ATTR = "histate_step"
 """Attribute carrying the scheduler step on the connector metadata sent to the worker."""
 
@@ -204,6 +209,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._pending_plans: dict[str, tuple[tuple[int, int], PendingPlan]] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
+        self._step_price_measured = True  # histate.step_price: "measured"
         self._step = 0
         self._store_steps = StoreSteps()  # worker side: which stores have their data
         self.histate_stats: dict[str, int] = {}
@@ -295,6 +301,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         # Where steps end anyway: every budget's worth of whole chunks, or every chunk.
         chunk = self._chunk_tokens
         step_tokens = max(chunk, budget - budget % chunk) if plans_step_ends else chunk
+        fixed_price = configured_step_price(extra.get(STEP_PRICE_KEY, "measured"))
         self._recurrent_groups = recurrent
         # N_s (snapshot size in KV-token units) of what vLLM allocated, for the local planner.
         snapshot_bytes = 0
@@ -314,6 +321,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
             count=self._count, step_tokens=step_tokens,
         )
+        self._plans.step_price = fixed_price
+        self._step_price_measured = fixed_price is None
         server = self._plans.probe()
         if server is not None:
             check_server_geometry(server.get("geometry"), snapshot_bytes=snapshot_bytes,
@@ -376,6 +385,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if saves is None or not saves.plan:
             return end
         return planned_step_end(saves.plan, start, end)
+
+    def set_step_price(self, sigma: float) -> None:
+        """The engine's measured step price ``σ`` (tokens of prefill per step end; the step
+        scheduler fits it, ``core/step_price.py``): sent with the plan requests from now on,
+        unless ``histate.step_price`` fixed the price."""
+        if self._saves_active and self._step_price_measured:
+            self._plans.step_price = sigma
 
     def _take_offers(self, scheduler_output: SchedulerOutput) -> None:
         state = getattr(scheduler_output, "kv_connector_block_state", None)

@@ -209,6 +209,23 @@ def check_server_geometry(
     )
 
 
+def configured_step_price(value: Any) -> float | None:
+    """The connector's ``histate.step_price`` setting: None for ``"measured"`` (the default:
+    the step scheduler measures ``σ``, ``core/step_price.py``, and the plans carry it once
+    it can tell), else a fixed price of one step end in tokens of prefill, a finite number
+    ≥ 0, sent with every plan instead (0: step ends unpriced, ``core/interval.py`` NOTE 2).
+    Anything else raises :class:`SettingsError` naming the key."""
+    if value == "measured":
+        return None
+    if not isinstance(value, bool) and isinstance(value, int | float) \
+            and 0.0 <= value < float("inf"):
+        return float(value)
+    raise SettingsError(
+        f"kv_connector_extra_config 'histate.step_price' must be \"measured\" or a finite "
+        f"number >= 0 (tokens of prefill per step end), got {value!r}"[:300]
+    )
+
+
 # ----------------------------------------------------------------------------- plans
 
 

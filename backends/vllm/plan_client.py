@@ -4,7 +4,8 @@
 connection it already holds, for two things: ``histate.status`` once at start (is a HiState
 module active there, and which geometry did it assume) and ``histate.plan`` per new segment
 (the snapshot boundaries the server's interval controller chooses with the live pressure
-factor). A server with a shared secret (``auth_token_file``) wants it in every payload.
+factor, on the engine's step grid and at its measured step price). A server with a shared
+secret (``auth_token_file``) wants it in every payload.
 
 Invariant: once :meth:`PlanClient.probe` found no active module, :meth:`plan` returns None
 for the connector's lifetime (no RPC per request to a server that cannot answer); a failed
@@ -38,10 +39,13 @@ class PlanClient:
                  count: Callable[[str], None], step_tokens: int | None = None) -> None:
         """``step_tokens``: the engine's step grid (its budget in whole chunks with the
         step scheduler, one chunk without), sent with every plan request so a server can
-        price step ends (``core.interval``); a server that does not read it ignores it."""
+        price step ends (``core.interval``); a server that does not read it ignores it.
+        :attr:`step_price` (``σ``, tokens of prefill per step end; None: not measured yet)
+        goes with it once the step scheduler has measured it (``step_price``)."""
         self._client = client  # the adapter's request client, looked up per call
         self._token = token
         self._step_tokens = step_tokens
+        self.step_price: float | None = None
         self.timeout = timeout
         self._count = count
         self.active = False
@@ -98,6 +102,8 @@ class PlanClient:
             payload: dict[str, Any] = {"start_tokens": start, "input_tokens": end}
             if self._step_tokens is not None:
                 payload["step_tokens"] = self._step_tokens
+            if self.step_price is not None:
+                payload["step_price"] = self.step_price
             future = self._send(PLAN_METHOD, payload)
         except Exception as exc:  # transport failure
             return PendingPlan(None, self.timeout, self._count, exc)

@@ -12,12 +12,12 @@ manager offers each retained step-end state to the connector
 (``cache_blocks``, 1993-2007, ``_pending_boundary_state_offloads``). A snapshot the plan keeps
 at a boundary needs a step to end there, and nothing else does.
 
-What it changes. Exactly one thing: after vLLM's own ``_mamba_block_aligned_split``
-(``vllm/v1/core/sched/scheduler.py`` 443-556: block-aligned ends below the prompt end, the
-last cacheable block boundary, the prompt's hash-tail checkpoint, a shared-prefix junction),
-a prefill step that would run past the next boundary the connector's plan keeps for that
-request ends there instead (``HiStateConnector.planned_step_end``). The step budget stays
-vLLM's, so
+What it changes in the schedule. Exactly one thing: after vLLM's own
+``_mamba_block_aligned_split`` (``vllm/v1/core/sched/scheduler.py`` 443-556: block-aligned
+ends below the prompt end, the last cacheable block boundary, the prompt's hash-tail
+checkpoint, a shared-prefix junction), a prefill step that would run past the next
+boundary the connector's plan keeps for that request ends there instead
+(``HiStateConnector.planned_step_end``). The step budget stays vLLM's, so
 
 * a request whose plan keeps no boundary below vLLM's own stops prefills in exactly the steps
   stock vLLM takes (its final snapshot is vLLM's last-cacheable-block stop when the LMCache
@@ -33,6 +33,15 @@ The split runs for both places vLLM calls it: running requests (``schedule``, sc
 ``connector.get_num_new_matched_tokens`` (978-981) set the request's hits, which is all the
 plan needs (its segment starts at the longer of the two hits). The scheduler reads the plan
 through the connector it owns (``self.connector``); there is no shared state.
+
+The step price. The plan prices each extra step end at ``σ`` tokens of prefill time
+(``core/interval.py``), which only the engine can measure: the scheduler times the period
+between consecutive ``update_from_output`` calls while the engine stayed busy against each
+step's ``total_num_scheduled_tokens`` (``core/step_price.py``: ``σ`` = fixed step time /
+per-token time) and hands every estimate to the same connector
+(``HiStateConnector.set_step_price``), which sends it with its next ``histate.plan``
+requests. Until the fit can tell (``core/step_price.py`` NOTE 2) nothing is sent and the
+server keeps the price it has.
 
 Async scheduling. ``SchedulerConfig.get_scheduler_cls`` (``vllm/config/scheduler.py`` 228-253)
 returns a configured class as is, so naming this class would drop vLLM's
@@ -55,12 +64,16 @@ naming both (``check_vllm``).
 from __future__ import annotations
 
 import inspect
+import logging
+import time
 from typing import Any, Protocol
 
 import vllm
 from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from lmcache_histate.core.step_price import StepPriceFit
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -70,6 +83,8 @@ __all__ = [
     "check_vllm",
     "is_step_scheduler",
 ]
+
+logger = logging.getLogger("lmcache_histate.step_scheduler")
 
 SUPPORTED_VLLM = ("0.32.",)
 """vLLM versions whose scheduler this module was checked against (prefixes)."""
@@ -85,6 +100,10 @@ class StepPlanner(Protocol):
     def planned_step_end(self, request_id: str, start: int, end: int) -> int:
         """The end of a prefill step ``[start, end)``: the first planned boundary strictly
         inside it, else ``end``."""
+        ...
+
+    def set_step_price(self, sigma: float) -> None:
+        """Send ``sigma`` (tokens of prefill per step end) with the next plan requests."""
         ...
 
 
@@ -119,6 +138,27 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
         self._histate_planner: StepPlanner | None = (
             planner if callable(getattr(planner, "planned_step_end", None)) else None
         )
+        self._histate_steps = StepPriceFit()
+        self._histate_priced = False
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's update; the step's period and tokens also go into the step-price fit."""
+        now = time.monotonic()  # the step's output is in: its period ends here
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        steps = self._histate_steps
+        steps.step_ended(now, int(scheduler_output.total_num_scheduled_tokens),
+                         self.has_unfinished_requests())
+        sigma = steps.sigma
+        if sigma is None or self._histate_planner is None:
+            return outputs
+        if not self._histate_priced:  # once: what the plans are priced with from now on
+            self._histate_priced = True
+            a, b = steps.coefficients or (0.0, 0.0)
+            logger.info("HiState: step price measured over %d busy steps: %.2f ms per step, "
+                        "%.1f us per token, sigma = %.1f tokens", steps.steps, a * 1e3,
+                        b * 1e6, sigma)
+        self._histate_planner.set_step_price(sigma)
+        return outputs
 
     def _mamba_block_aligned_split(
         self,

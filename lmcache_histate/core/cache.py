@@ -30,7 +30,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
-from .cache_types import CacheConfig, CacheStats, RequestHandle, check_step_tokens
+from .cache_types import (
+    CacheConfig,
+    CacheStats,
+    RequestHandle,
+    check_step_price,
+    check_step_tokens,
+)
 from .eviction import EvictionQueue
 from .hit_positions import HitPositions
 from .index import Match, Node, PrefixIndex
@@ -158,11 +164,16 @@ class HiStateCache:
         path = self._index.walk(keys)
         return len(path) == len(keys) and all(n.kv_tiers for n in path)
 
-    def set_step_grid(self, step_tokens: int | None) -> None:
+    def set_step_grid(self, step_tokens: int | None, step_price: float | None = None) -> None:
         """Plan on the engine's step grid ``step_tokens`` from now on (None: unknown), as
-        ``CacheConfig.step_tokens``; the live server calls it with what each plan request
-        reports, since only the engine knows its step budget."""
-        self._interval.step_tokens = check_step_tokens(step_tokens, self.config.chunk_tokens)
+        ``CacheConfig.step_tokens``, with each extra step end priced ``step_price`` tokens
+        (``CacheConfig.step_price``; None keeps the current price); the live server calls
+        it with what each plan request reports, since only the engine knows its step budget
+        and measures its step time. Both are checked before either changes."""
+        step_tokens = check_step_tokens(step_tokens, self.config.chunk_tokens)
+        if step_price is not None:
+            self._interval.step_price = check_step_price(step_price)
+        self._interval.step_tokens = step_tokens
 
     @property
     def step_grid(self) -> int | None:
@@ -195,6 +206,8 @@ class HiStateCache:
             dropped_units=store.dropped_units,
             hit_position_samples=None if positions is None else positions.samples,
             hit_position_spread=None if positions is None else positions.spread(),
+            step_tokens=self._interval.step_tokens,
+            step_price=self._interval.step_price,
         )
 
     # --------------------------------------------------------------- requests

@@ -29,6 +29,7 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "RequestHandle",
+    "check_step_price",
     "check_step_tokens",
     "config_default",
 ]
@@ -49,6 +50,14 @@ def check_step_tokens(step_tokens: int | None, chunk_tokens: int) -> int | None:
             f"(the step budget rounded down to whole chunks), got {step_tokens!r}"
         )
     return step_tokens
+
+
+def check_step_price(step_price: float) -> float:
+    """``step_price`` as a float if it is a finite number ≥ 0, else ``ValueError``."""
+    if isinstance(step_price, bool) or not isinstance(step_price, int | float) \
+            or not 0.0 <= step_price < math.inf:
+        raise ValueError(f"step_price must be a finite number ≥ 0, got {step_price!r}")
+    return float(step_price)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +101,8 @@ class CacheConfig:
     pressure factor 0 the plan keeps states on that grid only (``interval`` NOTE 2); the
     live server learns it from each plan request (``HiStateCache.set_step_grid``).
     ``step_price``: one extra step end's fixed time in tokens of prefill time (``σ``,
-    ``interval``), 0: step ends are priced only at pressure factor 0.
+    ``interval``), 0: step ends are priced only at pressure factor 0; the live server
+    learns it from the plan requests of an engine that measures it (``set_step_grid``).
     """
 
     chunk_tokens: int
@@ -140,8 +150,7 @@ class CacheConfig:
         if not self.attention_tokens > 0:
             raise ValueError(f"attention_tokens must be positive, got {self.attention_tokens}")
         check_step_tokens(self.step_tokens, self.chunk_tokens)
-        if not 0.0 <= self.step_price < math.inf:
-            raise ValueError(f"step_price must be a finite number ≥ 0, got {self.step_price}")
+        check_step_price(self.step_price)
         if self.fixed_interval is not None and (
             self.fixed_interval < 0 or self.fixed_interval % self.chunk_tokens
         ):
@@ -185,7 +194,9 @@ class CacheStats:
     ``snapshot_residence_s``: the residence-time EMAs behind ``pressure_factor``;
     ``hit_position_samples`` / ``hit_position_spread``: internal hits placed in their
     segments so far and the spread ``s`` of their distribution (1 = uniform,
-    ``hit_positions``), None unless positions are configured ``measured``.
+    ``hit_positions``), None unless positions are configured ``measured``;
+    ``step_tokens`` / ``step_price``: the step grid and step price the interval controller
+    plans with (``CacheConfig``, ``HiStateCache.set_step_grid``).
     """
 
     nodes: int
@@ -204,6 +215,8 @@ class CacheStats:
     dropped_units: int
     hit_position_samples: int | None = None
     hit_position_spread: float | None = None
+    step_tokens: int | None = None
+    step_price: float = 0.0
 
 
 @dataclass(slots=True)

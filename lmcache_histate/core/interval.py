@@ -59,10 +59,14 @@ free, and with the storage term gone nothing in the paper's cost bounds the step
 one block for every request while the cache warms up (in the H100 example a 32K segment
 would take 60 steps instead of 4: 56 more step ends, 112 ms). So at ``F = 0`` with a
 step grid the step ends are weighed against what they buy, per prefill (NOTE 3); where
-their price is unknown (``step_price`` 0: the live server, whose engine does not report
-it) the choice is among the intervals that cost no step end (multiples of ``B``, the
-longest supported one if none is); without a step grid it is one state per chunk. The
-first snapshot that leaves starts the average and the paper's cost follows it.
+their price is unknown (``step_price`` 0: a live server before the engine's step
+scheduler has measured it, or behind an engine without that scheduler) the choice is
+among the intervals that cost no step end (multiples of ``B``, the longest supported one
+if none is); without a step grid it is one state per chunk. The live engine measures
+``σ`` as the fixed time of a step over its time per prefill token, from its own busy
+steps (``step_price``), and sends it with each plan request
+(``HiStateCache.set_step_grid``). The first snapshot that leaves starts the average and
+the paper's cost follows it.
 Snapshots leaving while no KV has is evidence the snapshot side is the tighter one, but
 not of by how much: ``F`` stays at the neutral 1 until KV leaves too. A deployment that
 would rather start from the paper's neutral factor sets ``initial_pressure_factor: 1``.
@@ -99,7 +103,7 @@ expected recompute of 1,056 tokens (2,673 fewer, 267.3 per prefill at ``q`` = 0.
 out: the live scheduler pins a planned state's block from its step end until its store
 has the data, and the simulator charges each mid-prefill state's device → host copy
 (``sim/capture.py``: 51.5 MB at 50 GB/s, 1 ms ≈ 13 tokens at the H100's 80 µs); neither
-is priced here (the live plans are unpriced and keep the grid, NOTE 2). Nor is the room
+is priced here (a live ``σ`` is the engine's measured step time only). Nor is the room
 a denser plan takes: storage is free only until the tier fills, and a denser start may
 fill it sooner (not traced: on the bundled Weka sample at 2 + 2 + 4 GiB,
 ``tests/data/pinned``, HiState's mean goes 0.476 → 0.499 s against the grid alone, at the
@@ -116,7 +120,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from .cache_types import check_step_tokens, config_default
+from .cache_types import check_step_price, check_step_tokens, config_default
 from .ema import check_alpha, seeded_step
 from .hit_positions import HitPositions
 from .units import HitModel
@@ -217,11 +221,8 @@ class IntervalController:
         ``HitModel`` at its prior)."""
         if snapshot_tokens <= 0:
             raise ValueError(f"snapshot_tokens (N_s) must be positive, got {snapshot_tokens}")
-        check_step_tokens(step_tokens, chunk_tokens)
-        if not 0.0 <= step_price < math.inf:
-            raise ValueError(f"step_price must be a finite number ≥ 0, got {step_price}")
-        self.step_tokens = step_tokens
-        self.step_price = float(step_price)
+        self.step_tokens = check_step_tokens(step_tokens, chunk_tokens)
+        self.step_price = check_step_price(step_price)
         self.chunk_tokens = chunk_tokens
         self.snapshot_tokens = float(snapshot_tokens)
         sup = tuple(sorted(set(supported))) if supported else supported_intervals(chunk_tokens)

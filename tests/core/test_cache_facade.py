@@ -209,6 +209,27 @@ def test_a_priced_step_grid_buys_the_states_internal_hits_pay_for() -> None:
     assert live.snapshot_plan(8, 48) == [16, 24, 32, 40, 48]
 
 
+def test_set_step_grid_takes_the_engines_step_price() -> None:
+    """The live server's path to the priced plan of the test above: a core configured
+    without grid or price (``p_end`` 0.5) plans every chunk; told the grid alone it keeps
+    the grid's states, [20, 32, 44, 48]; told the price 0.5 too, cost₀ picks 8 as above,
+    [16, 24, 32, 40, 48]; a later grid without a price keeps 0.5. ``stats`` reports both.
+    A bad price is refused, naming the key, and changes neither grid nor price."""
+    base = replace(stored().config, supported_intervals=None, end_probability_prior=0.5)
+    cache = HiStateCache(base)
+    assert (cache.stats().step_tokens, cache.stats().step_price) == (None, 0.0)
+    cache.set_step_grid(12)
+    assert cache.snapshot_plan(8, 48) == [20, 32, 44, 48]
+    cache.set_step_grid(12, 0.5)
+    assert cache.snapshot_plan(8, 48) == [16, 24, 32, 40, 48]
+    cache.set_step_grid(12)
+    assert (cache.stats().step_tokens, cache.stats().step_price) == (12, 0.5)
+    for bad in (-1.0, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="step_price must be a finite number ≥ 0"):
+            cache.set_step_grid(24, bad)  # type: ignore[arg-type]
+    assert (cache.stats().step_tokens, cache.stats().step_price) == (12, 0.5)
+
+
 def test_a_step_grid_does_not_move_a_plan_under_pressure() -> None:
     """With the pressure factor 1 the storage term decides (step_price 0 prices no step
     end): the 64-token segment's cost I/2 + 12.5·64/I is lowest at I = 40 (20 + 20 = 40;

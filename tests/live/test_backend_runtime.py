@@ -8,6 +8,7 @@ without a recorded STORE, objects removed from L1 behind HiState's back, session
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -426,3 +427,37 @@ def test_take_one_counts_down_and_leaves_no_zero_entry() -> None:
     assert not take_one(counts, "a") and "a" not in counts
     assert take_one(counts, "b") and not take_one(counts, "c")
     assert dict(counts) == {}
+
+
+def test_a_plan_request_with_the_engines_step_price_moves_the_plan(rt: Any) -> None:
+    """``histate.plan`` through the server module, on the runtime's core (chunks C = 16,
+    pressure factor 0: no snapshot has left; ``p_end`` at its prior 0.9, so q = 0.1), for a
+    256-token segment (L = 16C) on the engine's grid B = 240 (15C), as in the H100 worked
+    example of ``core/interval.py`` NOTE 3 at these sizes. Unpriced (NOTE 2): the states that
+    cost no step end, [240, 256]. At σ = 2 tokens per step end the cost is
+    cost₀(kC) = 0.1·16k/2 + 2·(16/k)·(ceil(k/15) − k/15): k = 4: 3.2 + 5.867 = 9.067;
+    5: 4 + 4.267 = 8.267; 6: 4.8 + 3.2 = 8.0; 7: 5.6 + 2.438 = 8.038; 8: 6.4 + 1.867 =
+    8.267; 15: 12 + 0 -> every 6 chunks: [96, 192, 256]. A request without the keys keeps
+    grid and price; σ = 0 unprices it again. ``/status`` reports what the plans use; a bad
+    price is refused, naming the key, and changes nothing."""
+    from lmcache_histate.backends.server.access import RpcRefused
+    from lmcache_histate.backends.server.server_module import HiStateServerModule
+
+    module = HiStateServerModule(rt.ctx, rt)
+    rt.on_lookup(ipc(toks(2, 7), 0, 2 * CHUNK, "r"))  # the core is made at its first lookup
+
+    def plan(**extra: Any) -> list[int]:
+        payload = json.dumps({"start_tokens": 0, "input_tokens": 256, **extra}).encode()
+        return json.loads(module.plan_rpc(payload))["boundaries"]
+
+    assert rt.status()["step_tokens"] is None and rt.status()["step_price"] == 0.0
+    assert plan(step_tokens=240) == [240, 256]
+    assert plan(step_tokens=240, step_price=2) == [96, 192, 256]
+    assert (rt.status()["step_tokens"], rt.status()["step_price"]) == (240, 2.0)
+    assert plan() == [96, 192, 256]
+    bad = [json.dumps({"input_tokens": 256, "step_price": v}).encode() for v in (-1, "2", True)]
+    for payload in [*bad, b'{"input_tokens": 256, "step_price": NaN}']:
+        with pytest.raises(RpcRefused, match=r"step_price must be a finite number >= 0"):
+            module.plan_rpc(payload)
+    assert rt.status()["step_price"] == 2.0
+    assert plan(step_price=0) == [240, 256]

@@ -117,9 +117,12 @@ def test_secret_guards_http_routes_and_rpcs(tmp_path: Path, tokens: TokenSource)
         (with_token(input_tokens=64, step_tokens=0), "step_tokens must be a positive multiple"),
         (with_token(input_tokens=64, step_tokens=2 * MAX_TOKENS),
          f"up to {MAX_TOKENS}, got {2 * MAX_TOKENS}"),
+        (with_token(input_tokens=64, step_price=-1.0),
+         "step_price must be a finite number >= 0 (tokens of prefill per step end), got -1.0"),
+        (with_token(input_tokens=64, step_price="25"), "step_price must be a finite number"),
     ],
     ids=["huge", "negative", "bool", "string", "reversed", "missing", "list", "garbage", "big",
-         "step-off-grid", "step-zero", "step-huge"],
+         "step-off-grid", "step-zero", "step-huge", "price-negative", "price-string"],
 )
 def test_plan_rpc_rejects_bad_arguments_at_once(
     tmp_path: Path, plan_server: LMCacheServer, payload: bytes, error: str

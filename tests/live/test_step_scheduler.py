@@ -28,7 +28,10 @@ C = N = 384 with N_s = 828 on AVX-512-BF16, C = 256 with N_s = 432 on AVX2):
 4. a fresh prompt (nothing to hit) gets the plan the connector sent with its lookup
    (``plans_prefetched`` + 1); the prompts that hit at a boundary ask for their own start
    when their lookup returns: one with whole chunks past its hit (D) gets that plan
-   prefetched, and no plan is fetched on the scheduling loop (``plans_blocking`` unchanged).
+   prefetched, and no plan is fetched on the scheduling loop (``plans_blocking`` unchanged);
+5. the scheduler measured the engine's step price from its busy steps
+   (``core/step_price.py``) and the plan requests after that carried it: the server
+   reports the budget as its step grid and a price above 0 (its own default).
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
                        command=[sys.executable, "-m", LAUNCHER, "--config", str(cfg)],
                        startup_timeout=180, env=support_pythonpath()) as server,
         EngineProcess(engine_kwargs(tiny_model, **kwargs, kv_transfer_config=connector_config(
-                          server.endpoints.zmq_port)),
+                          server.endpoints.zmq_port, step_price="measured")),
                       workdir=tmp_path, name="cached", block_size=chunk) as engine,
     ):
         assert engine.info["max_num_batched_tokens"] == budget
@@ -158,6 +161,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
         zero_flag.touch()  # arm the negative control
         z = engine.generate(ps["Z"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
                             kv_transfer_params=ask, reset=True)
+        served = server.status()["histate"]
 
     length = len(ps["A"])
     saves = a["kv_transfer_params"]["histate_saves"]
@@ -197,6 +201,13 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     assert d["kv_transfer_params"]["histate_saves"]["source"] == "server"
     assert after_d.get("plans_prefetched", 0) == hits.get("plans_prefetched", 0) + 1
     assert after_d.get("plans_blocking", 0) == after.get("plans_blocking", 0)
+    # 5. The scheduler timed its busy steps (A's last three, the B prompts' prefills and
+    # decodes: more than the fit's 8 before D) and D's plan request carried the measured
+    # step price: the server plans with the engine's grid and a price it cannot have from
+    # anywhere else (its own is 0).
+    print(f"step price the server plans with: {served['step_price']:.1f} tokens")
+    assert served["step_tokens"] == budget
+    assert served["step_price"] > 0
     # 3. Negative control: the same kind of hit with the restored state zeroed differs.
     assert z["num_cached_tokens"] == plan[0]
     assert z["logprobs"] != reference["Z"]["logprobs"], "zeroed state left outputs unchanged"

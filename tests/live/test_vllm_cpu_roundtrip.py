@@ -187,13 +187,18 @@ def server_module_arg(module: str, config: dict[str, Any] | None = None) -> list
     return ["--server-module", json.dumps(spec)]
 
 
-def connector_config(port: int) -> dict[str, Any]:
+def connector_config(port: int, step_price: float | str = 0.0) -> dict[str, Any]:
+    """The HiState connector on the server at ``port``. ``step_price`` 0: the plans the
+    tests derive by hand price no step end (``core/interval.py`` NOTE 2) whatever the
+    engine's steps measure; ``"measured"``: the step scheduler's price goes with the plans
+    (test_step_scheduler)."""
     return {
         "kv_connector": "HiStateConnector",
         "kv_connector_module_path": "lmcache_histate.backends.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                      "lmcache.mp.port": port},
+                                      "lmcache.mp.port": port,
+                                      "histate.step_price": step_price},
     }
 
 

@@ -37,6 +37,7 @@ from lmcache_histate.backends.vllm.interval_saves import (
     SettingsError,
     allowed_batched_tokens,
     check_vllm_settings,
+    configured_step_price,
     planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
@@ -125,6 +126,17 @@ def test_settings_check_names_the_setting_and_allowed_values(
 def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
     with pytest.raises(SettingsError, match="--chunk-size"):
         check_vllm_settings(**{**GOOD, "chunk_size": 500})
+
+
+def test_the_step_price_setting_is_measured_or_a_fixed_number() -> None:
+    """``histate.step_price``: "measured" (the default) leaves the price to the step
+    scheduler (None); a number >= 0 is the fixed price; anything else names the key."""
+    assert configured_step_price("measured") is None
+    assert configured_step_price(0) == 0.0 and configured_step_price(25.5) == 25.5
+    for bad in (-1, float("inf"), float("nan"), "25", True, None):
+        with pytest.raises(SettingsError, match=r"'histate.step_price' must be \"measured\" "
+                                                r"or a finite number >= 0"):
+            configured_step_price(bad)
 
 
 def test_sanitize_plan_keeps_chunk_ends_in_the_segment_plus_the_final() -> None:

@@ -76,6 +76,10 @@ class StatusReport:
                 "interval_tokens": core.interval_for(segment),
                 "interval_segment_tokens": segment,
                 "end_probability": stats.end_probability,
+                # What the plans price step ends with: the engine's step grid and its
+                # measured step price, as the latest plan request reported them.
+                "step_tokens": stats.step_tokens,
+                "step_price": stats.step_price,
                 # The eviction score's scale (core/score.py): tau in use, calibrated or
                 # configured, and the session re-access gap it is calibrated from.
                 "eviction_tau_s": stats.tau_s,

@@ -270,16 +270,19 @@ class HiStateRuntime:
             self.sessions.end_request(self.model.core, request_id)
 
     def plan(
-        self, start_tokens: int, input_tokens: int, step_tokens: int | None = None
+        self, start_tokens: int, input_tokens: int, step_tokens: int | None = None,
+        step_price: float | None = None,
     ) -> list[int]:
         """Token positions whose states HiState wants saved for a new segment, on the step
-        grid the engine reports (``step_tokens``; None keeps the grid it has)."""
+        grid the engine reports (``step_tokens``; None keeps the grid it has) at the step
+        price it measured (``step_price``; None keeps the price it has)."""
         with self.lock:
             core = self.model.core
             if core is None:
                 return []
-            if step_tokens is not None and step_tokens != core.step_grid:
-                core.set_step_grid(step_tokens)
+            grid = core.step_grid if step_tokens is None else step_tokens
+            if grid != core.step_grid or step_price is not None:
+                core.set_step_grid(grid, step_price)
             return core.snapshot_plan(start_tokens, input_tokens)
 
     def status(self) -> dict[str, Any]:
