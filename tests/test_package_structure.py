@@ -132,19 +132,6 @@ def test_the_package_imports_no_test_code() -> None:
         assert not [p for base in PACKAGE_DIRS.values() for p in base.rglob(f"{module}.py")]
 
 
-def test_no_backends_folder_holds_more_than_ten_modules() -> None:
-    """``backends/`` is split into rooms by who calls them (server, server/disk,
-    server/runtime, vllm, upstream, demo); ``__init__`` / ``__main__`` do not count."""
-    base = PACKAGE_DIRS["lmcache_histate.backends"]
-    crowded = {}
-    for folder in [base, *(p for p in base.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
-        modules = [p for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
-        if len(modules) > 10:
-            crowded[str(folder.relative_to(ROOT))] = len(modules)
-    assert crowded == {}
-    assert len(list(base.glob("*.py"))) == 1  # only backends/__init__.py at the top
-
-
 def test_nothing_outside_the_core_reaches_behind_its_facade() -> None:
     """The core's index, eviction queue, tiered store and interval controller are private
     to ``HiStateCache``: no package module outside ``core/`` reads them off another object

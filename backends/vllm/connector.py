@@ -388,7 +388,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
 
     def set_step_price(self, sigma: float) -> None:
         """The engine's measured step price ``σ`` (tokens of prefill per step end; the step
-        scheduler fits it, ``core/step_price.py``): sent with the plan requests from now on,
+        scheduler fits it, ``step_price``): sent with the plan requests from now on,
         unless ``histate.step_price`` fixed the price."""
         if self._saves_active and self._step_price_measured:
             self._plans.step_price = sigma

@@ -211,7 +211,7 @@ def check_server_geometry(
 
 def configured_step_price(value: Any) -> float | None:
     """The connector's ``histate.step_price`` setting: None for ``"measured"`` (the default:
-    the step scheduler measures ``σ``, ``core/step_price.py``, and the plans carry it once
+    the step scheduler measures ``σ``, ``step_price``, and the plans carry it once
     it can tell), else a fixed price of one step end in tokens of prefill, a finite number
     ≥ 0, sent with every plan instead (0: step ends unpriced, ``core/interval.py`` NOTE 2).
     Anything else raises :class:`SettingsError` naming the key."""

@@ -37,10 +37,10 @@ through the connector it owns (``self.connector``); there is no shared state.
 The step price. The plan prices each extra step end at ``σ`` tokens of prefill time
 (``core/interval.py``), which only the engine can measure: the scheduler times the period
 between consecutive ``update_from_output`` calls while the engine stayed busy against each
-step's ``total_num_scheduled_tokens`` (``core/step_price.py``: ``σ`` = fixed step time /
+step's ``total_num_scheduled_tokens`` (``step_price``: ``σ`` = fixed step time /
 per-token time) and hands every estimate to the same connector
 (``HiStateConnector.set_step_price``), which sends it with its next ``histate.plan``
-requests. Until the fit can tell (``core/step_price.py`` NOTE 2) nothing is sent and the
+requests. Until the fit can tell (``step_price`` NOTE 2) nothing is sent and the
 server keeps the price it has.
 
 Async scheduling. ``SchedulerConfig.get_scheduler_cls`` (``vllm/config/scheduler.py`` 228-253)
@@ -70,10 +70,9 @@ from typing import Any, Protocol
 
 import vllm
 from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+from lmcache_histate.backends.vllm.step_price import StepPriceFit
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-
-from lmcache_histate.core.step_price import StepPriceFit
 
 __all__ = [
     "SUPPORTED_VLLM",

@@ -30,7 +30,7 @@ C = N = 384 with N_s = 828 on AVX-512-BF16, C = 256 with N_s = 432 on AVX2):
    when their lookup returns: one with whole chunks past its hit (D) gets that plan
    prefetched, and no plan is fetched on the scheduling loop (``plans_blocking`` unchanged);
 5. the scheduler measured the engine's step price from its busy steps
-   (``core/step_price.py``) and the plan requests after that carried it: the server
+   (``step_price``) and the plan requests after that carried it: the server
    reports the budget as its step grid and a price above 0 (its own default).
 """
 

