@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_histate.core.cache_types import check_step_price
 from lmcache_histate.core.interval import IntervalController, supported_intervals
 
 __all__ = [
@@ -217,13 +218,13 @@ def configured_step_price(value: Any) -> float | None:
     Anything else raises :class:`SettingsError` naming the key."""
     if value == "measured":
         return None
-    if not isinstance(value, bool) and isinstance(value, int | float) \
-            and 0.0 <= value < float("inf"):
-        return float(value)
-    raise SettingsError(
-        f"kv_connector_extra_config 'histate.step_price' must be \"measured\" or a finite "
-        f"number >= 0 (tokens of prefill per step end), got {value!r}"[:300]
-    )
+    try:
+        return check_step_price(value)
+    except ValueError:
+        raise SettingsError(
+            f"kv_connector_extra_config 'histate.step_price' must be \"measured\" or a finite "
+            f"number >= 0 (tokens of prefill per step end), got {value!r}"[:300]
+        ) from None
 
 
 # ----------------------------------------------------------------------------- plans
