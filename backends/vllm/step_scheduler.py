@@ -144,11 +144,13 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
         """vLLM's update; the step's period and tokens also go into the step-price fit."""
         now = time.monotonic()  # the step's output is in: its period ends here
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._histate_planner is None:  # no HiState connector: nobody to send σ to
+            return outputs
         steps = self._histate_steps
         steps.step_ended(now, int(scheduler_output.total_num_scheduled_tokens),
                          self.has_unfinished_requests())
         sigma = steps.sigma
-        if sigma is None or self._histate_planner is None:
+        if sigma is None:
             return outputs
         if not self._histate_priced:  # once: what the plans are priced with from now on
             self._histate_priced = True
