@@ -209,7 +209,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._pending_plans: dict[str, tuple[tuple[int, int], PendingPlan]] = {}
         self._saves_lock = threading.Lock()
         self._saves_active = False
-        self._step_price_measured = True  # histate.step_price: "measured"
+        self._fixed_step_price: float | None = None  # histate.step_price; None: "measured"
         self._step = 0
         self._store_steps = StoreSteps()  # worker side: which stores have their data
         self.histate_stats: dict[str, int] = {}
@@ -321,8 +321,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
             count=self._count, step_tokens=step_tokens,
         )
-        self._plans.step_price = fixed_price
-        self._step_price_measured = fixed_price is None
+        self._plans.step_price = self._fixed_step_price = fixed_price
         server = self._plans.probe()
         if server is not None:
             check_server_geometry(server.get("geometry"), snapshot_bytes=snapshot_bytes,
@@ -390,7 +389,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         """The engine's measured step price ``σ`` (tokens of prefill per step end; the step
         scheduler fits it, ``step_price``): sent with the plan requests from now on,
         unless ``histate.step_price`` fixed the price."""
-        if self._saves_active and self._step_price_measured:
+        if self._saves_active and self._fixed_step_price is None:
             self._plans.step_price = sigma
 
     def _take_offers(self, scheduler_output: SchedulerOutput) -> None:
