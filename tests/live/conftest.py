@@ -11,6 +11,7 @@ tests start is checked against it (``EngineProcess(block_size=...)``).
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,3 +45,27 @@ def tiny_layout(tiny_model: Path) -> Any:
     facts = probe(tiny_model, dtype=ENGINE_DTYPE)
     print(f"\nengine layout: {facts.describe()}")
     return facts
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_model: Path, tiny_layout: Any,
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``test_vllm_cpu_roundtrip``'s prompts B and C computed from zero by an engine with no
+    connector (greedy tokens, top logprobs), and that engine's ``info``.
+
+    One engine serves every test that compares a restore with recompute on those prompts or
+    checks what a plain engine allocates: each start costs ~13 s of the suite on 2 cores.
+    """
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
+    from test_vllm_cpu_roundtrip import MAX_TOKENS, TOP_LOGPROBS, make_prompts
+
+    chunk = tiny_layout.block_size
+    config = json.loads((tiny_model / "config.json").read_text())
+    prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
+    with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk),
+                       workdir=tmp_path_factory.mktemp("reference"), name="reference",
+                       block_size=chunk) as ref:
+        out = {name: ref.generate(prompts[name], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
+               for name in ("B", "C")}
+        out["info"] = ref.info
+    return out

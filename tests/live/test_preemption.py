@@ -1,10 +1,10 @@
 """A preempted request finishes: long concurrent prompts on a vLLM KV pool that cannot hold them.
 
 Real parts only: ``histate-server`` and ``histate serve`` (vLLM's OpenAI server, CPU) with the
-flags the server prints, the tiny hybrid model with positions raised to 32K, and an agent-like
-client: three sessions at once, each three turns of 18K-28K tokens (turn ``k + 1`` extends
-turn ``k``) answered with 48 tokens, against a 16 MiB pool (~30K tokens: vLLM needs room
-for one ``--max-model-len`` request of 29,184), vLLM admitting a request on its first chunk
+flags the server prints, the tiny hybrid model with positions raised to 16K, and an agent-like
+client: three sessions at once, each three turns of 9K-14K tokens (turn ``k + 1`` extends
+turn ``k``) answered with 48 tokens, against an 8 MiB pool (~15K tokens: vLLM needs room
+for one ``--max-model-len`` request of 14,592), vLLM admitting a request on its first chunk
 (``--no-scheduler-reserve-full-isl``; by default vLLM 0.32 reserves the whole prompt at
 admission and then need not preempt). While one request decodes, the next one's prefill
 grows until two requests exceed the pool, so vLLM must preempt; a preempted request is
@@ -45,9 +45,9 @@ needs_live = pytest.mark.skipif(
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-POOL_BYTES = 16 << 20
-POSITIONS = 32768
-MAX_MODEL_LEN = 29184  # 76 blocks of 384: vLLM computes room for 29,952 in 16 MiB
+POOL_BYTES = 8 << 20
+POSITIONS = 16384
+MAX_MODEL_LEN = 14592  # 38 blocks of 384 or 57 of 256: vLLM computes room for 14,976 in 8 MiB
 ANSWER_TOKENS = 48
 SESSIONS, TURNS = 3, 3
 
@@ -68,11 +68,11 @@ async def replay(base: str) -> list[tuple[str, int]]:
     rng = random.Random(34)
     prompts = []
     for _ in range(SESSIONS):
-        tokens = [rng.randrange(10, 500) for _ in range(rng.randrange(18000, 22000))]
+        tokens = [rng.randrange(10, 500) for _ in range(rng.randrange(9000, 11000))]
         turns = []
         for _ in range(TURNS):
             turns.append(list(tokens))
-            tokens += [rng.randrange(10, 500) for _ in range(rng.randrange(1000, 3000))]
+            tokens += [rng.randrange(10, 500) for _ in range(rng.randrange(500, 1500))]
         prompts.append(turns)
 
     async def session(turns: list[list[int]]) -> list[tuple[str, int]]:

@@ -41,7 +41,7 @@ def shared_section(url: str, instance: str) -> dict[str, Any]:
 
 @needs_live
 def test_session_stored_via_a_restores_via_b_identical_to_recompute(
-    tmp_path: Path, tiny_model: Path, tiny_layout: Any
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any, reference_run: dict[str, Any]
 ) -> None:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
@@ -51,10 +51,7 @@ def test_session_stored_via_a_restores_via_b_identical_to_recompute(
     config = json.loads((tiny_model / "config.json").read_text())
     prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
 
-    with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk), workdir=tmp_path,
-                       name="reference", block_size=chunk) as ref:
-        reference = ref.generate(prompts["B"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
-
+    reference = reference_run["B"]  # B from zero on a plain engine (tests/live/conftest.py)
     redis_server = RedisServer(tmp_path / "redis")
     redis_server.start()
     disk = tmp_path / "disk"
