@@ -3,7 +3,7 @@
 
 VLLM_TESTS = tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py \
              tests/live/test_vllm_demo.py tests/examples/test_serve_openai.py \
-             tests/live/test_model_sizes.py
+             tests/live/test_model_sizes.py tests/live/test_preemption.py
 
 setup:
 	bash scripts/setup.sh

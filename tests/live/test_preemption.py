@@ -3,12 +3,14 @@
 Real parts only: ``histate-server`` and ``histate serve`` (vLLM's OpenAI server, CPU) with the
 flags the server prints, the tiny hybrid model with positions raised to 16K, and an agent-like
 client: three sessions at once, each three turns of 9K-14K tokens (turn ``k + 1`` extends
-turn ``k``) answered with 48 tokens, against an 8 MiB pool (~15K tokens: vLLM needs room
-for one ``--max-model-len`` request of 14,592), vLLM admitting a request on its first chunk
-(``--no-scheduler-reserve-full-isl``; by default vLLM 0.32 reserves the whole prompt at
-admission and then need not preempt). While one request decodes, the next one's prefill
-grows until two requests exceed the pool, so vLLM must preempt; a preempted request is
-re-admitted later with its prefix in vLLM's prefix cache or on the server.
+turn ``k``) answered with 48 tokens, against a 9 MiB pool that holds one request of ~15K
+tokens (``--max-model-len auto``: vLLM fits the context length to the pool, which depends on
+the CPU's layout: 15,744 tokens with AVX-512-BF16's, all 16,384 positions with AVX2's), vLLM
+admitting a request on its first chunk (``--no-scheduler-reserve-full-isl``; by default
+vLLM 0.32 reserves the whole prompt at admission and then need not preempt). While one
+request decodes, the next one's prefill grows until two requests exceed the pool, so vLLM
+must preempt; a preempted request is re-admitted later with its prefix in vLLM's prefix
+cache or on the server.
 
 Run for both connector behaviours: HiState's interval saves, which pin boundary-state blocks
 (connector NOTE 1-2), and stock LMCache's saving rule (``histate.interval_saves: false``,
@@ -45,9 +47,11 @@ needs_live = pytest.mark.skipif(
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-POOL_BYTES = 8 << 20
+POOL_BYTES = 9 << 20
 POSITIONS = 16384
-MAX_MODEL_LEN = 14592  # 38 blocks of 384 or 57 of 256: vLLM computes room for 14,976 in 8 MiB
+# The longest request: a first turn of at most 10,999 tokens, two extensions of at most
+# 1,499, the answer (see replay). The pool must hold it, whatever the layout.
+LONGEST_REQUEST = 10999 + 2 * 1499 + 48
 ANSWER_TOKENS = 48
 SESSIONS, TURNS = 3, 3
 
@@ -121,7 +125,9 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
             f"http://127.0.0.1:{http_port}/healthcheck"), "server", 300)
         serve = [str(so.BIN / "histate"), "serve", str(tiny_model), "--served-model-name",
                  "tiny", "--host", "127.0.0.1", "--port", str(vllm_port), *flags,
-                 "--max-model-len", str(MAX_MODEL_LEN),
+                 # vLLM fits the context to the pool (v1/core/kv_cache_utils.py
+                 # _auto_fit_max_model_len): the pool then holds one longest request.
+                 "--max-model-len", "auto",
                  "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
                  "--max-num-seqs", "4", "--enforce-eager",
                  "--kv-cache-memory-bytes", str(POOL_BYTES),
@@ -132,6 +138,10 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
         with so.process(serve, vllm_log, so.QUIET) as vllm:
             base = f"http://127.0.0.1:{vllm_port}"
             so.wait_for(vllm, vllm_log, lambda: so.get(base + "/health") == "", "vLLM", 400)
+            fitted = json.loads(so.get(base + "/v1/models"))["data"][0]["max_model_len"]
+            assert fitted >= LONGEST_REQUEST, (
+                f"a {POOL_BYTES >> 20} MiB pool holds {fitted} tokens with this CPU's layout, "
+                f"less than the longest request ({LONGEST_REQUEST}): raise POOL_BYTES")
             results = asyncio.run(replay(base))
             metrics = so.get(base + "/metrics")
         server_metrics = so.get(f"http://127.0.0.1:{http_port}/metrics")
