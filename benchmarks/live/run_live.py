@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -258,6 +259,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Each repetition on its own, over the same reuse-sensitive requests: the spread that a
     # difference between stacks must exceed (the medians above hide it).
     repetitions = {k: [summarize(rows, sensitive) for rows in v] for k, v in rows_of.items()}
+    refused = {k: [l1_refused_objects(work / f"rep{rep}" / f"{k}-server.log")
+                   for rep in range(args.repeats)]
+               for k in rows_of if k in ("lmcache", "histate", "histate-final")}
     io = io_check.measure(work, args.io_mb)
     _plot(per_stack, out / "ttft_cdf.png")
     return {"model_size": args.model_size, "layout": layout.__dict__, "budget": budget.__dict__,
@@ -267,7 +271,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "runs": rows_of,
             "errors": errors, "guard_mismatches": mismatches,
             "guard": guard, "guard_reference": reference, "guard_reference_like": like,
-            "guard_sample": len(sample), "io": io}
+            "guard_sample": len(sample), "io": io, "l1_refused": refused}
+
+
+REFUSED = re.compile(r"Failed to batched allocate (\d+) memory blocks")
+
+
+def l1_refused_objects(server_log: Path) -> int:
+    """Objects of STOREs that LMCache dropped because L1 had no room for them.
+
+    lmcache 0.5.6 allocates a STORE's objects as one batch and drops the whole batch when
+    L1's free list cannot hold it (``memory_management.py``: the warning counted here;
+    ``distributed/storage_manager.reserve_write`` then stores nothing of it); its eviction
+    loop makes room only once a second, above the watermark
+    (``storage_controllers/eviction_controller.eviction_loop``). A dropped object is a
+    chunk or snapshot a later request cannot hit."""
+    if not server_log.exists():
+        return 0
+    text = server_log.read_text(errors="replace")
+    return sum(int(n) for n in REFUSED.findall(text))
 
 
 def markdown(data: dict[str, Any], command: str) -> str:
@@ -321,6 +343,11 @@ def markdown(data: dict[str, Any], command: str) -> str:
               f"step ends): {_guard_cell(v)}"
               + (f"; default steps: {_guard_cell(v['default_steps'])}" if "default_steps" in v
                  else "") for k, v in data["guard_mismatches"].items()]
+    if data.get("l1_refused"):
+        lines += ["", "Objects of STOREs that LMCache dropped for lack of room in L1 "
+                  "(`l1_refused_objects`), per repetition: " + "; ".join(
+                      f"{stacks.TITLES[k]} {' / '.join(str(n) for n in v)}"
+                      for k, v in data["l1_refused"].items()) + "."]
     if data["errors"]:
         lines += ["", "Refused at start (verbatim):", ""]
         lines += [f"* {k}: `{v}`" for k, v in data["errors"].items()]

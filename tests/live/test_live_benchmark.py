@@ -75,6 +75,20 @@ def test_the_guard_speaks_the_connectors_and_the_references_parameter_names() ->
     assert client.STEP_ENDS_PARAM == _live_module("forced_steps").STEP_ENDS_PARAM
 
 
+def test_refused_store_objects_are_read_from_lmcaches_own_warning(tmp_path: Path) -> None:
+    run_live = _live_module("run_live")
+    log = tmp_path / "histate-server.log"
+    # Two dropped batches (5 and 3 objects) among other lines, in LMCache's wording.
+    log.write_text(
+        "LMCache INFO: Stored 1920 tokens in 0.014 seconds\n"
+        "LMCache WARNING: Failed to batched allocate 5 memory blocks of size 196608 because "
+        "no enough memory is available (short by 1 blocks)\n"
+        "LMCache WARNING: Failed to batched allocate 3 memory blocks of size 98304 because "
+        "no enough memory is available (short by 3 blocks)\n")
+    assert run_live.l1_refused_objects(log) == 8
+    assert run_live.l1_refused_objects(tmp_path / "absent.log") == 0
+
+
 def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks" / "live"))
     try:
@@ -118,6 +132,8 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     text = (out / "live.md").read_text()
     assert f"block size {tiny_layout.block_size}" in text and "vLLM + HiState" in text
     assert (out / "ttft_cdf.png").stat().st_size > 0
+    # The tiers hold the replay and the guard: LMCache dropped no STORE for lack of room.
+    assert data["l1_refused"] == {"histate": [0]}
     # The connector stack computes on cores the engine core does not spin on, like vLLM
     # alone (backends/vllm/cpu_binding.py): wherever vLLM alone keeps a core out of its
     # OpenMP binding, the HiState stack does too.
