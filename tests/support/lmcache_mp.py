@@ -224,8 +224,15 @@ class LMCacheServer:
         self.http("POST", "/cache/clear", {"tier": "l1", "force": force})
 
     def l1_object_count(self) -> int:
-        """Number of objects resident in the default L1."""
-        return int(self.status()["storage_manager"]["l1_manager"]["total_object_count"])
+        """Number of objects resident in the default L1: committed, not staging.
+
+        LMCache's ``total_object_count`` also counts a STORE's reserved objects before their
+        write finishes (lmcache 0.5.6 ``L1Manager.report_status``). Resident ones were
+        committed by ``finish_write``, which notifies the L1 listeners (HiState's
+        ``CommitListener``) in the same critical section as ``report_status``: once they are
+        counted here, HiState has queued their commit."""
+        l1 = self.status()["storage_manager"]["l1_manager"]
+        return int(l1["total_object_count"]) - int(l1["staging_object_count"])
 
     def wait_l2_flushed(self, timeout: float = 20.0) -> None:
         """Wait until every store controller has no pending or in-flight L1->L2 store.
