@@ -120,11 +120,7 @@ async def greedy_logprobs(base_url: str, pairs: Sequence[tuple[Sequence[int], Se
     With ``reset`` the cache is emptied before each seed too: a seed resuming from vLLM's
     own prefix cache (an earlier pair's blocks) would store states computed on vLLM's
     resume path, whose first-step logprobs differ from recompute (``run_live`` NOTE 1), and
-    a check restoring them through the connector would inherit that difference. Seen on
-    an AVX-512-BF16 CPU: the stock-LMCache stack's check restored 2,304 tokens of a seed
-    that shared 1,920 tokens with the previous pair (stored in two STOREs, to 1,920 and to
-    2,304) and differed from recompute exactly as vLLM alone did, while the references
-    with and without the stack's step ends agreed with each other.
+    a check restoring them through the connector would inherit that difference.
 
     Both prompts ask for the HiState connector's report (``REPORT_PARAM``): where a stack's
     connector gives it, each result carries ``like_step_ends``, the step ends a from-zero

@@ -101,7 +101,7 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     # of its eviction loop (lmcache 0.5.6 storage_manager.reserve_write, 1 s
     # eviction_controller.eviction_loop). At the 0.5 default the tiers take run_live's
     # 4 MiB floor, whose 10 % headroom holds 2 of the 5 objects of a guard seed with the
-    # AVX-512-BF16 layout (196,608 B each): its store was dropped in one CI run of two.
+    # AVX-512-BF16 layout (196,608 B each).
     rc = run_live.main(["--sessions", "2", "--requests", "2", "--repeats", "1",
                         "--stacks", "vllm,histate", "--guard-sample", "2",
                         "--cache-fraction", "2",
