@@ -320,6 +320,9 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
     must read from ``lmcache_args`` too (checked once the ``histate`` store policy is
     registered: the parser validates ``--l2-store-policy`` against the registry).
     """
+    from lmcache_histate.backends.log_routing import route_logs
+
+    route_logs("lmcache")  # HiState's lines in the server's log, in LMCache's format
     guard_control_plane(cfg)
     from lmcache_histate.backends.upstream import install_shm_release
 

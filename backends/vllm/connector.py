@@ -98,6 +98,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from lmcache_histate.backends.log_routing import route_logs
 from lmcache_histate.backends.vllm import cpu_support
 from lmcache_histate.backends.vllm.interval_saves import (
     LocalPlanner,
@@ -174,6 +175,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        route_logs("vllm")  # HiState's lines in vLLM's log (log_routing)
         self._histate_cpu = cpu_support.is_cpu_platform()
         self._histate_block_pool: BlockPool | None = None  # bind_gpu_block_pool (scheduler)
         extra: dict[str, Any] = {}

@@ -196,6 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = [k for k in stacks.STACKS if k in args.stacks.split(",")]
     order = [keys if rep % 2 == 0 else keys[::-1] for rep in range(args.repeats)]
     runs: dict[str, list[list[client.Row]]] = {k: [] for k in keys}
+    priced: dict[str, list[dict[str, Any]]] = {k: [] for k in keys if k == "histate"}
     errors: dict[str, str] = {}
     guard: dict[str, Any] = {}
     # Guard prompts: sessions of the same trace with other synthetic tokens (seed + 1), so
@@ -226,6 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         stack.base_url, workload, concurrency=args.concurrency,
                         think_scale=args.think_scale, think_cap_s=args.think_cap, progress=tick))
                     runs[key].append(rows)
+                    if stack.server is not None and key == "histate":
+                        priced[key].append(plan_inputs(stack.server.get("/status")))
                     if rep == 0:
                         guard[key] = asyncio.run(client.greedy_logprobs(
                             stack.base_url, sample, max_tokens=GUARD_TOKENS, top=GUARD_TOP,
@@ -271,7 +274,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "runs": rows_of,
             "errors": errors, "guard_mismatches": mismatches,
             "guard": guard, "guard_reference": reference, "guard_reference_like": like,
-            "guard_sample": len(sample), "io": io, "l1_refused": refused}
+            "guard_sample": len(sample), "io": io, "l1_refused": refused,
+            "plan_inputs": {k: v for k, v in priced.items() if v}}
+
+
+def plan_inputs(status: dict[str, Any]) -> dict[str, Any]:
+    """What HiState's plans were priced with at the end of a repetition (the server's
+    ``GET /status``): the step price ``σ`` the engine's scheduler measured and sent (tokens
+    of prefill per step end; None: never sent), the step grid, and the share of accesses
+    that continue a session from its end (``core/interval.py`` NOTE 3 weighs interior
+    states by one minus it)."""
+    histate = status.get("histate") or {}
+    return {k: histate.get(k) for k in ("step_price", "step_tokens", "end_probability")}
 
 
 REFUSED = re.compile(r"Failed to batched allocate (\d+) memory blocks")
@@ -348,6 +362,16 @@ def markdown(data: dict[str, Any], command: str) -> str:
                   "(`l1_refused_objects`), per repetition: " + "; ".join(
                       f"{stacks.TITLES[k]} {' / '.join(str(n) for n in v)}"
                       for k, v in data["l1_refused"].items()) + "."]
+    for key, rs in data.get("plan_inputs", {}).items():
+        lines += ["", f"{stacks.TITLES[key]}: plans priced at a measured step price of "
+                  + " / ".join("none" if r["step_price"] is None else f"{r['step_price']:.1f}"
+                               for r in rs)
+                  + " tokens per step end on a grid of "
+                  + " / ".join(str(r["step_tokens"]) for r in rs)
+                  + " tokens, end probability "
+                  + " / ".join("-" if r["end_probability"] is None
+                               else f"{r['end_probability']:.3f}" for r in rs)
+                  + " (per repetition, at its end)."]
     if data["errors"]:
         lines += ["", "Refused at start (verbatim):", ""]
         lines += [f"* {k}: `{v}`" for k, v in data["errors"].items()]

