@@ -66,7 +66,9 @@ splits the request's prefill, i.e. in the scheduling step that admits it, right 
 ``get_num_new_matched_tokens`` set its hits (the plan's segment starts at the longer hit).
 If vLLM then cannot allocate the request it stays waiting and is looked up again later,
 maybe with another hit; a plan nothing was stored under yet is dropped at that lookup and
-made anew. A preempted request keeps its plan: its stored boundaries came from it.
+made anew for the segment that lookup gives (from the answer already in when the segment
+is the same, NOTE 7). A preempted request keeps its plan: its stored boundaries came from
+it.
 
 NOTE 5 (the plan travels with the lookup): a request's plan needs its segment start, the
 longer of vLLM's own hit and LMCache's, and LMCache's is known only when the lookup
@@ -84,6 +86,17 @@ cache). So once the lookup has returned, ``get_num_new_matched_tokens`` answers 
 asked again next step) until the plan for the request's segment is in or its timeout has
 passed; the split then reads an answer that is already there. ``plans_blocking`` counts
 the plans still fetched on the scheduling loop (a server that had not seen the model yet).
+
+NOTE 7 (a waiting request keeps its place): vLLM admits waiting requests first come, first
+served: one that cannot be allocated ends the step's admissions (``allocate_slots`` fails:
+``break``), but one whose connector answers "not yet" is skipped and the requests behind it
+are tried (``skip_request``, ``vllm/v1/core/sched/scheduler.py`` 986-991). Asking the server
+again for the plan of a request that failed allocation made it answer "not yet" on every
+other retry, and each time the requests behind it that fit the free blocks overtook it, for
+as long as it waited: on a KV pool smaller than the working set, the cold first turns of an
+agent workload, behind the short later turns of sessions that had started. So the answer
+for a segment is kept (``_pending_plans``) until the request is released, and the same
+segment is planned again from it (``plans_reused``) without a round trip.
 
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its prefill step
 ends (``step_ends``: where each prefill step ended, in token positions), and with interval
@@ -355,11 +368,12 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         if end - end % chunk <= start - start % chunk:
             saves.plan, saves.plan_source = [], "empty"
             return saves
-        pending = self._pending_plans.pop(request_id, None)
+        pending = self._pending_plans.get(request_id)  # kept until released (NOTE 7)
         plan = None
         if pending is not None and pending[0] == self._plan_key(start, end):
+            again = pending[1].taken
             plan = pending[1].result()  # sent with the lookup (NOTE 5)
-            self._count("plans_prefetched", int(bool(plan)))
+            self._count("plans_reused" if again else "plans_prefetched", int(bool(plan)))
         if not plan:  # none sent, another start, or the server had not seen the model yet
             plan = self._plans.plan(start, end)
             self._count("plans_blocking", int(self._plans.active))

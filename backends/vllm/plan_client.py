@@ -111,10 +111,12 @@ class PlanClient:
 
 
 class PendingPlan:
-    """A ``histate.plan`` request in flight; :meth:`result` waits for it (once).
+    """A ``histate.plan`` request in flight; :meth:`result` waits for it the first time and
+    returns the same answer after that.
 
     Invariant: :meth:`ready` never blocks, and once it is True :meth:`result` does not wait
-    (the answer is in, the call failed, or the timeout counted from the send has passed)."""
+    (the answer is in, the call failed, or the timeout counted from the send has passed); a
+    failure is counted and logged once."""
 
     def __init__(self, future: Any, timeout: float, count: Callable[[str], None],
                  error: Exception | None = None) -> None:
@@ -122,10 +124,13 @@ class PendingPlan:
         self._deadline = time.monotonic() + timeout
         self._count = count
         self._error = error
+        self.taken = False
+        """Whether :meth:`result` has returned (the answer is kept)."""
+        self._answer: list[int] | None = None
 
     def ready(self) -> bool:
         """Whether :meth:`result` would return without waiting."""
-        if self._error is not None or time.monotonic() >= self._deadline:
+        if self.taken or self._error is not None or time.monotonic() >= self._deadline:
             return True
         try:
             return bool(self._future.query())
@@ -135,6 +140,12 @@ class PendingPlan:
 
     def result(self) -> list[int] | None:
         """The server's boundaries, or None (the call failed: counted and logged)."""
+        if not self.taken:
+            self._answer = self._take()
+            self.taken = True
+        return self._answer
+
+    def _take(self) -> list[int] | None:
         if self._error is None:
             try:
                 response = self._future.result(max(0.0, self._deadline - time.monotonic()))

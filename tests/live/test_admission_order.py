@@ -1,0 +1,132 @@
+"""A request waiting for KV blocks keeps its place: later requests do not overtake it.
+
+Real parts only: ``histate-server`` and ``histate serve`` (vLLM's OpenAI server, CPU) with
+the flags the server prints, the tiny hybrid model, a KV pool smaller than two of the test's
+long prompts, vLLM's default admission (the whole prompt's blocks at once).
+
+vLLM admits waiting requests first come, first served: a request whose blocks cannot be
+allocated ends the step's admissions, but one whose connector answers "not yet" is skipped
+and the requests behind it are tried (``vllm/v1/core/sched/scheduler.py`` 986-991). The
+connector answers "not yet" while a request's plan is on its way (connector NOTE 6), so it
+must not ask the server again each time the same request fails allocation (NOTE 7): the
+requests behind it would overtake it every other step.
+
+Scenario, by hand, for a pool of ``T`` tokens (read from vLLM's log: 7,587 with the
+AVX-512-BF16 layout, 5 MiB, context fitted to the pool): B, a prompt of ``0.4 T`` tokens
+answering ``DECODE`` tokens, holds its blocks while it decodes. A (``0.7 T``, fresh)
+arrives once B runs: its blocks do not fit beside B's, so it waits until B finishes. C
+(one block and 10 tokens, fresh) arrives ``GAP_S`` later; it would fit beside B, but it
+is behind A. So C's first token comes after B's last one. On the connector that asked
+again for A's plan at each retry (A answered "not yet" 468 times in one run), C's first
+token came while B still decoded (0.2 s and 3.8 s after C was sent, two runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_preemption import needs_live, serve_openai
+
+POOL_BYTES = 5 << 20
+POSITIONS = 16384  # raised (--hf-overrides); vLLM fits the context to the pool ("auto")
+B_SHARE, A_SHARE = 0.4, 0.7
+DECODE = 800
+GAP_S = 0.5
+
+
+async def scenario(base: str, capacity: int, chunk: int, vocab: int,
+                   so: Any) -> dict[str, float]:
+    """Run B, A, C as the module docstring says; the clock of each milestone (seconds).
+
+    B's answer is not streamed: a client task reading its chunks as they came kept the
+    event loop's timer from running on time, and C left seconds late."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base + "/v1", api_key="unused", timeout=240,
+                         max_retries=0)
+    rng = random.Random(7)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    prompts = {"b": tokens(int(B_SHARE * capacity)), "a": tokens(int(A_SHARE * capacity)),
+               "c": tokens(chunk + 10)}
+    t: dict[str, float] = {}
+
+    async def run(name: str, max_tokens: int) -> None:
+        t[f"{name}_sent"] = time.monotonic()
+        if max_tokens > 1:
+            await client.completions.create(model="tiny", prompt=prompts[name],
+                                            max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        else:
+            async for _ in await client.completions.create(
+                    model="tiny", prompt=prompts[name], max_tokens=1, temperature=0,
+                    stream=True):
+                t.setdefault(f"{name}_first", time.monotonic())
+        t[f"{name}_done"] = time.monotonic()
+
+    b = asyncio.create_task(run("b", DECODE))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and so.metric(
+            await asyncio.to_thread(so.get, base + "/metrics"),
+            "vllm:num_requests_running") < 1:  # B holds its blocks
+        await asyncio.sleep(0.02)
+    t["b_running"] = time.monotonic()
+    a = asyncio.create_task(run("a", 1))
+    await asyncio.sleep(GAP_S)
+    await asyncio.gather(b, a, run("c", 1))
+    return t
+
+
+@needs_live
+@pytest.mark.timeout(600)
+def test_a_request_waiting_for_blocks_is_not_overtaken(tiny_model: Path, tmp_path: Path) -> None:
+    so = serve_openai()
+    vllm_port, zmq_port, http_port = so.free_ports(3)
+    config = tmp_path / "server.yaml"
+    config.write_text(json.dumps({
+        "policy": "histate", "model": str(tiny_model / "config.json"), "chunk_size": "auto",
+        "cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5,
+        "disk_fsync": False, "port": zmq_port, "http_port": http_port, "platform": "cpu",
+    }))
+    server_log = tmp_path / "server.log"
+    vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
+    with so.process([str(so.BIN / "histate-server"), "--config", str(config)], server_log,
+                    so.QUIET) as server:
+        line = so.wait_for(server, server_log, lambda: re.search(
+            r"^vLLM flags: (.*)$", server_log.read_text(), re.MULTILINE), "server", 300)
+        so.wait_for(server, server_log, lambda: "healthy" in so.get(
+            f"http://127.0.0.1:{http_port}/healthcheck"), "server", 300)
+        serve = [str(so.BIN / "histate"), "serve", str(tiny_model), "--served-model-name",
+                 "tiny", "--host", "127.0.0.1", "--port", str(vllm_port),
+                 *shlex.split(line.group(1)), "--max-model-len", "auto",
+                 "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
+                 "--max-num-seqs", "4", "--enforce-eager",
+                 "--kv-cache-memory-bytes", str(POOL_BYTES)]
+        vllm_log = tmp_path / "vllm.log"
+        with so.process(serve, vllm_log, so.QUIET) as vllm:
+            base = f"http://127.0.0.1:{vllm_port}"
+            so.wait_for(vllm, vllm_log, lambda: so.get(base + "/health") == "", "vLLM", 400)
+            text = vllm_log.read_text()
+            capacity = int(re.search(r"KV cache size: ([\d,]+) tokens", text)
+                           .group(1).replace(",", ""))
+            chunk = int(re.search(r"kv cache group sizes \((\d+)", text).group(1))
+            fitted = json.loads(so.get(base + "/v1/models"))["data"][0]["max_model_len"]
+            t = asyncio.run(scenario(base, capacity, chunk, vocab, so))
+    print(f"\npool {capacity} tokens, block {chunk}; since B ran: "
+          + ", ".join(f"{k} {v - t['b_running']:.2f}s" for k, v in sorted(t.items(),
+                                                                        key=lambda kv: kv[1])))
+    assert int(B_SHARE * capacity) + int(A_SHARE * capacity) > capacity, "A fits beside B"
+    assert int(A_SHARE * capacity) < fitted
+    assert t["c_sent"] < t["b_done"], "B finished before C came: raise DECODE"
+    assert t["c_first"] > t["b_done"], "C overtook A, which waited for B's blocks"
+    assert t["a_first"] > t["b_done"]
