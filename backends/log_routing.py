@@ -24,7 +24,8 @@ Invariants:
 * A ``lmcache_histate`` logger that already has a handler (a deployment's own logging
   configuration, or an earlier call) is left as it is; calling twice adds nothing.
 * Records still propagate to the root logger, so whatever a process installs there (a test's
-  log capture) sees them. Neither host has a root handler, so nothing is printed twice.
+  log capture, a script's ``basicConfig``) sees them; the host's handler prints a record only
+  while the root logger has no handler, so a record is printed once either way (NOTE 2).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ __all__ = ["PACKAGE_LOGGER", "route_logs"]
 
 PACKAGE_LOGGER = "lmcache_histate"
 """The parent of every logger the package uses."""
+
+
+def _root_silent(_record: logging.LogRecord) -> bool:
+    """NOTE 2: ``vllm serve`` and ``lmcache server`` leave the root logger without a handler,
+    but a process embedding vLLM may not (an offline ``LLM`` run under ``basicConfig``): the
+    root's handler then prints the record, and ours would print it a second time."""
+    return not logging.getLogger().handlers
 
 
 class _ForwardHandler(logging.Handler):
@@ -76,6 +84,7 @@ def route_logs(host: Literal["vllm", "lmcache"]) -> logging.Logger:
         level = get_log_level()
     else:
         raise ValueError(f"host must be 'vllm' or 'lmcache', got {host!r}")
+    handler.addFilter(_root_silent)
     package.addHandler(handler)
     if package.level == logging.NOTSET:
         package.setLevel(level)

@@ -6,6 +6,7 @@ fresh process has it) and puts the logger back afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 
@@ -33,6 +34,19 @@ def package() -> Iterator[logging.Logger]:
     logger.setLevel(saved[1])
 
 
+@contextlib.contextmanager
+def bare_root() -> Iterator[None]:
+    """A root logger with no handler, as ``vllm serve`` and ``lmcache server`` leave it
+    (pytest puts its capture handlers there for each test's call)."""
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    root.handlers.clear()
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved
+
+
 @pytest.fixture
 def vllm_logger() -> Iterator[logging.Logger]:
     logger = logging.getLogger("vllm")
@@ -51,8 +65,9 @@ def test_info_lines_go_to_the_vllm_handler_the_vllm_logger_has_when_they_are_log
     route_logs("vllm")
     later = Collect()
     vllm_logger.handlers[:] = [later]  # what configure_logging does in an engine process
-    logging.getLogger("lmcache_histate.step_scheduler").info("step price %d", 100)
-    logging.getLogger("lmcache_histate.step_scheduler").debug("not at INFO")
+    with bare_root():
+        logging.getLogger("lmcache_histate.step_scheduler").info("step price %d", 100)
+        logging.getLogger("lmcache_histate.step_scheduler").debug("not at INFO")
     assert later.lines == ["step price 100"]
 
 
@@ -82,8 +97,9 @@ def test_the_server_side_uses_lmcaches_format_and_level(
     monkeypatch.setenv("LMCACHE_LOG_LEVEL", "WARNING")
     route_logs("lmcache")
     assert package.level == logging.WARNING
-    logging.getLogger("lmcache_histate.runtime").info("hidden at WARNING")
-    logging.getLogger("lmcache_histate.runtime").warning("disk tier full")
+    with bare_root():
+        logging.getLogger("lmcache_histate.runtime").info("hidden at WARNING")
+        logging.getLogger("lmcache_histate.runtime").warning("disk tier full")
     err = capfd.readouterr().err
     assert "hidden" not in err
     assert "LMCache WARNING:" in err and "disk tier full" in err
@@ -94,3 +110,21 @@ def test_an_unknown_host_is_refused(package: logging.Logger) -> None:
     with pytest.raises(ValueError, match="'vllm' or 'lmcache'"):
         route_logs("sglang")  # type: ignore[arg-type]
     assert package.handlers == []
+
+
+def test_a_process_that_configured_the_root_logger_prints_each_line_once(
+    package: logging.Logger, vllm_logger: logging.Logger
+) -> None:
+    """With a root handler (``basicConfig`` in a process embedding vLLM) the root prints the
+    record and the host's handler does not; without one, the host's handler does."""
+    vllm_logger.setLevel(logging.INFO)
+    route_logs("vllm")
+    host, root = Collect(), Collect()
+    vllm_logger.handlers[:] = [host]
+    with bare_root():
+        logging.getLogger().addHandler(root)
+        logging.getLogger("lmcache_histate.connector").warning("no active HiState module")
+        logging.getLogger().removeHandler(root)
+        logging.getLogger("lmcache_histate.connector").warning("printed by the host")
+    assert root.lines == ["no active HiState module"]
+    assert host.lines == ["printed by the host"]
