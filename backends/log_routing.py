@@ -14,10 +14,11 @@ Python's last-resort handler, which prints WARNING and above without time or sou
 drops INFO: the interval-saves line at start, the step price the scheduler measured, the
 disk tier's recovery summary never reached a log.
 
-:func:`route_logs` is called where HiState enters a host process (the connector and the
-step scheduler in vLLM, the launcher in the LMCache server). It gives the ``lmcache_histate``
-logger the host's handler and level, so HiState's lines appear in the host's log in the
-host's format.
+:func:`route_logs` is called where HiState enters a host process: the connector's
+constructor in vLLM (which covers the step scheduler too: it logs only with a HiState
+connector, which vLLM's scheduler constructor builds), the launcher in the LMCache server.
+It gives the ``lmcache_histate`` logger the host's handler and level, so HiState's lines
+appear in the host's log in the host's format.
 
 Invariants:
 

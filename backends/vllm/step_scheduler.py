@@ -69,7 +69,6 @@ import time
 from typing import Any, Protocol
 
 import vllm
-from lmcache_histate.backends.log_routing import route_logs
 from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
 from lmcache_histate.backends.vllm.step_price import StepPriceFit
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -133,7 +132,6 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_vllm()
-        route_logs("vllm")  # the measured step price appears in vLLM's log (log_routing)
         super().__init__(*args, **kwargs)
         planner = self.connector
         self._histate_planner: StepPlanner | None = (
