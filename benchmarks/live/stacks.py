@@ -12,8 +12,9 @@ and the same cache budget:
                       bytes (``SimpleCPUOffloadConnector``; ``OffloadingConnector`` is tried
                       first and its refusal on CPU is reported verbatim);
 * ``lmcache``      -- stock LMCache MP server: LMCache's LRU on the same CPU and disk tiers,
-                      a recurrent state stored at every chunk (``policy: lru``,
-                      ``histate.interval_saves: false``);
+                      a recurrent state stored wherever a prefill step ended (``policy:
+                      lru``, ``histate.interval_saves: false``; the server's flags, so
+                      HiState's scheduler without a plan: vLLM's split on the state grid);
 * ``histate``      -- ``histate-server`` with ``HiStateConnector``;
 * ``reference``    -- the ``vllm`` stack with its prefix cache reset before every prompt: the
                       correctness guard's ground truth (a prefix computed from zero), with
