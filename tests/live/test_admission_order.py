@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import random
 import re
-import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.served_stack import served_stack
 from test_preemption import needs_live, serve_openai
 
 POOL_BYTES = 5 << 20
@@ -92,37 +92,19 @@ def scenario(base: str, capacity: int, chunk: int, vocab: int, so: Any,
 @pytest.mark.timeout(600)
 def test_a_request_waiting_for_blocks_is_not_overtaken(tiny_model: Path, tmp_path: Path) -> None:
     so = serve_openai()
-    vllm_port, zmq_port, http_port = so.free_ports(3)
-    config = tmp_path / "server.yaml"
-    config.write_text(json.dumps({
-        "policy": "histate", "model": str(tiny_model / "config.json"), "chunk_size": "auto",
-        "cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5,
-        "disk_fsync": False, "port": zmq_port, "http_port": http_port, "platform": "cpu",
-    }))
-    server_log = tmp_path / "server.log"
     vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
-    with so.process([str(so.BIN / "histate-server"), "--config", str(config)], server_log,
-                    so.QUIET) as server:
-        line = so.wait_for(server, server_log, lambda: re.search(
-            r"^vLLM flags: (.*)$", server_log.read_text(), re.MULTILINE), "server", 300)
-        so.wait_for(server, server_log, lambda: "healthy" in so.get(
-            f"http://127.0.0.1:{http_port}/healthcheck"), "server", 300)
-        serve = [str(so.BIN / "histate"), "serve", str(tiny_model), "--served-model-name",
-                 "tiny", "--host", "127.0.0.1", "--port", str(vllm_port),
-                 *shlex.split(line.group(1)), "--max-model-len", "auto",
-                 "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
-                 "--max-num-seqs", "4", "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(POOL_BYTES)]
-        vllm_log = tmp_path / "vllm.log"
-        with so.process(serve, vllm_log, so.QUIET) as vllm:
-            base = f"http://127.0.0.1:{vllm_port}"
-            so.wait_for(vllm, vllm_log, lambda: so.get(base + "/health") == "", "vLLM", 400)
-            text = vllm_log.read_text()
-            capacity = int(re.search(r"KV cache size: ([\d,]+) tokens", text)
-                           .group(1).replace(",", ""))
-            chunk = int(re.search(r"kv cache group sizes \((\d+)", text).group(1))
-            fitted = json.loads(so.get(base + "/v1/models"))["data"][0]["max_model_len"]
-            t = scenario(base, capacity, chunk, vocab, so, seed=7)
+    serve_args = ["--max-model-len", "auto",
+                  "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
+                  "--max-num-seqs", "4", "--enforce-eager",
+                  "--kv-cache-memory-bytes", str(POOL_BYTES)]
+    with served_stack(so, tiny_model, tmp_path, policy="histate",
+                      serve_args=serve_args) as stack:
+        text = stack.vllm_log.read_text()
+        capacity = int(re.search(r"KV cache size: ([\d,]+) tokens", text)
+                       .group(1).replace(",", ""))
+        chunk = int(re.search(r"kv cache group sizes \((\d+)", text).group(1))
+        fitted = json.loads(so.get(stack.base + "/v1/models"))["data"][0]["max_model_len"]
+        t = scenario(stack.base, capacity, chunk, vocab, so, seed=7)
     print(f"\npool {capacity} tokens, block {chunk}; since B ran: "
           + ", ".join(f"{k} {v - t['b_running']:.2f}s" for k, v in sorted(t.items(),
                                                                         key=lambda kv: kv[1])))

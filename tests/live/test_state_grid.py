@@ -30,11 +30,11 @@ from __future__ import annotations
 import json
 import random
 import re
-import shlex
 import time
 from pathlib import Path
 
 import pytest
+from support.served_stack import served_stack
 from test_preemption import needs_live, serve_openai
 
 BUDGET = 2048
@@ -50,51 +50,33 @@ def test_steps_end_on_the_state_grid_and_hits_resume_from_real_states(
     from openai import OpenAI
 
     so = serve_openai()
-    vllm_port, zmq_port, http_port = so.free_ports(3)
-    config = tmp_path / "server.yaml"
-    config.write_text(json.dumps({
-        "policy": "lru", "model": str(tiny_model / "config.json"), "chunk_size": "auto",
-        "cpu_gib": 0.25, "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5,
-        "disk_fsync": False, "port": zmq_port, "http_port": http_port, "platform": "cpu",
-    }))
-    server_log = tmp_path / "server.log"
     vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
-    with so.process([str(so.BIN / "histate-server"), "--config", str(config)], server_log,
-                    so.QUIET) as server:
-        line = so.wait_for(server, server_log, lambda: re.search(
-            r"^vLLM flags: (.*)$", server_log.read_text(), re.MULTILINE), "server", 300)
-        so.wait_for(server, server_log, lambda: "healthy" in so.get(
-            f"http://127.0.0.1:{http_port}/healthcheck"), "server", 300)
-        serve = [str(so.BIN / "histate"), "serve", str(tiny_model), "--served-model-name",
-                 "tiny", "--host", "127.0.0.1", "--port", str(vllm_port),
-                 *shlex.split(line.group(1)), "--max-model-len", "4608",
-                 "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "4",
-                 "--enforce-eager", "--enable-prompt-tokens-details",
-                 "--kv-cache-memory-bytes", str(16 << 20)]
-        vllm_log = tmp_path / "vllm.log"
-        with so.process(serve, vllm_log, {**so.QUIET, "VLLM_SERVER_DEV_MODE": "1"}) as vllm:
-            base = f"http://127.0.0.1:{vllm_port}"
-            so.wait_for(vllm, vllm_log, lambda: so.get(base + "/health") == "", "vLLM", 400)
-            block = int(re.search(r"kv cache group sizes \((\d+)", vllm_log.read_text())
-                        .group(1))
-            assert block in CASES, f"no hand-derived case for block {block}"
-            length, ends, shared, hit = CASES[block]
-            rng = random.Random(11)
-            seed = [rng.randrange(10, vocab) for _ in range(length)]
-            check = seed[:shared] + [rng.randrange(10, vocab) for _ in range(60)]
-            if check[shared] == seed[shared]:
-                check[shared] = 10 + (check[shared] - 9) % (vocab - 10)
-            client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=240,
-                            max_retries=0)
-            first = client.completions.create(
-                model="tiny", prompt=seed, max_tokens=1, temperature=0,
-                extra_body={"kv_transfer_params": {"histate_saves": True}})
-            report = (first.kv_transfer_params or {})["histate_saves"]
-            for _ in range(100):  # refused while the seed's blocks are still held
-                if json.loads(so.post(base + "/reset_prefix_cache")).get("success"):
-                    break
-                time.sleep(0.1)
-            second = client.completions.create(model="tiny", prompt=check, max_tokens=1,
-                                               temperature=0)
+    serve_args = ["--max-model-len", "4608", "--max-num-batched-tokens", str(BUDGET),
+                  "--max-num-seqs", "4", "--enforce-eager", "--enable-prompt-tokens-details",
+                  "--kv-cache-memory-bytes", str(16 << 20)]
+    with served_stack(so, tiny_model, tmp_path, policy="lru", serve_args=serve_args,
+                      env={"VLLM_SERVER_DEV_MODE": "1"}) as stack:
+        base, vllm_log = stack.base, stack.vllm_log
+        block = int(re.search(r"kv cache group sizes \((\d+)", vllm_log.read_text())
+                    .group(1))
+        assert block in CASES, f"no hand-derived case for block {block}"
+        length, ends, shared, hit = CASES[block]
+        rng = random.Random(11)
+        seed = [rng.randrange(10, vocab) for _ in range(length)]
+        check = seed[:shared] + [rng.randrange(10, vocab) for _ in range(60)]
+        if check[shared] == seed[shared]:
+            check[shared] = 10 + (check[shared] - 9) % (vocab - 10)
+        client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=240,
+                        max_retries=0)
+        first = client.completions.create(
+            model="tiny", prompt=seed, max_tokens=1, temperature=0,
+            extra_body={"kv_transfer_params": {"histate_saves": True}})
+        report = (first.kv_transfer_params or {})["histate_saves"]
+        for _ in range(100):  # refused while the seed's blocks are still held
+            if json.loads(so.post(base + "/reset_prefix_cache")).get("success"):
+                break
+            time.sleep(0.1)
+        second = client.completions.create(model="tiny", prompt=check, max_tokens=1,
+                                           temperature=0)
     assert report["step_ends"] == ends
     assert second.usage.prompt_tokens_details.cached_tokens == hit
