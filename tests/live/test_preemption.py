@@ -33,13 +33,13 @@ import importlib.util
 import json
 import random
 import re
-import shlex
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.served_stack import served_stack
 
 needs_live = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("vllm", "lmcache", "openai")),
@@ -102,49 +102,27 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
     stack: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     so = serve_openai()
-    vllm_port, zmq_port, http_port = so.free_ports(3)
-    config = tmp_path / "server.yaml"
-    config.write_text(json.dumps({
-        "policy": "histate" if stack == "histate" else "lru",
-        "model": str(tiny_model / "config.json"), "chunk_size": "auto", "cpu_gib": 0.25,
-        "disk_path": str(tmp_path / "disk"), "disk_gib": 0.5, "disk_fsync": False,
-        "port": zmq_port, "http_port": http_port, "platform": "cpu",
-    }))
-    server_log = tmp_path / "server.log"
-    with so.process([str(so.BIN / "histate-server"), "--config", str(config)], server_log,
-                    so.QUIET) as server:
-        line = so.wait_for(server, server_log, lambda: re.search(
-            r"^vLLM flags: (.*)$", server_log.read_text(), re.MULTILINE), "server", 300)
-        flags = shlex.split(line.group(1))
-        if stack == "lmcache":
-            i = flags.index("--kv-transfer-config") + 1
-            transfer = json.loads(flags[i])
-            transfer["kv_connector_extra_config"]["histate.interval_saves"] = False
-            flags[i] = json.dumps(transfer)
-        so.wait_for(server, server_log, lambda: "healthy" in so.get(
-            f"http://127.0.0.1:{http_port}/healthcheck"), "server", 300)
-        serve = [str(so.BIN / "histate"), "serve", str(tiny_model), "--served-model-name",
-                 "tiny", "--host", "127.0.0.1", "--port", str(vllm_port), *flags,
-                 # vLLM fits the context to the pool (v1/core/kv_cache_utils.py
-                 # _auto_fit_max_model_len): the pool then holds one longest request.
-                 "--max-model-len", "auto",
-                 "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
-                 "--max-num-seqs", "4", "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(POOL_BYTES),
-                 # Admit on the first chunk, not the whole prompt (vLLM's default reserves
-                 # it and then never needs to preempt): requests grow into each other.
-                 "--no-scheduler-reserve-full-isl"]
-        vllm_log = tmp_path / "vllm.log"
-        with so.process(serve, vllm_log, so.QUIET) as vllm:
-            base = f"http://127.0.0.1:{vllm_port}"
-            so.wait_for(vllm, vllm_log, lambda: so.get(base + "/health") == "", "vLLM", 400)
-            fitted = json.loads(so.get(base + "/v1/models"))["data"][0]["max_model_len"]
-            assert fitted >= LONGEST_REQUEST, (
-                f"a {POOL_BYTES >> 20} MiB pool holds {fitted} tokens with this CPU's layout, "
-                f"less than the longest request ({LONGEST_REQUEST}): raise POOL_BYTES")
-            results = asyncio.run(replay(base))
-            metrics = so.get(base + "/metrics")
-        server_metrics = so.get(f"http://127.0.0.1:{http_port}/metrics")
+    serve_args = [
+        # vLLM fits the context to the pool (v1/core/kv_cache_utils.py
+        # _auto_fit_max_model_len): the pool then holds one longest request.
+        "--max-model-len", "auto",
+        "--hf-overrides", json.dumps({"max_position_embeddings": POSITIONS}),
+        "--max-num-seqs", "4", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(POOL_BYTES),
+        # Admit on the first chunk, not the whole prompt (vLLM's default reserves
+        # it and then never needs to preempt): requests grow into each other.
+        "--no-scheduler-reserve-full-isl"]
+    # A baseline server prints flags with interval saves off (launcher.kv_transfer_config).
+    policy = "histate" if stack == "histate" else "lru"
+    with served_stack(so, tiny_model, tmp_path, policy=policy, serve_args=serve_args) as served:
+        base, vllm_log = served.base, served.vllm_log
+        fitted = json.loads(so.get(base + "/v1/models"))["data"][0]["max_model_len"]
+        assert fitted >= LONGEST_REQUEST, (
+            f"a {POOL_BYTES >> 20} MiB pool holds {fitted} tokens with this CPU's layout, "
+            f"less than the longest request ({LONGEST_REQUEST}): raise POOL_BYTES")
+        results = asyncio.run(replay(base))
+        metrics = so.get(base + "/metrics")
+        server_metrics = so.get(served.server_http + "/metrics")
     log = vllm_log.read_text()
     assert results == [("ok", ANSWER_TOKENS)] * (SESSIONS * TURNS), results
     assert so.metric(metrics, "vllm:num_preemptions_total") >= 1, "no preemption: moot"
