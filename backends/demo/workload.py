@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SOURCE_BLOCK", "DemoRequest", "build_workload", "unique_chunks"]
+__all__ = ["SOURCE_BLOCK", "DemoRequest", "build_workload", "reachable_hit_tokens",
+           "unique_chunks"]
 
 SOURCE_BLOCK = 64
 """Tokens per hash id in Weka traces."""
@@ -76,13 +77,42 @@ def build_workload(
     return out
 
 
+def _prefix_digests(prompt: Sequence[int], chunk: int) -> list[bytes]:
+    """One digest per full ``chunk``-token block of ``prompt``, each naming the whole prefix
+    up to that block's end."""
+    h = hashlib.blake2b(digest_size=16)
+    out = []
+    for i in range(len(prompt) // chunk):
+        h.update(json.dumps(list(prompt[i * chunk:(i + 1) * chunk])).encode())
+        out.append(h.copy().digest())
+    return out
+
+
+def reachable_hit_tokens(workload: Sequence[DemoRequest], chunk: int) -> list[int]:
+    """Per request, in workload order: the prompt tokens a cache that never evicts and keeps
+    a state at every ``chunk`` boundary of every earlier prompt could resume from.
+
+    That is the request's longest common prefix with any earlier prompt, capped at its
+    length minus one (an engine computes at least the last prompt token to sample from it)
+    and floored to whole chunks (states exist at chunk boundaries only). No stack can hit
+    more, so a stack at this count has nothing left for a better policy to win."""
+    seen: set[bytes] = set()
+    out = []
+    for request in workload:
+        digests = _prefix_digests(request.prompt, chunk)
+        usable = (len(request.prompt) - 1) // chunk
+        shared = 0
+        while shared < min(usable, len(digests)) and digests[shared] in seen:
+            shared += 1
+        out.append(shared * chunk)
+        seen.update(digests)
+    return out
+
+
 def unique_chunks(workload: Sequence[DemoRequest], chunk: int) -> int:
     """Distinct full ``chunk``-token chunks (by prefix) over the workload: what a cache could
     hold (``chunk`` = the engine's block size on this machine)."""
     seen: set[bytes] = set()
     for request in workload:
-        h = hashlib.blake2b(digest_size=16)
-        for i in range(len(request.prompt) // chunk):
-            h.update(json.dumps(request.prompt[i * chunk:(i + 1) * chunk]).encode())
-            seen.add(h.copy().digest())
+        seen.update(_prefix_digests(request.prompt, chunk))
     return len(seen)

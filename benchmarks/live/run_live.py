@@ -172,7 +172,11 @@ def _median_rows(runs: list[list[client.Row]]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model, size_overrides
-    from lmcache_histate.backends.demo.workload import build_workload, unique_chunks
+    from lmcache_histate.backends.demo.workload import (
+        build_workload,
+        reachable_hit_tokens,
+        unique_chunks,
+    )
     from lmcache_histate.backends.vllm.engine_facts import probe
 
     out = Path(args.out).resolve()  # servers run in their own working directories
@@ -187,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               max_prompt_tokens=args.max_model_len - 8, vocab=vocab,
                               trace_dir=Path(args.trace) if args.trace else None)
     footprint = unique_chunks(workload, chunk) * layout.state_per_chunk_bytes()
+    reachable = sum(reachable_hit_tokens(workload, chunk))
     tier = max(int(args.cache_fraction * footprint), 4 << 20)
     budget = stacks.Budget(args.gpu_pool_mib << 20, tier, tier)
     print(f"engine layout: {layout.describe()}\nworkload: {len(workload)} requests, "
@@ -269,7 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _plot(per_stack, out / "ttft_cdf.png")
     return {"model_size": args.model_size, "layout": layout.__dict__, "budget": budget.__dict__,
             "footprint": footprint,
-            "requests": len(workload), "sensitive": sorted(sensitive), "summary": summary,
+            "requests": len(workload), "reachable_tokens": reachable,
+            "sensitive": sorted(sensitive), "summary": summary,
             "repetitions": repetitions, "rows": per_stack,
             "runs": rows_of,
             "errors": errors, "guard_mismatches": mismatches,
@@ -306,6 +312,16 @@ def l1_refused_objects(server_log: Path) -> int:
     return sum(int(n) for n in REFUSED.findall(text))
 
 
+def reachable_line(data: dict[str, Any]) -> list[str]:
+    """The hit tokens no stack can exceed (``workload.reachable_hit_tokens``), beside the
+    prompt tokens: where stacks reach it, hits cannot tell their policies apart."""
+    reach = data["reachable_tokens"]
+    prompt = next(iter(data["summary"].values()))["prompt_tokens"]
+    return ["", f"Reachable hit tokens (a cache that never evicts and has a state at every "
+                f"block boundary of every earlier prompt): {reach:,} of {prompt:,} prompt "
+                f"tokens ({100 * reach / max(prompt, 1):.1f} %)."]
+
+
 def markdown(data: dict[str, Any], command: str) -> str:
     lay, b = data["layout"], data["budget"]
     hs = data["summary"].get("histate")
@@ -318,6 +334,7 @@ def markdown(data: dict[str, Any], command: str) -> str:
         f"{data['footprint'] / 1e6:.1f} MB. Every stack: KV pool {b['gpu_pool_bytes'] >> 20} MiB; "
         f"stacks with the tier: CPU {b['cpu_bytes'] / 1e6:.1f} MB, disk "
         f"{b['disk_bytes'] / 1e6:.1f} MB. Reuse-sensitive: {len(data['sensitive'])} requests.",
+        *reachable_line(data),
         "",
         "Each request's TTFT is the median of its repetitions; the second table gives each "
         "repetition on its own.", "",

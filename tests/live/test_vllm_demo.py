@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from lmcache_histate.backends.demo import SOURCE_BLOCK, build_workload
+from lmcache_histate.backends.demo.workload import DemoRequest, reachable_hit_tokens
 
 from lmcache_histate.sim.traces import load_weka, sample_trace_dir
 
@@ -61,6 +62,23 @@ def test_workload_keeps_the_trace_prefix_structure() -> None:
     # A rewrite in the trace (trace_0460's 4th request keeps 179 of 196 blocks) is kept.
     r = {(x.session, x.turn): x for x in workload}
     assert 179 * 8 <= _shared(r[("trace_0460", 2)].prompt, r[("trace_0460", 3)].prompt) < 180 * 8
+
+
+def test_reachable_hits_are_the_longest_earlier_prefix_in_whole_chunks() -> None:
+    def req(turn: int, prompt: list[int]) -> DemoRequest:
+        return DemoRequest("s", turn, float(turn), tuple(prompt), len(prompt))
+
+    a = list(range(10, 20))  # 10 tokens: chunks [10..13], [14..17], a partial [18, 19]
+    workload = [
+        req(0, a),
+        req(1, [*a[:9], 99, 98, 97]),  # shares 9 tokens with a: 2 whole chunks = 8
+        req(2, a),  # a again: 10 shared, but the last token is always computed: 9 -> 8
+        req(3, [99, *a[1:]]),  # differs in its first token: nothing
+        req(4, a[:4]),  # 4 tokens, all shared: capped at 3, under one chunk -> 0
+        req(5, [99, *a[1:], 1, 2, 3]),  # 13 tokens, its first 10 are request 3's: 8
+    ]
+    assert reachable_hit_tokens(workload, 4) == [0, 8, 8, 0, 0, 8]
+    assert reachable_hit_tokens(workload, 5) == [0, 5, 5, 0, 0, 10]
 
 
 @needs_live
