@@ -71,8 +71,10 @@ on the live benchmark's stock-LMCache stack: a prompt restored at 2,304 with the
 per-boundary offers at planned step ends and were exact, but its unplanned step ends fell
 off the grid too. The split therefore runs with ``cache_config.block_size`` set to the Mamba
 group's block for the call (the scheduler thread is the field's only reader while it runs);
-where the two agree nothing changes. vLLM's own scheduler (the ``vllm`` stack of the live
-benchmark) keeps the misaligned split.
+where the two agree nothing changes. On one GPU vLLM's own scheduler already splits on that
+grid (the raise runs in the engine core's process with the ``uni`` executor); the live
+benchmark's ``vllm-grid`` stack is vLLM alone with this class and no connector, its ``vllm``
+stack vLLM's own scheduler with the CPU grid (``benchmarks/live/stacks.py`` NOTE 6).
 
 Version guard: written against vLLM 0.32.0's ``Scheduler._mamba_block_aligned_split(request,
 num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)``; another vLLM
