@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SOURCE_BLOCK", "DemoRequest", "build_workload", "reachable_hit_tokens",
+__all__ = ["LO_TOKEN", "SOURCE_BLOCK", "DemoRequest", "build_workload", "reachable_hit_tokens",
            "unique_chunks"]
 
 SOURCE_BLOCK = 64

@@ -91,6 +91,41 @@ async def replay(base_url: str, workload: Sequence[DemoRequest], *, concurrency:
     return [rows[(r.session, r.turn)] for r in workload]
 
 
+def warm_up_prompts(prompts: Sequence[Sequence[int]], *, block: int, vocab: int,
+                    lo: int) -> tuple[list[int], list[int]]:
+    """Two warm-up prompts (``run_live`` NOTE 3): the first of ``2 * block + 10`` tokens, the
+    second sharing exactly its two whole blocks, and neither sharing a first token (so no
+    block) with any of ``prompts``. Tokens are drawn from ``[lo, vocab)``."""
+    import random
+
+    rng = random.Random("warm-up")
+    firsts = {p[0] for p in prompts if p}
+    head = [rng.randrange(lo, vocab) for _ in range(2 * block)]
+    while head[0] in firsts:
+        head[0] = lo + (head[0] - lo + 1) % (vocab - lo)
+    first = head + [rng.randrange(lo, vocab) for _ in range(10)]
+    second = head + [rng.randrange(lo, vocab) for _ in range(10)]
+    while second[2 * block] == first[2 * block]:
+        second[2 * block] = lo + (second[2 * block] - lo + 1) % (vocab - lo)
+    return first, second
+
+
+def warm_up(base_url: str, prompts: tuple[Sequence[int], Sequence[int]]) -> None:
+    """Send each prompt, emptying vLLM's prefix cache after each: the second resumes from
+    whatever cache the stack has below vLLM's (LMCache's tiers), then vLLM's pool is as empty
+    as before."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", timeout=600.0, max_retries=0)
+    try:
+        for prompt in prompts:
+            client.completions.create(model="tiny", prompt=list(prompt), max_tokens=1,
+                                      temperature=0.0)
+            _reset_prefix_cache(base_url)
+    finally:
+        client.close()
+
+
 def _reset_prefix_cache(base_url: str, tries: int = 50) -> None:
     """vLLM's dev endpoint; it refuses while blocks are still held, so retry briefly."""
     import json

@@ -76,6 +76,18 @@ def test_the_guard_speaks_the_connectors_and_the_references_parameter_names() ->
     assert client.STEP_ENDS_PARAM == _live_module("forced_steps").STEP_ENDS_PARAM
 
 
+def test_warm_up_prompts_share_two_blocks_with_each_other_and_nothing_with_the_replay() -> None:
+    client = _live_module("client")
+    # Every first token in [4, 20) but 9 is taken by a replay prompt: the warm-up must start
+    # with 9 (its only free first token), so it shares no block with any of them.
+    taken = [[t, 5, 6] for t in range(4, 20) if t != 9]
+    first, second = client.warm_up_prompts(taken, block=4, vocab=20, lo=4)
+    assert len(first) == len(second) == 2 * 4 + 10
+    assert first[0] == 9 == second[0]
+    assert first[:8] == second[:8] and first[8] != second[8]  # exactly two whole blocks
+    assert all(4 <= t < 20 for t in first + second)
+
+
 def test_refused_store_objects_are_read_from_lmcaches_own_warning(tmp_path: Path) -> None:
     run_live = _live_module("run_live")
     log = tmp_path / "histate-server.log"
