@@ -139,6 +139,41 @@ def test_a_delete_before_its_write_starts_cancels_it(tmp_path: Path) -> None:
         a.close()
 
 
+def test_a_decided_delete_makes_room_before_it_runs(tmp_path: Path) -> None:
+    """writes NOTE 5: room for two 3,000-byte objects (each file 3,087 bytes with its
+    87-byte header; 7,000 bytes hold two, not three). A reader holds key 1 when its
+    delete is decided: from the mark on it is no hit and its bytes no longer count, so a
+    write of key 3 is stored although key 1's file stays until the unlock. The same holds
+    in the window between the decision and the delete (key 2), and the room is counted
+    once: a fifth object is refused while two files are held."""
+    a = adapter(tmp_path, capacity=7000)
+    try:
+        assert store(a, [key(1), key(2)], [b"a" * 3000, b"b" * 3000])
+        assert lookup(a, [key(1)]) == [0]  # a reader holds key 1
+        assert not store(a, [key(3)], [b"c" * 3000])  # full: refused
+        a.mark_leaving([key(1)])
+        assert a.report_status()["bytes_leaving"] == 3087
+        assert lookup(a, [key(1)]) == []  # doomed: no longer a hit
+        a.delete([key(1)])  # deferred to the unlock
+        assert store(a, [key(3)], [b"c" * 3000])
+        assert len(list(tmp_path.rglob("*.hsf"))) == 3  # key 1 still read
+        a.submit_unlock([key(1)])
+        assert len(list(tmp_path.rglob("*.hsf"))) == 2
+        status = a.report_status()
+        assert status["bytes_leaving"] == 0 and status["bytes_used"] == 2 * 3087
+        a.mark_leaving([key(2)])  # decided, delete not run yet
+        assert store(a, [key(4)], [b"d" * 3000])
+        a.delete([key(2)])
+        assert not store(a, [key(5)], [b"e" * 3000])  # keys 3 and 4 fill it again
+        assert lookup(a, [key(2), key(3), key(4)]) == [1, 2]
+        status = a.report_status()
+        assert status["bytes_used"] == 2 * 3087 == sum(
+            f.stat().st_size for f in tmp_path.rglob("*.hsf"))
+        assert status["stats"]["not_persisted_capacity"] == 2
+    finally:
+        a.close()
+
+
 def test_restart_rebuilds_index_and_removes_leftovers(tmp_path: Path) -> None:
     a = adapter(tmp_path)
     assert store(a, [key(1), key(2)], [b"a" * 100, b"b" * 200])

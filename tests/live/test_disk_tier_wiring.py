@@ -191,3 +191,49 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
              if k.object_group_id == 0 and runtime.objects.key_tiers(k) == 1 << DISK]
     assert stale == []
     runtime.check()  # the object map kept a link for every mapped node through the trims
+
+
+def test_a_write_gets_the_room_its_eviction_made_while_a_reader_holds_the_victim(
+    tmp_path: Path,
+) -> None:
+    """``disk.writes`` NOTE 5: a 16,000-byte disk tier. The core counts 16,000 - 13 x 175
+    = 13,725 payload bytes there (``payload_capacity``: 175 = a 111-byte header + 64 per
+    1,024-byte KV chunk that could fit): three 4,096-byte snapshots; their files take
+    4,207 bytes each, so the tier holds three and refuses a fourth (16,828 > 16,000).
+    Prompts of 4 chunks each route two snapshots to disk (the intermediate one after chunk
+    1 and the final's durable copy); before each commit a reader locks every file on disk,
+    as LMCache's prefetch does after a lookup. Each write the core made room for is
+    stored although its victim's file stays until the reader lets go; once it does, at
+    most three files remain and the bytes held match them."""
+    runtime, disk = disk_runtime(tmp_path, 16_000)
+    try:
+        for p in range(6):
+            held = list(disk.entries())
+            locked = disk.submit_lookup_and_lock_task(held, {})
+            assert disk.query_lookup_and_lock_result(locked).get_indices_list() == list(
+                range(len(held)))
+            t = toks(4, 500 + p)
+            key = ipc(t, 0, len(t), f"p{p}")
+            runtime.on_store(key)
+            keys = objects(runtime, key, [0, 1, 2, 3], 0) + objects(runtime, key, [1, 3], 1)
+            runtime.actions.l1.resident.update(keys)
+            route = runtime.on_committed(keys)
+            mine = [k for k in keys if k in route]
+            assert len(mine) == 2 and all(k.object_group_id == 1 for k in mine)
+            task = disk.submit_store_task(mine, [Obj(SNAP_BYTES) for _ in mine])
+            deadline = time.monotonic() + 10
+            while (done := disk.pop_completed_store_tasks().get(task)) is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert done.is_successful(), (p, disk.stats)
+            disk.submit_unlock(held)
+            runtime.tick()
+        files = list((tmp_path / "disk").rglob("*" + df.SUFFIX))
+        assert len(files) == 3
+        status = disk.report_status()
+        assert status["bytes_used"] == sum(f.stat().st_size for f in files) == 3 * 4207
+        assert status["bytes_leaving"] == 0
+        assert disk.stats["not_persisted_capacity"] == 0
+        assert runtime.stats["snapshot_evicted.disk"] == 12 - 3
+    finally:
+        disk.close()

@@ -55,7 +55,9 @@ Threads and locks: LMCache calls the ``submit_*`` / ``query_*`` / ``pop_*`` / ``
 methods from its controller threads; reads and writes run on the I/O pool
 (``histate-disk-*``). ``self._lock`` guards the index, the lookup locks, the expected
 headers and the task results, and is never held across file I/O. Reports are queued on
-the thread that saw the event, without it (NOTE 3).
+the thread that saw the event, without it (NOTE 3). The runtime calls ``mark_leaving``
+with its own lock held (``writes`` NOTE 5): the runtime's lock may be taken before this
+one, never after it (nothing here calls up).
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
@@ -337,7 +339,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
                     if found[i]:
                         self._locks[key] += 1
                         bitmap.set(i)
-                elif key in self._index and key not in self._delete_on_unlock:
+                elif key in self._index and key not in self._delete_on_unlock and (
+                        key not in self.writer.leaving):
                     self._locks[key] += 1
                     bitmap.set(i)
             self._lookup_done[tid] = bitmap
@@ -411,6 +414,16 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._load_efd.notify()
 
     # ------------------------------------------------------------------- delete
+    def mark_leaving(self, keys: Sequence[ObjectKey]) -> None:
+        """The driver decided to delete ``keys`` (``delete`` follows): from now on their
+        files are no hit and no longer count against writes (``writes`` NOTE 5). Called
+        under the driver's lock; takes only this tier's."""
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    self.writer.mark_leaving(key, entry.size)
+
     def delete(self, keys: list[ObjectKey]) -> None:
         if self.shared is not None:  # shared_link NOTE 1: the deployment ranking deletes
             self._forget(keys, unlink=False)
@@ -441,8 +454,13 @@ class HiStateDiskAdapter(L2AdapterInterface):
             for key in keys:
                 entry = self._index.pop(key, None)
                 self._delete_on_unlock.discard(key)
+                self.writer.left(key)
                 if entry is not None:
                     gone.append((key, entry.size))
+        # Accounted before the unlinks: the bytes stopped counting as leaving just now
+        # (writes NOTE 5), and a write checked meanwhile must not see them counted again.
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
         if unlink:
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
@@ -451,8 +469,6 @@ class HiStateDiskAdapter(L2AdapterInterface):
                     except OSError as exc:
                         if not isinstance(exc, FileNotFoundError):
                             logger.warning("HiState disk tier: cannot delete %s: %s", key, exc)
-        if gone:
-            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
 
     # -------------------------------------------------------------- inspection
     def contains(self, key: ObjectKey) -> bool:
@@ -473,12 +489,14 @@ class HiStateDiskAdapter(L2AdapterInterface):
             locked = len(self._locks)
             writing = len(self.writer.writing)
             queued = sum(self.writer.queued.values())
+            leaving = self.writer.leaving_bytes
         return {
             "is_healthy": not self._closed,
             "type": "HiStateDiskAdapter",
             "path": str(self.root),
             "files": files,
             "bytes_used": usage.total_bytes_used,
+            "bytes_leaving": leaving,
             "capacity_bytes": usage.total_capacity_bytes,
             "locked_keys": locked,
             "writes_in_flight": writing,

@@ -52,6 +52,18 @@ files left be such orphans). ``enqueue`` counts a write at submission, under the
 lock; ``cancel`` marks every queued write of the key; ``_write_one`` takes its write off
 the queue in the same lock hold that enters it into ``writing``, and skips it if marked.
 A write submitted after the delete is not marked.
+
+NOTE 5 (capacity net of deletes already decided): the runtime decides under its lock
+which files go to make room for a write, but the delete runs after it releases the lock,
+and a file a reader has locked is deleted only at its unlock (``tier.delete``). Meanwhile
+LMCache's store controller may already have submitted the write the eviction made room
+for; counting the doomed file would refuse it (``not_persisted_capacity``), losing the
+newest snapshot exactly when the policy had made room for it. The tier marks such files
+``leaving`` under the runtime's lock (``tier.mark_leaving``, called as the actions are
+taken) and the capacity check counts ``held - leaving``. The disk may so hold more than
+the capacity for as long as a reader keeps a doomed file; the capacity is the policy's
+budget, not the filesystem's size, and a real lack of space still fails the write with
+ENOSPC (NOTE 1).
 """
 
 from __future__ import annotations
@@ -130,6 +142,9 @@ class DiskWriter:
         self.queued: Counter[ObjectKey] = Counter()
         self.cancelled_queued: Counter[ObjectKey] = Counter()
         self.reserved = 0
+        # Indexed files whose delete is decided but not done (NOTE 5): key -> size.
+        self.leaving: dict[ObjectKey, int] = {}
+        self.leaving_bytes = 0
         self._logged_causes: set[str] = set()
         self._capacity_checked = 0.0
 
@@ -152,6 +167,24 @@ class DiskWriter:
         if not self.cancelled_queued[key]:
             del self.cancelled_queued[key]
         return True
+
+    def mark_leaving(self, key: ObjectKey, size: int) -> None:
+        """Under the tier's lock: the indexed file of ``key`` (``size`` bytes) will be
+        deleted; it no longer counts against writes (NOTE 5)."""
+        if key not in self.leaving:
+            self.leaving[key] = size
+            self.leaving_bytes += size
+
+    def left(self, key: ObjectKey) -> None:
+        """Under the tier's lock: ``key``'s entry left the index (NOTE 5)."""
+        size = self.leaving.pop(key, None)
+        if size is not None:
+            self.leaving_bytes -= size
+
+    def _committed(self) -> int:
+        """Under the tier's lock: the bytes writes are measured against — held, less
+        what is leaving (NOTE 5), plus what writes in flight reserved."""
+        return self._access.held() - self.leaving_bytes + self.reserved
 
     def cancel(self, key: ObjectKey) -> None:
         """Under the tier's lock: a write of ``key`` in flight is cancelled (its file is
@@ -288,10 +321,11 @@ class DiskWriter:
                 return "present", 0, path
             if deployment_reserved:  # NOTE 3
                 stale = self._index.pop(key, None)
-            elif self._access.held() + self.reserved + size > self._access.capacity():
+                self.left(key)
+            elif self._committed() + size > self._access.capacity():
                 self.stats["not_persisted_capacity"] += 1
                 return "failed", 0, path
-            if share is not None and self._access.held() + self.reserved + size > share:
+            if share is not None and self._committed() + size > share:
                 self.stats["not_persisted_degraded_share"] += 1  # shared_link NOTE 4
                 return "failed", 0, path
             self.reserved += size

@@ -15,7 +15,9 @@ once: take the runtime lock, drain both queues, let the caller change the core, 
 collected ``Actions`` (with the header of every disk write they decide, ``header``),
 release the lock, run them. Running hands the disk tier the headers before it submits the
 writes, so the tier's I/O threads never read runtime state (``disk.tier`` NOTE 2), and
-they never call into it either: they only queue.
+they never call into it either: they only queue. Taking marks the disk deletes decided
+as leaving in the tier, still under the lock (a bookkeeping call, no I/O), so a write
+submitted before they run is measured against the room they make (``disk.writes`` NOTE 5).
 
 Threads: ``step`` runs on whichever thread calls it (LMCache's request and controller
 threads, the janitor) and serialises on the runtime lock; ``run`` and ``l1_delete`` are
@@ -209,6 +211,10 @@ class TierActions:
                     self.pending.disk_delete.extend(keys)
         for _nk, _part, keys in self.pending.demote:
             self.expect_writes(keys)
+        if self.pending.disk_delete and self.disk is not None:
+            # Before the lock is released: a write the store controller submits once it
+            # is must already see these files as leaving (``disk.writes`` NOTE 5).
+            self.disk.mark_leaving(self.pending.disk_delete)
         actions, self.pending = self.pending, Actions()
         return actions
 
