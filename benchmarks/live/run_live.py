@@ -45,6 +45,14 @@ each). No replay or guard prompt shares their first token, so they share no bloc
 measured requests; their two KV chunks stay in the tiers as the oldest objects, the same in
 both connector stacks.
 
+NOTE 4 (CPU seconds): on a CPU host the engine, its workers and the cache server share the
+same cores, so a second of CPU the cache server spends during the replay is a second the
+prefill could not have (on this 2-core machine nearly one for one); with a GPU the engine's
+prefill runs on the device and the server's CPU time costs it nothing. Each repetition
+records the user + system CPU seconds of each stack's processes during its replay
+(``cpu_seconds``: the API server and its children, the cache server and its children), so a
+TTFT difference between the connector stacks can be set against what each server burned.
+
 Workload: the bundled Weka Claude Code sample (``--trace`` for another folder of Weka files),
 each 64-token trace block becoming ``--block-tokens`` synthetic tokens (the demo's replay:
 prefix structure kept exactly). Memory: the engine's KV pool (``--gpu-pool-mib``) is the same
@@ -58,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -215,6 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     order = [keys if rep % 2 == 0 else keys[::-1] for rep in range(args.repeats)]
     runs: dict[str, list[list[client.Row]]] = {k: [] for k in keys}
     priced: dict[str, list[dict[str, Any]]] = {k: [] for k in keys if k == "histate"}
+    cpu: dict[str, list[dict[str, float]]] = {k: [] for k in keys}  # NOTE 4
     errors: dict[str, str] = {}
     guard: dict[str, Any] = {}
     # Guard prompts: sessions of the same trace with other synthetic tokens (seed + 1), so
@@ -244,9 +254,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         work=work / f"rep{rep}", max_model_len=args.max_model_len,
                                         errors=errors) as stack:
                     client.warm_up(stack.base_url, warm)
+                    pids = {"engine": stack.api_pid,
+                            "server": stack.server.proc.pid if stack.server else 0}
+                    before = {k: cpu_seconds(pid) for k, pid in pids.items()}
                     rows = asyncio.run(client.replay(
                         stack.base_url, workload, concurrency=args.concurrency,
                         think_scale=args.think_scale, think_cap_s=args.think_cap, progress=tick))
+                    cpu[key].append({k: cpu_seconds(pid) - before[k] for k, pid in pids.items()})
                     runs[key].append(rows)
                     if stack.server is not None and key == "histate":
                         priced[key].append(plan_inputs(stack.server.get("/status")))
@@ -297,7 +311,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "errors": errors, "guard_mismatches": mismatches,
             "guard": guard, "guard_reference": reference, "guard_reference_like": like,
             "guard_sample": len(sample), "io": io, "l1_refused": refused,
+            "cpu_seconds": {k: v for k, v in cpu.items() if v},
             "plan_inputs": {k: v for k, v in priced.items() if v}}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by ``pid`` and its live descendants (NOTE 4);
+    0 for no process."""
+    import psutil  # vLLM's dependency: there wherever vLLM is
+
+    if not pid:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def plan_inputs(status: dict[str, Any]) -> dict[str, Any]:
@@ -395,6 +430,14 @@ def markdown(data: dict[str, Any], command: str) -> str:
                   "(`l1_refused_objects`), per repetition: " + "; ".join(
                       f"{stacks.TITLES[k]} {' / '.join(str(n) for n in v)}"
                       for k, v in data["l1_refused"].items()) + "."]
+    if data.get("cpu_seconds"):
+        lines += ["", "CPU seconds used during each replay (NOTE 4; engine = `vllm serve` and "
+                  "its EngineCore, server = the LMCache server), per repetition: " + "; ".join(
+                      f"{stacks.TITLES[k]} engine "
+                      + " / ".join(f"{r['engine']:.1f}" for r in v)
+                      + (", server " + " / ".join(f"{r['server']:.1f}" for r in v)
+                         if any(r["server"] for r in v) else "")
+                      for k, v in data["cpu_seconds"].items()) + "."]
     for key, rs in data.get("plan_inputs", {}).items():
         lines += ["", f"{stacks.TITLES[key]}: plans priced at a measured step price of "
                   + " / ".join("none" if r["step_price"] is None else f"{r['step_price']:.1f}"

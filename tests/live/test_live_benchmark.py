@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import random
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,6 +105,26 @@ def test_refused_store_objects_are_read_from_lmcaches_own_warning(tmp_path: Path
     assert run_live.l1_refused_objects(tmp_path / "absent.log") == 0
 
 
+def test_cpu_seconds_count_a_process_and_its_children() -> None:
+    """run_live NOTE 4: a parent that only waits for a child which burns 0.3 s of CPU by its
+    own clock, then sleeps: the tree's CPU seconds are at least those 0.3 s (the parent
+    alone has almost none); no process counts 0."""
+    run_live = _live_module("run_live")
+    burn = ("import time\nwhile time.process_time() < 0.3: pass\n"
+            "print('burnt', flush=True)\ntime.sleep(60)")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, "
+                               f"'-c', {burn!r}])"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == "burnt\n"
+        assert run_live.cpu_seconds(parent.pid) >= 0.3
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert run_live.cpu_seconds(0) == 0.0
+
+
 def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks" / "live"))
     try:
@@ -147,6 +170,11 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     assert (out / "ttft_cdf.png").stat().st_size > 0
     # The tiers hold the replay and the guard: LMCache dropped no STORE for lack of room.
     assert data["l1_refused"] == {"histate": [0]}
+    # Each stack's CPU seconds during its replay (NOTE 4): vLLM alone has no cache server.
+    cpu = data["cpu_seconds"]
+    assert cpu["vllm"][0]["server"] == 0 < cpu["vllm"][0]["engine"]
+    assert cpu["histate"][0]["server"] > 0 and cpu["histate"][0]["engine"] > 0
+    assert "CPU seconds used during each replay" in text
     # HiState planned on the engine's step grid: vLLM-CPU's OpenAI-server budget of 2,048
     # tokens (engine/arg_utils.py, CPU defaults) in whole blocks.
     (inputs,) = data["plan_inputs"]["histate"]
