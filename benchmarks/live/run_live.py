@@ -50,8 +50,9 @@ same cores, so a second of CPU the cache server spends during the replay is a se
 prefill could not have (on this 2-core machine nearly one for one); with a GPU the engine's
 prefill runs on the device and the server's CPU time costs it nothing. Each repetition
 records the user + system CPU seconds of each stack's processes during its replay
-(``cpu_seconds``: the API server and its children, the cache server and its children), so a
-TTFT difference between the connector stacks can be set against what each server burned.
+(``stacks.Stack.cpu_seconds``: the API server and its descendants, the cache server and
+its descendants), so a TTFT difference between the connector stacks can be set against
+what each of their processes burned.
 
 Workload: the bundled Weka Claude Code sample (``--trace`` for another folder of Weka files),
 each 64-token trace block becoming ``--block-tokens`` synthetic tokens (the demo's replay:
@@ -66,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import re
@@ -254,13 +254,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         work=work / f"rep{rep}", max_model_len=args.max_model_len,
                                         errors=errors) as stack:
                     client.warm_up(stack.base_url, warm)
-                    pids = {"engine": stack.api_pid,
-                            "server": stack.server.proc.pid if stack.server else 0}
-                    before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                    before = stack.cpu_seconds()  # NOTE 4
                     rows = asyncio.run(client.replay(
                         stack.base_url, workload, concurrency=args.concurrency,
                         think_scale=args.think_scale, think_cap_s=args.think_cap, progress=tick))
-                    cpu[key].append({k: cpu_seconds(pid) - before[k] for k, pid in pids.items()})
+                    cpu[key].append({k: v - before[k] for k, v in stack.cpu_seconds().items()})
                     runs[key].append(rows)
                     if stack.server is not None and key == "histate":
                         priced[key].append(plan_inputs(stack.server.get("/status")))
@@ -313,26 +311,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "guard_sample": len(sample), "io": io, "l1_refused": refused,
             "cpu_seconds": {k: v for k, v in cpu.items() if v},
             "plan_inputs": {k: v for k, v in priced.items() if v}}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds used so far by ``pid`` and its live descendants (NOTE 4);
-    0 for no process."""
-    import psutil  # vLLM's dependency: there wherever vLLM is
-
-    if not pid:
-        return 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 def plan_inputs(status: dict[str, Any]) -> dict[str, Any]:

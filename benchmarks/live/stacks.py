@@ -118,6 +118,29 @@ class Stack:
                                     timeout=10) as r:
             return r.read().decode()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the engine (the API server and its EngineCore,
+        workers) and by the cache server (0 without one)."""
+        return {"engine": cpu_seconds(self.api_pid),
+                "server": cpu_seconds(self.server.proc.pid) if self.server else 0.0}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants, from /proc; 0 for no
+    process."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid] if pid else []
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
 
 def _vllm_argv(model: Path, port: int, layout: EngineFacts, max_model_len: int,
                budget: Budget, *, caching: bool = True) -> list[str]:

@@ -167,22 +167,6 @@ def engine_counters(stack: stacks.Stack) -> dict[str, float]:
     return values
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` and every descendant, from /proc."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
-
-
 def engine_pids(api_pid: int) -> list[int]:
     """vLLM's EngineCore under the API server (its workers are sampled as its children)."""
     found = []
@@ -282,9 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             spy, stack.server.proc.pid, work / f"{key}-{rep}-server.txt",
                             args.rate, wall=False)))
                     time.sleep(1.0)  # py-spy attaches
-                server_pid = stack.server.proc.pid if stack.server is not None else None
-                cpu0 = (cpu_seconds(stack.api_pid),
-                        cpu_seconds(server_pid) if server_pid else 0.0)
+                cpu0 = stack.cpu_seconds()
                 for phase in args.phases.split(","):
                     seed += 1
                     prompts = fresh_prompts(args.prompts, args.prompt_tokens, vocab, seed)
@@ -294,8 +276,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         engine[key][phase][name] += (value - before[name]) / len(prompts)
                     results[key][phase] += ttfts
                     print(f"  {phase}: mean TTFT {statistics.fmean(ttfts):.3f} s", flush=True)
-                cpu[key]["vLLM"] += cpu_seconds(stack.api_pid) - cpu0[0]
-                cpu[key]["server"] += (cpu_seconds(server_pid) - cpu0[1]) if server_pid else 0.0
+                cpu1 = stack.cpu_seconds()
+                cpu[key]["vLLM"] += cpu1["engine"] - cpu0["engine"]
+                cpu[key]["server"] += cpu1["server"] - cpu0["server"]
                 for which, sampler in samplers:
                     got = sampler.stop()
                     (profiles if which == "engine" else server_profiles)[key].update(got)
