@@ -151,7 +151,7 @@ def test_a_decided_delete_makes_room_before_it_runs(tmp_path: Path) -> None:
         assert store(a, [key(1), key(2)], [b"a" * 3000, b"b" * 3000])
         assert lookup(a, [key(1)]) == [0]  # a reader holds key 1
         assert not store(a, [key(3)], [b"c" * 3000])  # full: refused
-        a.mark_leaving([key(1)])
+        a.mark_decisions([key(1)])
         assert a.report_status()["bytes_leaving"] == 3087
         assert lookup(a, [key(1)]) == []  # doomed: no longer a hit
         a.delete([key(1)])  # deferred to the unlock
@@ -161,7 +161,7 @@ def test_a_decided_delete_makes_room_before_it_runs(tmp_path: Path) -> None:
         assert len(list(tmp_path.rglob("*.hsf"))) == 2
         status = a.report_status()
         assert status["bytes_leaving"] == 0 and status["bytes_used"] == 2 * 3087
-        a.mark_leaving([key(2)])  # decided, delete not run yet
+        a.mark_decisions([key(2)])  # decided, delete not run yet
         assert store(a, [key(4)], [b"d" * 3000])
         a.delete([key(2)])
         assert not store(a, [key(5)], [b"e" * 3000])  # keys 3 and 4 fill it again
@@ -170,6 +170,47 @@ def test_a_decided_delete_makes_room_before_it_runs(tmp_path: Path) -> None:
         assert status["bytes_used"] == 2 * 3087 == sum(
             f.stat().st_size for f in tmp_path.rglob("*.hsf"))
         assert status["stats"]["not_persisted_capacity"] == 2
+    finally:
+        a.close()
+
+
+def test_a_write_decided_after_a_delete_keeps_the_file(tmp_path: Path) -> None:
+    """tier NOTE 4: the decisions' order, not their runs', decides. Key 1 (100 bytes, a
+    187-byte file): (a) a delete decided, then a write of it: a hit again, its bytes count
+    again, the write answers present, and the delete, run last, leaves the file; (b) the
+    delete already run and waiting for a reader when the write is decided: the unlock
+    leaves the file; (c) delete, write, delete decided, the two deletes run: the file goes.
+    A delete nobody decided (LMCache's own, key 2) runs as before."""
+    a = adapter(tmp_path)
+    files = lambda: len(list(tmp_path.rglob("*.hsf")))  # noqa: E731
+    try:
+        assert store(a, [key(1), key(2)], [b"a" * 100, b"b" * 100])
+        a.mark_decisions([key(1)])
+        assert a.report_status()["bytes_leaving"] == 187
+        a.mark_decisions([], [key(1)])
+        assert a.report_status()["bytes_leaving"] == 0
+        assert store(a, [key(1)], [b"a" * 100])  # present
+        a.delete([key(1)])
+        assert files() == 2 and lookup(a, [key(1)]) == [0]  # (b): the lookup holds key 1
+        a.mark_decisions([key(1)])
+        a.delete([key(1)])  # waits for the reader
+        a.mark_decisions([], [key(1)])
+        a.submit_unlock([key(1)])
+        assert files() == 2 and lookup(a, [key(1)]) == [0]
+        a.submit_unlock([key(1)])
+        assert a.report_status()["stats"]["deletes_superseded"] == 2
+        a.mark_decisions([key(1)])  # (c)
+        a.mark_decisions([], [key(1)])
+        a.mark_decisions([key(1)])
+        a.delete([key(1)])
+        a.delete([key(1)])
+        assert lookup(a, [key(1)]) == []
+        a.delete([key(2)])
+        assert files() == 0
+        status = a.report_status()
+        assert status["bytes_used"] == 0 and status["bytes_leaving"] == 0
+        assert status["stats"]["deletes_superseded"] == 3
+        assert status["stats"]["objects_deleted"] == 2
     finally:
         a.close()
 

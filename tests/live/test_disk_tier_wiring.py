@@ -237,3 +237,50 @@ def test_a_write_gets_the_room_its_eviction_made_while_a_reader_holds_the_victim
         assert runtime.stats["snapshot_evicted.disk"] == 12 - 3
     finally:
         disk.close()
+
+
+def test_a_snapshot_stored_again_while_its_delete_waits_keeps_its_file(tmp_path: Path) -> None:
+    """``disk.tier`` NOTE 4 through the runtime, on the 16,000-byte tier of the test above
+    (three snapshot files). Prompt 0 routes its two snapshots to disk; a reader locks
+    them; prompts 1 and 2 route two each, so the core drops prompt 0's (their deletes wait
+    for the reader). Prompt 0 is then stored again (another request computed the same
+    chunks): the core takes its snapshots back on disk and the write finds their files.
+    When the reader lets go, every object the core holds on disk still has its file."""
+    runtime, disk = disk_runtime(tmp_path, 16_000)
+    requests = iter(range(100))
+
+    def commit(p: int) -> list[Any]:
+        t = toks(4, 500 + p)
+        key = ipc(t, 0, len(t), f"r{next(requests)}")
+        runtime.on_store(key)
+        keys = objects(runtime, key, [0, 1, 2, 3], 0) + objects(runtime, key, [1, 3], 1)
+        runtime.actions.l1.resident.update(keys)
+        route = runtime.on_committed(keys)
+        mine = [k for k in keys if k in route]
+        task = disk.submit_store_task(mine, [Obj(SNAP_BYTES) for _ in mine])
+        deadline = time.monotonic() + 10
+        while (done := disk.pop_completed_store_tasks().get(task)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert done.is_successful(), disk.stats
+        runtime.tick()
+        return mine
+
+    try:
+        first = commit(0)
+        assert len(first) == 2
+        locked = disk.submit_lookup_and_lock_task(first, {})
+        assert disk.query_lookup_and_lock_result(locked).get_indices_list() == [0, 1]
+        commit(1)
+        commit(2)
+        assert not any(runtime.objects.key_tiers(k) & (1 << DISK) for k in first)
+        assert commit(0) == first
+        assert all(runtime.objects.key_tiers(k) & (1 << DISK) for k in first)
+        disk.submit_unlock(first)
+        runtime.tick()
+        on_disk = set(disk.entries())
+        tracked = {k for k in runtime.objects.part_of if runtime.objects.key_tiers(k) & (1 << DISK)}
+        assert set(first) <= tracked == on_disk and len(on_disk) == 3
+        assert disk.stats["deletes_superseded"] == 2
+    finally:
+        disk.close()

@@ -55,9 +55,22 @@ Threads and locks: LMCache calls the ``submit_*`` / ``query_*`` / ``pop_*`` / ``
 methods from its controller threads; reads and writes run on the I/O pool
 (``histate-disk-*``). ``self._lock`` guards the index, the lookup locks, the expected
 headers and the task results, and is never held across file I/O. Reports are queued on
-the thread that saw the event, without it (NOTE 3). The runtime calls ``mark_leaving``
+the thread that saw the event, without it (NOTE 3). The runtime calls ``mark_decisions``
 with its own lock held (``writes`` NOTE 5): the runtime's lock may be taken before this
 one, never after it (nothing here calls up).
+
+NOTE 4 (the last decision wins): the runtime decides deletes and writes under its lock but
+runs them after releasing it, on whichever thread took them, and a delete of a file a
+reader holds runs only at the unlock. Between a delete's decision and its run the core may
+take the same object back (another request stored the same chunk, which LMCache names by
+its tokens, so the bytes are the same): the write would find the file still indexed and
+answer "present", and the delete then remove it, leaving the core counting a snapshot on
+disk that no file holds, a hit that cannot load. So ``mark_decisions`` also takes the
+writes decided, in
+the runtime lock's order: a write voids every delete of its key decided before it (counted
+per key, ``_doomed`` / ``_spared``; a delete already waiting for a reader is dropped), and
+a delete decided after the write still runs. Objects are immutable, so keeping the file is
+the write.
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
@@ -158,6 +171,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._index: dict[ObjectKey, DiskEntry] = {}
         self._locks: Counter[ObjectKey] = Counter()
         self._delete_on_unlock: set[ObjectKey] = set()
+        self._doomed: Counter[ObjectKey] = Counter()  # deletes decided, not run (NOTE 4)
+        self._spared: Counter[ObjectKey] = Counter()  # of those, voided by a later write
         self._next_task = 0
         self._store_done: dict[L2TaskId, L2StoreResult] = {}
         self._lookup_done: dict[L2TaskId, Bitmap] = {}
@@ -414,17 +429,50 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._load_efd.notify()
 
     # ------------------------------------------------------------------- delete
-    def mark_leaving(self, keys: Sequence[ObjectKey]) -> None:
-        """The driver decided to delete ``keys`` (``delete`` follows): from now on their
-        files are no hit and no longer count against writes (``writes`` NOTE 5). Called
-        under the driver's lock; takes only this tier's."""
+    def mark_decisions(
+        self, deletes: Sequence[ObjectKey], writes: Sequence[ObjectKey] = ()
+    ) -> None:
+        """The driver decided to delete ``deletes`` (``delete`` follows) and, after every
+        earlier decision, to keep ``writes`` on disk (their writes follow). From now on a
+        file to be deleted is no hit and no longer counts against writes (``writes``
+        NOTE 5), and a decided write voids the deletes of its key decided before it
+        (NOTE 4). Called under the driver's lock, which orders the decisions; takes only
+        this tier's lock. A key is in at most one of the two lists."""
         with self._lock:
-            for key in keys:
+            for key in writes:
+                if pending := self._doomed.get(key):
+                    self._spared[key] = pending  # every delete decided so far is void
+                if key in self._delete_on_unlock:  # already run, waiting for a reader
+                    self._delete_on_unlock.discard(key)
+                    self.stats["deletes_superseded"] += 1
+                self.writer.left(key)  # its file, if indexed, stays and counts again
+            for key in deletes:
+                self._doomed[key] += 1
                 entry = self._index.get(key)
                 if entry is not None:
                     self.writer.mark_leaving(key, entry.size)
 
+    def _superseded(self, key: ObjectKey) -> bool:
+        """Under the lock: take one decided delete of ``key``; True when a write decided
+        after it voids it (NOTE 4). A delete nobody decided (LMCache's own) takes none.
+        Invariant: ``_spared[k] <= _doomed[k]``, neither holds a zero."""
+        pending = self._doomed.get(key, 0)
+        if not pending:
+            return False
+        spared = self._spared.pop(key, 0)
+        if pending == 1:
+            del self._doomed[key]
+        else:
+            self._doomed[key] = pending - 1
+            if spared > 1:
+                self._spared[key] = spared - 1
+        if spared:
+            self.stats["deletes_superseded"] += 1
+        return spared > 0
+
     def delete(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            keys = [key for key in keys if not self._superseded(key)]
         if self.shared is not None:  # shared_link NOTE 1: the deployment ranking deletes
             self._forget(keys, unlink=False)
             self.stats["objects_forgotten_locally"] += len(keys)

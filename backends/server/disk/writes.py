@@ -59,7 +59,7 @@ and a file a reader has locked is deleted only at its unlock (``tier.delete``). 
 LMCache's store controller may already have submitted the write the eviction made room
 for; counting the doomed file would refuse it (``not_persisted_capacity``), losing the
 newest snapshot exactly when the policy had made room for it. The tier marks such files
-``leaving`` under the runtime's lock (``tier.mark_leaving``, called as the actions are
+``leaving`` under the runtime's lock (``tier.mark_decisions``, called as the actions are
 taken) and the capacity check counts ``held - leaving``. The disk may so hold more than
 the capacity for as long as a reader keeps a doomed file; the capacity is the policy's
 budget, not the filesystem's size, and a real lack of space still fails the write with
@@ -176,7 +176,9 @@ class DiskWriter:
             self.leaving_bytes += size
 
     def left(self, key: ObjectKey) -> None:
-        """Under the tier's lock: ``key``'s entry left the index (NOTE 5)."""
+        """Under the tier's lock: ``key``'s file no longer leaves — its entry left the index,
+        or a later decision keeps it (``tier`` NOTE 4) — and stops counting as leaving
+        (NOTE 5)."""
         size = self.leaving.pop(key, None)
         if size is not None:
             self.leaving_bytes -= size

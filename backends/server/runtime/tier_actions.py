@@ -15,9 +15,11 @@ once: take the runtime lock, drain both queues, let the caller change the core, 
 collected ``Actions`` (with the header of every disk write they decide, ``header``),
 release the lock, run them. Running hands the disk tier the headers before it submits the
 writes, so the tier's I/O threads never read runtime state (``disk.tier`` NOTE 2), and
-they never call into it either: they only queue. Taking marks the disk deletes decided
-as leaving in the tier, still under the lock (a bookkeeping call, no I/O), so a write
-submitted before they run is measured against the room they make (``disk.writes`` NOTE 5).
+they never call into it either: they only queue. Taking tells the tier the disk deletes
+and writes decided, still under the lock (a bookkeeping call, no I/O): a write submitted
+before the deletes run is measured against the room they make (``disk.writes`` NOTE 5),
+and a delete decided before a write of the same object does not remove its file
+(``disk.tier`` NOTE 4).
 
 Threads: ``step`` runs on whichever thread calls it (LMCache's request and controller
 threads, the janitor) and serialises on the runtime lock; ``run`` and ``l1_delete`` are
@@ -211,10 +213,17 @@ class TierActions:
                     self.pending.disk_delete.extend(keys)
         for _nk, _part, keys in self.pending.demote:
             self.expect_writes(keys)
-        if self.pending.disk_delete and self.disk is not None:
-            # Before the lock is released: a write the store controller submits once it
-            # is must already see these files as leaving (``disk.writes`` NOTE 5).
-            self.disk.mark_leaving(self.pending.disk_delete)
+        if self.disk is not None and (self.pending.disk_delete or self.pending.headers):
+            # Before the lock is released, in its order: a write the store controller
+            # submits once it is must already see these files as leaving (``disk.writes``
+            # NOTE 5), and a delete decided before a write of the same object must not
+            # run (``disk.tier`` NOTE 4). What the core holds on disk now decides.
+            on_disk = 1 << DISK
+            self.pending.disk_delete = [k for k in dict.fromkeys(self.pending.disk_delete)
+                                        if not objects.key_tiers(k) & on_disk]
+            self.disk.mark_decisions(
+                self.pending.disk_delete,
+                [k for k in self.pending.headers if objects.key_tiers(k) & on_disk])
         actions, self.pending = self.pending, Actions()
         return actions
 
