@@ -193,6 +193,27 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     runtime.check()  # the object map kept a link for every mapped node through the trims
 
 
+def store_prompt(runtime: HiStateRuntime, disk: HiStateDiskAdapter, p: int,
+                 request: str) -> list[Any]:
+    """Store prompt ``p`` (4 chunks, snapshots after chunks 1 and 3) as request
+    ``request``, write what the runtime routes to disk as LMCache's store controller does,
+    wait until the write succeeded; the routed keys."""
+    t = toks(4, 500 + p)
+    key = ipc(t, 0, len(t), request)
+    runtime.on_store(key)
+    keys = objects(runtime, key, [0, 1, 2, 3], 0) + objects(runtime, key, [1, 3], 1)
+    runtime.actions.l1.resident.update(keys)
+    route = runtime.on_committed(keys)
+    mine = [k for k in keys if k in route]
+    task = disk.submit_store_task(mine, [Obj(SNAP_BYTES) for _ in mine])
+    deadline = time.monotonic() + 10
+    while (done := disk.pop_completed_store_tasks().get(task)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert done.is_successful(), (p, disk.stats)
+    return mine
+
+
 def test_a_write_gets_the_room_its_eviction_made_while_a_reader_holds_the_victim(
     tmp_path: Path,
 ) -> None:
@@ -212,20 +233,8 @@ def test_a_write_gets_the_room_its_eviction_made_while_a_reader_holds_the_victim
             locked = disk.submit_lookup_and_lock_task(held, {})
             assert disk.query_lookup_and_lock_result(locked).get_indices_list() == list(
                 range(len(held)))
-            t = toks(4, 500 + p)
-            key = ipc(t, 0, len(t), f"p{p}")
-            runtime.on_store(key)
-            keys = objects(runtime, key, [0, 1, 2, 3], 0) + objects(runtime, key, [1, 3], 1)
-            runtime.actions.l1.resident.update(keys)
-            route = runtime.on_committed(keys)
-            mine = [k for k in keys if k in route]
+            mine = store_prompt(runtime, disk, p, f"p{p}")
             assert len(mine) == 2 and all(k.object_group_id == 1 for k in mine)
-            task = disk.submit_store_task(mine, [Obj(SNAP_BYTES) for _ in mine])
-            deadline = time.monotonic() + 10
-            while (done := disk.pop_completed_store_tasks().get(task)) is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            assert done.is_successful(), (p, disk.stats)
             disk.submit_unlock(held)
             runtime.tick()
         files = list((tmp_path / "disk").rglob("*" + df.SUFFIX))
@@ -250,19 +259,7 @@ def test_a_snapshot_stored_again_while_its_delete_waits_keeps_its_file(tmp_path:
     requests = iter(range(100))
 
     def commit(p: int) -> list[Any]:
-        t = toks(4, 500 + p)
-        key = ipc(t, 0, len(t), f"r{next(requests)}")
-        runtime.on_store(key)
-        keys = objects(runtime, key, [0, 1, 2, 3], 0) + objects(runtime, key, [1, 3], 1)
-        runtime.actions.l1.resident.update(keys)
-        route = runtime.on_committed(keys)
-        mine = [k for k in keys if k in route]
-        task = disk.submit_store_task(mine, [Obj(SNAP_BYTES) for _ in mine])
-        deadline = time.monotonic() + 10
-        while (done := disk.pop_completed_store_tasks().get(task)) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert done.is_successful(), disk.stats
+        mine = store_prompt(runtime, disk, p, f"r{next(requests)}")
         runtime.tick()
         return mine
 
