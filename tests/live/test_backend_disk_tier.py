@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lmcache.v1.distributed.api import ObjectKey
@@ -212,6 +213,47 @@ def test_a_write_decided_after_a_delete_keeps_the_file(tmp_path: Path) -> None:
         assert status["stats"]["deletes_superseded"] == 3
         assert status["stats"]["objects_deleted"] == 2
     finally:
+        a.close()
+
+
+def test_a_write_decided_after_a_delete_that_cancelled_it_in_flight_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tier NOTE 4 while the file is being written: key 1's write is held inside the file
+    write (a gate, the only timing this test controls), a delete is decided and run (it
+    cancels the write in flight), then a write of key 1 is decided. The held write
+    completes and its file stays: indexed, one 187-byte file, counted once."""
+    gate, entered = threading.Event(), threading.Event()
+    real = df.write_object
+
+    def held(*args: Any, **kw: Any) -> Any:
+        entered.set()
+        assert gate.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(df, "write_object", held)
+    a = adapter(tmp_path, disk_io_workers=1)
+    try:
+        tid = a.submit_store_task([key(1)], [Obj(b"a" * 100)])
+        assert entered.wait(10)
+        a.mark_decisions([key(1)])
+        a.delete([key(1)])  # cancels the write in flight
+        a.mark_decisions([], [key(1)])
+        gate.set()
+        deadline = time.monotonic() + 10
+        done: dict = {}
+        while tid not in done and time.monotonic() < deadline:
+            done.update(a.pop_completed_store_tasks())
+            time.sleep(0.01)
+        assert done[tid].is_successful()
+        assert lookup(a, [key(1)]) == [0]
+        assert [f.stat().st_size for f in tmp_path.rglob("*.hsf")] == [187]
+        status = a.report_status()
+        assert status["bytes_used"] == 187
+        assert status["stats"]["deletes_superseded"] == 1
+        assert status["stats"].get("writes_cancelled", 0) == 0
+    finally:
+        gate.set()
         a.close()
 
 

@@ -68,9 +68,9 @@ answer "present", and the delete then remove it, leaving the core counting a sna
 disk that no file holds, a hit that cannot load. So ``mark_decisions`` also takes the
 writes decided, in
 the runtime lock's order: a write voids every delete of its key decided before it (counted
-per key, ``_doomed`` / ``_spared``; a delete already waiting for a reader is dropped), and
-a delete decided after the write still runs. Objects are immutable, so keeping the file is
-the write.
+per key, ``_doomed`` / ``_spared``; a delete already run that waits for a reader, or that
+cancelled a write still in flight, is undone), and a delete decided after the write still
+runs. Objects are immutable, so keeping the file is the write.
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
@@ -444,6 +444,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
                     self._spared[key] = pending  # every delete decided so far is void
                 if key in self._delete_on_unlock:  # already run, waiting for a reader
                     self._delete_on_unlock.discard(key)
+                    self.stats["deletes_superseded"] += 1
+                if self.writer.keep(key):  # already run, the file still being written
                     self.stats["deletes_superseded"] += 1
                 self.writer.left(key)  # its file, if indexed, stays and counts again
             for key in deletes:

@@ -188,6 +188,15 @@ class DiskWriter:
         what is leaving (NOTE 5), plus what writes in flight reserved."""
         return self._access.held() - self.leaving_bytes + self.reserved
 
+    def keep(self, key: ObjectKey) -> bool:
+        """Under the tier's lock: a write of ``key`` decided after a delete that cancelled
+        the write in flight (``tier`` NOTE 4): that write completes after all. True if
+        there was one."""
+        if self.writing.get(key):
+            self.writing[key] = False
+            return True
+        return False
+
     def cancel(self, key: ObjectKey) -> None:
         """Under the tier's lock: a write of ``key`` in flight is cancelled (its file is
         removed once written), and so is every one still queued (NOTE 4)."""
