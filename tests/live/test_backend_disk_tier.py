@@ -52,7 +52,11 @@ def wait(fd: int, timeout: float = 10.0) -> None:
 
 
 def store(a: HiStateDiskAdapter, keys: list[ObjectKey], payloads: list[bytes]) -> bool:
-    tid = a.submit_store_task(keys, [Obj(p) for p in payloads])
+    return finished(a, a.submit_store_task(keys, [Obj(p) for p in payloads]))
+
+
+def finished(a: HiStateDiskAdapter, tid: Any) -> bool:
+    """Wait for store task ``tid``; whether it succeeded."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         done = a.pop_completed_store_tasks()
@@ -122,12 +126,7 @@ def test_a_delete_before_its_write_starts_cancels_it(tmp_path: Path) -> None:
         tid = a.submit_store_task([key(1), key(2)], [Obj(b"a" * 3000), Obj(b"b" * 4000)])
         a.delete([key(1)])
         gate.set()
-        deadline = time.monotonic() + 10
-        done: dict = {}
-        while tid not in done and time.monotonic() < deadline:
-            done.update(a.pop_completed_store_tasks())
-            time.sleep(0.01)
-        assert done[tid].is_successful()
+        assert finished(a, tid)
         files = list(tmp_path.rglob("*.hsf"))
         assert len(files) == 1  # key 2 only
         assert lookup(a, [key(1), key(2)]) == [1]
@@ -240,12 +239,7 @@ def test_a_write_decided_after_a_delete_that_cancelled_it_in_flight_completes(
         a.delete([key(1)])  # cancels the write in flight
         a.mark_decisions([], [key(1)])
         gate.set()
-        deadline = time.monotonic() + 10
-        done: dict = {}
-        while tid not in done and time.monotonic() < deadline:
-            done.update(a.pop_completed_store_tasks())
-            time.sleep(0.01)
-        assert done[tid].is_successful()
+        assert finished(a, tid)
         assert lookup(a, [key(1)]) == [0]
         assert [f.stat().st_size for f in tmp_path.rglob("*.hsf")] == [187]
         status = a.report_status()
