@@ -48,11 +48,11 @@ def scenario(base: str, capacity: int, chunk: int, vocab: int, seed: int) -> dic
     """Run B, A, C as the module docstring says; the clock of each milestone (seconds).
 
     Each request has its own thread and a body encoded before the scenario starts, and
-    reads the stream raw: with both cores busy decoding B, the test
-    process gets little CPU, and any work on a send's path (the OpenAI client builds a
-    5,000-token request for ~0.1 s of CPU) held C back until B had finished. A leaves at
-    B's first streamed token, not when vLLM's ``num_requests_running`` gauge says B runs:
-    on a busy host the gauge showed B only 0.5 s before B's last token."""
+    reads the stream raw: with both cores busy decoding B, the test process gets little
+    CPU, and any work on a send's path (the OpenAI client builds a 5,000-token request for
+    ~0.1 s of CPU) held C back until B had finished. A leaves at B's first streamed token,
+    not when vLLM's ``num_requests_running`` gauge says B runs: on a busy host the gauge
+    showed B only 0.5 s before B's last token."""
     rng = random.Random(seed)
     host, port = urlsplit(base).hostname, urlsplit(base).port
     lengths = {"b": int(B_SHARE * capacity), "a": int(A_SHARE * capacity), "c": chunk + 10}

@@ -27,6 +27,7 @@ from lmcache_histate.backends.server.disk.entries import to_key
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
 from lmcache_histate.backends.server.runtime import object_map as object_map_module
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
+from test_backend_disk_tier import finished
 from test_backend_runtime import (
     CHUNK,
     KV_BYTES,
@@ -72,10 +73,7 @@ def test_attach_server_finds_the_disk_tier_and_drains_its_reports(tmp_path: Path
         assert runtime.actions.disk is disk
         key = objects(runtime, ipc(toks(1, 1), 0, CHUNK, "r"), [0], 0)[0]
         task = disk.submit_store_task([key], [Obj(8192)])  # over the capacity: fails
-        deadline = time.monotonic() + 10
-        while task not in disk.pop_completed_store_tasks():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert not finished(disk, task)
         runtime.tick()  # the janitor's step drains the queue
         assert disk.take_reports() == []
         assert disk.stats["not_persisted_capacity"] == 1
@@ -206,11 +204,7 @@ def store_prompt(runtime: HiStateRuntime, disk: HiStateDiskAdapter, p: int,
     route = runtime.on_committed(keys)
     mine = [k for k in keys if k in route]
     task = disk.submit_store_task(mine, [Obj(SNAP_BYTES) for _ in mine])
-    deadline = time.monotonic() + 10
-    while (done := disk.pop_completed_store_tasks().get(task)) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert done.is_successful(), (p, disk.stats)
+    assert finished(disk, task), (p, disk.stats)
     return mine
 
 

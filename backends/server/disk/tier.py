@@ -66,11 +66,10 @@ take the same object back (another request stored the same chunk, which LMCache 
 its tokens, so the bytes are the same): the write would find the file still indexed and
 answer "present", and the delete then remove it, leaving the core counting a snapshot on
 disk that no file holds, a hit that cannot load. So ``mark_decisions`` also takes the
-writes decided, in
-the runtime lock's order: a write voids every delete of its key decided before it (counted
-per key, ``_doomed`` / ``_spared``; a delete already run that waits for a reader, or that
-cancelled a write still in flight, is undone), and a delete decided after the write still
-runs. Objects are immutable, so keeping the file is the write.
+writes decided, in the runtime lock's order: a write voids every delete of its key decided
+before it (counted per key, ``_doomed`` / ``_spared``; a delete already run that waits for
+a reader, or that cancelled a write still in flight, is undone), and a delete decided after
+the write still runs. Objects are immutable, so keeping the file is the write.
 
 I/O runs on a thread pool (``pwrite``/``pread`` release the GIL): benchmarks/disk_io.py
 measured it faster than aiofiles for every object size (benchmarks/README.md).
