@@ -1,4 +1,4 @@
-"""Re-apply the 13 planted mutants of issue 14 and check that the fast tests kill each one.
+"""Re-apply the 13 planted mutants (docs/testing.md §5); check that the fast tests kill each.
 
 Each mutant is a small textual patch (one ``old`` snippet that must occur exactly once in
 its file, replaced by ``new``). For every mutant the package and the tests are copied to a

@@ -1,6 +1,6 @@
 """``scripts/planted_mutants.py`` still applies to today's code: each mutant's ``old``
-snippet occurs exactly once in its file (round 4 moved code two of them patched, and the
-script stopped at the first stale one; docs/testing.md section 3). Running the mutants
+snippet occurs exactly once in its file (moving code a mutant patches would stop the
+script at the first stale one; docs/testing.md §5). Running the mutants
 themselves is ``make planted-mutants`` (minutes); this only keeps them applicable."""
 
 from __future__ import annotations

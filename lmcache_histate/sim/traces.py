@@ -229,8 +229,8 @@ def load_tracelab_csv(path: str | Path, chunk_tokens: int) -> Trace:
     the first prefix_len tokens of the session's context (the previous prompt followed
     by its output), then input_len fresh tokens. Chunk ids come from a ``ChunkChain``:
     chunks within the kept prefix keep their ids, every other chunk (covering new
-    tokens, or a prefix_len beyond the existing context, e.g. round 0's prefix, which
-    has no source in the session) gets a fresh id. After the round, output_len fresh
+    tokens, or a prefix_len beyond the existing context, e.g. the first round's prefix,
+    which has no source in the session) gets a fresh id. After the round, output_len fresh
     tokens extend the context. ``arrival_time`` (ms) is per session in the export: the
     round-0 arrival; round r > 0 arrives after the previous round's
     ``tool_wait_after_ms`` (its ``think_time``), placed at session start + the sum of

@@ -1,4 +1,4 @@
-"""Issue 9 round 4: where units leave the cache, and from when their recency counts.
+"""Where units leave the cache, and from when their recency counts.
 
 * ``placement`` NOTE 1: a demotion into a tier that is not the last always lands (that
   tier demotes further); the last tier compares the arriving unit's ``H`` with its

@@ -1,6 +1,6 @@
-"""The request path with measured hit positions (issue 9 round 3), from the survivors of
-the mutation run after it merged (issue 14): the content kind and the segment start a
-handle carries, where an internal hit is recorded, and the plan ``complete`` stores.
+"""The request path with measured hit positions, from the survivors of a mutation run
+(docs/testing.md §4): the content kind and the segment start a handle carries, where an
+internal hit is recorded, and the plan ``complete`` stores.
 Every expected value is derived by hand in the comment next to it.
 
 The skewed estimate used below (``_skewed``): 8 internal hits of kind ``tool`` in the

@@ -7,7 +7,7 @@ and vLLM's CPU offline engine (``vllm.LLM`` in a child process, see
 ``Qwen3NextForCausalLM`` from ``lmcache_histate.backends.demo.tiny_model`` with ``HiStateConnector``
 (LMCache's MP connector + interval-driven saves + CPU support).
 
-Scenario (docs/design.md §4, §5.3; issue 4):
+Scenario (docs/design.md §4, §5.3):
 
 1. prompt A (10 chunks + a tail) is generated. Its attention KV is stored for every chunk, its
    recurrent state only at the boundaries the server's interval controller chose for the

@@ -84,11 +84,11 @@ def test_promotion_makes_repeat_hits_free() -> None:
 
 
 def test_final_snapshot_of_a_request_whose_hashes_stop_short() -> None:
-    """Finding 4 of issue 8: a 650-token prompt at 100-token chunks has 6 full chunks, but
-    its trace hashes only 4 (the trailing blocks are not listed). The stored chain is
-    those 4 chunks, so the segment's final snapshot belongs after chunk 4; a plan that
-    ended at 600 tokens pointed past the chain and saved nothing. The next request
-    (the same 4 hashed chunks + 2 more) resumes at chunk 4: 400 tokens.
+    """A 650-token prompt at 100-token chunks has 6 full chunks, but its trace hashes only 4
+    (the trailing blocks are not listed). The stored chain is those 4 chunks, so the
+    segment's final snapshot belongs after chunk 4; a plan that ended at 600 tokens pointed
+    past the chain and saved nothing. The next request (the same 4 hashed chunks + 2 more)
+    resumes at chunk 4: 400 tokens.
 
     Final-only plan (``fixed_interval = 0``) and the interval controller alike: the
     final snapshot sits after chunk 4, on the final tier (the GPU)."""
