@@ -30,6 +30,17 @@ State owned here: the pending ``Actions``, the chunk nodes touched since the las
 ``take`` (reconciled then), the objects of a commit batch in flight, the queue of L1
 removal events and the removals HiState itself asked for (``expected``, which are not
 losses), and the L1 deletes a reader's lock refused (retried by the janitor).
+
+NOTE 1 (an L1 delete needs no write bookkeeping). A disk delete is voided by a later
+write of the same object (``disk.tier`` NOTE 4) because a file can be written again while
+its delete waits. An L1 object cannot: LMCache refuses to stage a key that has a resident
+object (``L1Manager.reserve_write``: ``KEY_NOT_WRITABLE``) and discards, without a commit
+event, a staged copy whose key became resident meanwhile (``finish_write``; lmcache
+0.5.6). So the core can only place a new commit of a key it dropped after the old object
+has left L1, and an L1 delete decided under the lock, run after it, removes the object
+it was decided for. The order this leaves open needs a removal nobody here decided
+(``POST /cache/clear``) and a new commit of the same key, both between ``take`` and the
+delete: the delete would then remove the new object as an expected removal.
 """
 
 from __future__ import annotations
@@ -327,7 +338,8 @@ class TierActions:
 
     # ================================================================ running
     def run(self, actions: Actions) -> None:
-        """Run actions taken under the lock (never call with the lock held)."""
+        """Run actions taken under the lock (never call with the lock held; the L1 deletes
+        then remove the objects they were decided for, NOTE 1)."""
         if not actions:
             return
         if actions.headers and self.disk is not None:  # before any write is submitted
