@@ -184,6 +184,7 @@ class HiStateConfig:
     max_interval_chunks: int = config_default("max_interval_chunks")
     cpu_fill: float = 0.75
     refresh_all: bool = config_default("refresh_all")
+    exposed_ends: bool = config_default("exposed_ends")
     hit_positions: str = config_default("hit_positions")  # or "measured" (learned online)
     end_probability_prior: float = config_default("end_probability_prior")
     ema_alpha: float = config_default("ema_alpha")
@@ -426,7 +427,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("host", "http_host", "kv_connector"):
         if key in data:
             values[key] = _text(key, get(key), errors)
-    for key in ("refresh_all", "allow_remote"):
+    for key in ("refresh_all", "exposed_ends", "allow_remote"):
         if key in data:
             values[key] = _boolean(key, get(key), errors)
     if get("kv_connector_module_path") is not None:

@@ -31,6 +31,10 @@ def test_minimal_config_gets_defaults() -> None:
     assert cfg.geometry.recurrent_layers == 3
     assert cfg.initial_pressure_factor == 0.0  # a snapshot per chunk until one leaves
     assert parse_config({**VALID, "initial_pressure_factor": 1}).initial_pressure_factor == 1.0
+    # The design's end-hit weight, as the simulator's HiState rows run it; false = the
+    # paper's pricing (the histate-paper row).
+    assert cfg.exposed_ends is True
+    assert parse_config({**VALID, "exposed_ends": False}).exposed_ends is False
 
 
 @pytest.mark.parametrize(
@@ -52,6 +56,7 @@ def test_minimal_config_gets_defaults() -> None:
          "initial_pressure_factor: must be a number in [0.0, 1000000.0], got -1"),
         ("session_ttl_s", -1, "session_ttl_s: must be a positive number, got -1"),
         ("refresh_all", "yes", "refresh_all: must be true or false, got 'yes'"),
+        ("exposed_ends", 1, "exposed_ends: must be true or false, got 1"),
         ("model", "no-such-model", "model: 'no-such-model' is neither a model preset"),
         ("supported_intervals", [16, 40], "must be a multiple of chunk_size (16)"),
         ("supported_intervals", [], "supported_intervals: must be a non-empty list"),

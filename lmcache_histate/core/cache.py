@@ -208,6 +208,7 @@ class HiStateCache:
             hit_position_spread=None if positions is None else positions.spread(),
             step_tokens=self._interval.step_tokens,
             step_price=self._interval.step_price,
+            dwell_s=tuple(d.value for d in queue.dwell) if queue.exposed_ends else None,
         )
 
     # --------------------------------------------------------------- requests

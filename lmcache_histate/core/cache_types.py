@@ -71,10 +71,12 @@ class CacheConfig:
     when its snapshot was last resumed from, not by when the prefix through it was
     refreshed (``eviction`` NOTE 6). ``refresh_learned``: by ``used + w·(access − used)``,
     ``w`` the measured resume rate of snapshots last refreshed by a pass over that of
-    those last used (``eviction`` NOTE 8). ``exposed_ends``: a snapshot's ``C`` counts the end
+    those last used (``eviction`` NOTE 8). ``exposed_ends`` (the design, on by default: the
+    simulator's HiState rows and the live server run it): a snapshot's ``C`` counts the end
     hits of a session whose tail below it is in a tier above the last weighted by the
     chance that the tail has left the cache when the session returns (``eviction`` NOTE
-    7; off: the paper's pricing, every passing session in full). ``return_tau``: the
+    7; off: the paper's pricing, every passing session in full, the ``histate-paper``
+    row). ``return_tau``: the
     calibrated ``τ`` is fitted to whether a session idle as long as the tiers' dwell
     returns, not to the mean gap (``score`` NOTE 4; needs ``exposed_ends``, which
     measures the dwell: without it ``τ`` stays the mean gap).
@@ -114,7 +116,7 @@ class CacheConfig:
     refresh_all: bool = True
     refresh_used: bool = False
     refresh_learned: bool = False
-    exposed_ends: bool = False
+    exposed_ends: bool = True
     return_tau: bool = False
     supported_intervals: tuple[int, ...] | None = None
     max_interval_chunks: int = 64
@@ -196,7 +198,9 @@ class CacheStats:
     segments so far and the spread ``s`` of their distribution (1 = uniform,
     ``hit_positions``), None unless positions are configured ``measured``;
     ``step_tokens`` / ``step_price``: the step grid and step price the interval controller
-    plans with (``CacheConfig``, ``HiStateCache.set_step_grid``).
+    plans with (``CacheConfig``, ``HiStateCache.set_step_grid``); ``dwell_s``: per tier, how
+    long the units leaving it had sat unread (the EMAs behind ``exposed_ends``' weight,
+    ``eviction`` NOTE 7; 0 until one has left), None with ``exposed_ends`` off.
     """
 
     nodes: int
@@ -217,6 +221,7 @@ class CacheStats:
     hit_position_spread: float | None = None
     step_tokens: int | None = None
     step_price: float = 0.0
+    dwell_s: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)

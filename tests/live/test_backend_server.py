@@ -398,6 +398,9 @@ def test_figure7_eviction_order_through_the_server(
         ]
         assert gone == [victim], policy
         assert 9 in on_disk(disk, engine, d, REC_GROUP)
+        # The end-hit weight is on by default (configs/histate.yaml ``exposed_ends``): the
+        # victim left the disk tier after sitting there unread, one sample of its dwell.
+        assert hs(server)["eviction_dwell_s"]["disk"] > 0.0
         if victim == "S2":
             assert engine.probe(b[: 22 * CHUNK]) == 20  # falls back to S1
             assert engine.probe(b) == 24

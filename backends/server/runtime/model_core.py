@@ -135,6 +135,7 @@ class ModelCore:
                                  final_tier=ServerTier.CPU, final_copy_tier=ServerTier.DISK),
             tau=cfg.tau,
             refresh_all=cfg.refresh_all,
+            exposed_ends=cfg.exposed_ends,
             hit_positions=cfg.hit_positions,
             supported_intervals=tuple(i for i in cfg.intervals if i % self.chunk == 0) or None,
             max_interval_chunks=cfg.max_interval_chunks,

@@ -91,6 +91,10 @@ class StatusReport:
                     "eviction_hit_position_spread": stats.hit_position_spread}),
                 "kv_residence_s": stats.kv_residence_s,
                 "snapshot_residence_s": stats.snapshot_residence_s,
+                # exposed_ends (core/eviction.py NOTE 7): how long units leaving each tier
+                # had sat unread, what a snapshot's end-hit weight is measured from.
+                **({} if stats.dwell_s is None else {"eviction_dwell_s": {
+                    tier.name.lower(): stats.dwell_s[tier] for tier in ServerTier}}),
             }
         )
         return out
