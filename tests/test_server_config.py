@@ -253,3 +253,36 @@ def test_disk_adapter_gets_the_servers_values() -> None:
         HiStateDiskAdapterConfig.from_dict({**DISK, "size": 2})
     with pytest.raises(ValueError, match=r"disk_gib: required key is missing"):
         HiStateDiskAdapterConfig.from_dict({"disk_path": "/tmp/histate-test-disk"})
+
+
+# What the server's core and the simulator's ``histate`` row may differ in, and why: the
+# sizes and tiers (the server has CPU + disk, the simulator the engine's GPU pool above
+# them, ranked by recency), the supported intervals (multiples of each one's chunk), the
+# step grid and price (the server learns them from the connector's plan requests), and the
+# recompute's attention term (the simulator's cost model knows the GPU; the server counts
+# tokens). Every other knob is the eviction and interval rule itself.
+NOT_THE_RULE = {
+    "chunk_tokens", "kv_chunk_bytes", "snapshot_bytes", "tiers", "rules", "recency_tiers",
+    "supported_intervals", "step_tokens", "step_price", "attention_tokens",
+}
+
+
+def test_the_server_runs_the_simulators_histate_rule() -> None:
+    """``configs/histate.yaml``'s defaults build the core with the knobs of the simulator's
+    ``histate`` row (``sim/variants.py``), so what the benchmarks measure is what ships. A
+    new ``CacheConfig`` knob must be placed in ``NOT_THE_RULE`` or set alike on both sides."""
+    from dataclasses import fields
+
+    from lmcache_histate.backends.server.runtime.model_core import core_config
+
+    from lmcache_histate.core.cache_types import CacheConfig
+    from lmcache_histate.sim.config import load_setup
+    from lmcache_histate.sim.variants import histate_variants
+
+    root = Path(__file__).resolve().parents[1]
+    server = core_config(load_config(root / "configs" / "histate.yaml"), 512, 2**20, 2**22,
+                         2**30)
+    sim = histate_variants(load_setup(root / "configs" / "sim-paper-load.yaml"))["histate"]()
+    rule = [f.name for f in fields(CacheConfig) if f.name not in NOT_THE_RULE]
+    assert "exposed_ends" in rule and "tau" in rule and "refresh_all" in rule
+    assert {k: getattr(server, k) for k in rule} == {k: getattr(sim.cache.config, k) for k in rule}
