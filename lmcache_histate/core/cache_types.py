@@ -76,10 +76,9 @@ class CacheConfig:
     hits of a session whose tail below it is in a tier above the last weighted by the
     chance that the tail has left the cache when the session returns (``eviction`` NOTE
     7; off: the paper's pricing, every passing session in full, the ``histate-paper``
-    row). ``return_tau``: the
-    calibrated ``τ`` is fitted to whether a session idle as long as the tiers' dwell
-    returns, not to the mean gap (``score`` NOTE 4; needs ``exposed_ends``, which
-    measures the dwell: without it ``τ`` stays the mean gap).
+    row). ``return_tau``: the calibrated ``τ`` is fitted to whether a session idle as long
+    as the tiers' dwell returns, not to the mean gap (``score`` NOTE 4; needs
+    ``exposed_ends``, which measures the dwell: without it ``τ`` stays the mean gap).
     ``attention_tokens``: the context length at which causal attention costs as much per
     recomputed token as the rest of the prefill (linear cost ÷ attention cost per token
     pair; ``inf``: cost in tokens only, ``units``).
