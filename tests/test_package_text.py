@@ -10,10 +10,9 @@ tests: that is what the data is for, so only modules are checked for that).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("lmcache_histate", "backends")
+from test_package_structure import PACKAGE_DIRS, ROOT
+
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".md"}
 
 HISTORY = re.compile(r"\b(?:round|issue) #?\d+\b", re.IGNORECASE)
@@ -22,8 +21,8 @@ TEST_PLUMBING = re.compile(r"TEST HOOK|tests read|for tests\b", re.IGNORECASE)
 
 def offending_lines(pattern: re.Pattern[str], suffixes: set[str]) -> list[str]:
     out = []
-    for top in SOURCES:
-        for path in sorted((ROOT / top).rglob("*")):
+    for base in PACKAGE_DIRS.values():
+        for path in sorted(base.rglob("*")):
             if path.suffix not in suffixes or "__pycache__" in path.parts:
                 continue
             for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
