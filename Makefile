@@ -1,5 +1,5 @@
 # The two commands of the README. Both do all set-up first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test test-avx2 lint fuzz mutants planted-mutants
+.PHONY: setup demo test test-avx2 lint fuzz mutants planted-mutants hooks
 
 # The vLLM tests whose outcome depends on the engine's layout (block size, state dtypes):
 # restores bit for bit, the interval saves' boundaries, the production geometry, preemption
@@ -67,3 +67,8 @@ mutants:
 # The 13 planted mutants of scripts/planted_mutants.py, re-applied one by one (a few minutes).
 planted-mutants:
 	.venv/bin/python scripts/planted_mutants.py
+
+# The commit rule of CONTRIBUTING.md as this clone's commit-msg hook (scripts/commit_rule.py).
+hooks:
+	git config core.hooksPath scripts/hooks
+	@echo "[hooks] commit messages are checked by scripts/hooks/commit-msg"
