@@ -109,6 +109,37 @@ def reachable_hit_tokens(workload: Sequence[DemoRequest], chunk: int) -> list[in
     return out
 
 
+def shareable_hit_tokens(workload: Sequence[DemoRequest], chunk: int) -> list[int]:
+    """Per request, in workload order: the prompt tokens it shares with a prompt of another
+    session or with an earlier turn of its own, in whole ``chunk``-token chunks and capped at
+    its length minus one.
+
+    A replay runs sessions concurrently and each session's turns in order, so a request may
+    resume a prefix that another session's prompt, later in workload order, stored first,
+    but never one of its own later turns. No request of a replay that starts on an empty
+    cache can resume more than this, whatever order the sessions' requests interleave in;
+    more means the cache held something the replay did not put there."""
+    prompts = [_prefix_digests(request.prompt, chunk) for request in workload]
+    first_turn: dict[bytes, dict[str, int]] = {}  # prefix -> session -> its first turn holding it
+    for request, digests in zip(workload, prompts, strict=True):
+        for d in digests:
+            turns = first_turn.setdefault(d, {})
+            turns[request.session] = min(turns.get(request.session, request.turn), request.turn)
+
+    def held_before(d: bytes, request: DemoRequest) -> bool:
+        return any(session != request.session or turn < request.turn
+                   for session, turn in first_turn[d].items())
+
+    out = []
+    for request, digests in zip(workload, prompts, strict=True):
+        usable = min((len(request.prompt) - 1) // chunk, len(digests))
+        shared = 0  # a prefix held elsewhere: so are all of its shorter prefixes
+        while shared < usable and held_before(digests[shared], request):
+            shared += 1
+        out.append(shared * chunk)
+    return out
+
+
 def unique_chunks(workload: Sequence[DemoRequest], chunk: int) -> int:
     """Distinct full ``chunk``-token chunks (by prefix) over the workload: what a cache could
     hold (``chunk`` = the engine's block size on this machine)."""

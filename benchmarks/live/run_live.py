@@ -54,6 +54,16 @@ records the user + system CPU seconds of each stack's processes during its repla
 its descendants), so a TTFT difference between the connector stacks can be set against
 what each of their processes burned.
 
+NOTE 5 (cold starts): the disk tiers recover the objects their folders hold when a server
+starts (``disk.tier``; stock LMCache's tier is HiState's too, so both do), and the stacks'
+folders live under ``--out``'s ``work/``. A second run into the same ``--out`` would start
+every connector stack warm with the first run's objects, first turns hitting what no earlier
+prompt of the replay stored (a re-run into a kept ``--out`` hit 29 % more tokens than
+reachable). So ``run`` empties ``work/`` first, and checks each replay request by request
+(``warm_start_hits``): a stack that resumed more of a prompt than it shares with any other
+prompt of the workload (``shareable_hit_tokens``: in any order, as concurrent sessions
+arrive) did not start cold, and the run stops there.
+
 Workload: the bundled Weka Claude Code sample (``--trace`` for another folder of Weka files),
 each 64-token trace block becoming ``--block-tokens`` synthetic tokens (the demo's replay:
 prefix structure kept exactly). Memory: the engine's KV pool (``--gpu-pool-mib``) is the same
@@ -71,6 +81,7 @@ import dataclasses
 import json
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -190,6 +201,22 @@ def _median_rows(runs: list[list[client.Row]]) -> list[dict[str, Any]]:
     return out
 
 
+def fresh_work(out: Path) -> Path:
+    """``out/work`` emptied: the stacks' scratch folders of an earlier run gone (NOTE 5)."""
+    work = out / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
+def warm_start_hits(rows: list[client.Row], shareable: dict[tuple[str, int], int]) -> list[str]:
+    """The requests of one replay that resumed more tokens than they share with any other
+    prompt of the workload (``shareable``: ``shareable_hit_tokens`` by session and turn), as
+    ``session/turn: hit > shareable``; empty for a stack that started cold (NOTE 5)."""
+    return [f"{r.session}/{r.turn}: {r.cached_tokens} > {shareable[(r.session, r.turn)]}"
+            for r in rows if r.cached_tokens > shareable[(r.session, r.turn)]]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmcache_histate.backends.demo.engine_proc import ENGINE_DTYPE
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model, size_overrides
@@ -197,13 +224,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         LO_TOKEN,
         build_workload,
         reachable_hit_tokens,
+        shareable_hit_tokens,
         unique_chunks,
     )
     from lmcache_histate.backends.vllm.engine_facts import probe
 
     out = Path(args.out).resolve()  # servers run in their own working directories
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    work = fresh_work(out)  # NOTE 5
     model = ensure_tiny_model(**size_overrides(args.model_size))
     layout = probe(model, dtype=ENGINE_DTYPE)
     chunk = layout.block_size
@@ -214,6 +241,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               trace_dir=Path(args.trace) if args.trace else None)
     footprint = unique_chunks(workload, chunk) * layout.state_per_chunk_bytes()
     reachable = sum(reachable_hit_tokens(workload, chunk))
+    shareable = {(r.session, r.turn): n
+                 for r, n in zip(workload, shareable_hit_tokens(workload, chunk), strict=True)}
     tier = max(int(args.cache_fraction * footprint), 4 << 20)
     budget = stacks.Budget(args.gpu_pool_mib << 20, tier, tier)
     print(f"engine layout: {layout.describe()}\nworkload: {len(workload)} requests, "
@@ -259,6 +288,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         stack.base_url, workload, concurrency=args.concurrency,
                         think_scale=args.think_scale, think_cap_s=args.think_cap, progress=tick))
                     cpu[key].append({k: v - before[k] for k, v in stack.cpu_seconds().items()})
+                    warm_hits = warm_start_hits(rows, shareable)
+                    if warm_hits:  # NOTE 5
+                        raise RuntimeError(
+                            f"{stacks.TITLES[key]} did not start cold: it resumed more than "
+                            f"any earlier prompt shares ({', '.join(warm_hits[:3])})")
                     runs[key].append(rows)
                     if stack.server is not None and key == "histate":
                         priced[key].append(plan_inputs(stack.server.get("/status")))
@@ -303,6 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"model_size": args.model_size, "layout": layout.__dict__, "budget": budget.__dict__,
             "footprint": footprint,
             "requests": len(workload), "reachable_tokens": reachable,
+            "shareable_tokens": sum(shareable.values()),
             "sensitive": sorted(sensitive), "summary": summary,
             "repetitions": repetitions, "rows": per_stack,
             "runs": rows_of,
@@ -344,11 +379,14 @@ def l1_refused_objects(server_log: Path) -> int:
 def reachable_line(data: dict[str, Any]) -> list[str]:
     """The hit tokens no stack can exceed (``workload.reachable_hit_tokens``), beside the
     prompt tokens: where stacks reach it, hits cannot tell their policies apart."""
-    reach = data["reachable_tokens"]
+    reach, share = data["reachable_tokens"], data.get("shareable_tokens", 0)
     prompt = next(iter(data["summary"].values()))["prompt_tokens"]
+    # Concurrent sessions may arrive out of workload order (NOTE 5): say so where it matters.
+    order = (f" In another arrival order of the concurrent sessions up to {share:,}."
+             if share > reach else "")
     return ["", f"Reachable hit tokens (a cache that never evicts and has a state at every "
                 f"block boundary of every earlier prompt): {reach:,} of {prompt:,} prompt "
-                f"tokens ({100 * reach / max(prompt, 1):.1f} %)."]
+                f"tokens ({100 * reach / max(prompt, 1):.1f} %).{order}"]
 
 
 def markdown(data: dict[str, Any], command: str) -> str:

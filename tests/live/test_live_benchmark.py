@@ -105,6 +105,29 @@ def test_refused_store_objects_are_read_from_lmcaches_own_warning(tmp_path: Path
     assert run_live.l1_refused_objects(tmp_path / "absent.log") == 0
 
 
+def test_a_run_starts_on_an_empty_work_folder(tmp_path: Path) -> None:
+    run_live = _live_module("run_live")
+    # An earlier run's disk tier object, which the next server would recover.
+    stale = tmp_path / "work" / "rep0" / "histate-disk" / "ab" / "object.hsf"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x" * 16)
+    work = run_live.fresh_work(tmp_path)
+    assert work == tmp_path / "work"
+    assert work.is_dir() and list(work.iterdir()) == []
+    assert run_live.fresh_work(tmp_path / "new") == tmp_path / "new" / "work"  # --out absent
+
+
+def test_a_replay_that_resumed_more_than_the_workload_shares_did_not_start_cold() -> None:
+    run_live, client = _live_module("run_live"), _live_module("client")
+    shareable = {("a", 0): 0, ("a", 1): 768, ("b", 0): 384}
+    rows = [client.Row("a", 0, 500, 0, 0.5), client.Row("b", 0, 900, 384, 0.2),
+            client.Row("a", 1, 1000, 768, 0.1)]
+    assert run_live.warm_start_hits(rows, shareable) == []  # at most what is shareable
+    rows[0] = client.Row("a", 0, 500, 384, 0.1)  # a first turn resumed an old object
+    rows[2] = client.Row("a", 1, 1000, 1152, 0.1)
+    assert run_live.warm_start_hits(rows, shareable) == ["a/0: 384 > 0", "a/1: 1152 > 768"]
+
+
 def test_cpu_seconds_count_a_process_and_its_children() -> None:
     """run_live NOTE 4: a parent that only waits for a child which burns 0.3 s of CPU by its
     own clock, then sleeps: the tree's CPU seconds are at least those 0.3 s (the parent

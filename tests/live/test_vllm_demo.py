@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 from lmcache_histate.backends.demo import SOURCE_BLOCK, build_workload
-from lmcache_histate.backends.demo.workload import DemoRequest, reachable_hit_tokens
+from lmcache_histate.backends.demo.workload import (
+    DemoRequest,
+    reachable_hit_tokens,
+    shareable_hit_tokens,
+)
 
 from lmcache_histate.sim.traces import load_weka, sample_trace_dir
 
@@ -79,6 +83,24 @@ def test_reachable_hits_are_the_longest_earlier_prefix_in_whole_chunks() -> None
     ]
     assert reachable_hit_tokens(workload, 4) == [0, 8, 8, 0, 0, 8]
     assert reachable_hit_tokens(workload, 5) == [0, 5, 5, 0, 0, 10]
+
+
+def test_shareable_hits_count_other_sessions_in_any_order_but_only_earlier_own_turns() -> None:
+    def req(session: str, turn: int, prompt: list[int]) -> DemoRequest:
+        return DemoRequest(session, turn, float(turn), tuple(prompt), len(prompt))
+
+    a, c = list(range(10, 20)), list(range(50, 60))
+    workload = [
+        req("a", 0, a),  # b/0, later in the workload, shares 9 tokens: 8; a/1 does not count
+        req("b", 0, [*a[:9], 99, 98, 97]),  # 9 tokens with a/0 (earlier) and a/1: 8
+        req("a", 1, [*a, 1, 2, 3]),  # its own turn 0 shares 10 tokens: 2 whole chunks = 8
+        req("b", 1, [99, 98]),  # shorter than a chunk: 0
+        req("c", 0, c),  # only its own later turn shares it: 0
+        req("c", 1, [*c, 60, 61]),  # its turn 0's 10 tokens: 8
+    ]
+    assert shareable_hit_tokens(workload, 4) == [8, 8, 8, 0, 0, 8]
+    # In workload order only earlier prompts count: a/0 has nothing before it.
+    assert reachable_hit_tokens(workload, 4) == [0, 8, 8, 0, 0, 8]
 
 
 @needs_live
