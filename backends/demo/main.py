@@ -33,6 +33,17 @@ def _workdir(path: str | None) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _kept_disk_tier(workdir: Path, keys: Sequence[str]) -> Path | None:
+    """The first of the variants' disk folders (``runs.server_config``: ``<key>-disk``) in
+    ``workdir`` that holds a file, else None. A server recovers its disk folder at start, so
+    a run into a kept ``--workdir`` would compare warm caches, not the variants."""
+    for key in keys:
+        folder = workdir / f"{key}-disk"
+        if folder.is_dir() and any(p.is_file() for p in folder.rglob("*")):
+            return folder
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m lmcache_histate.backends.demo",
@@ -68,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not {"histate", "lru"} <= set(chosen) or not set(chosen) <= set(known):
         parser.error(f"--variants: need histate and lru, from {', '.join(known)}; got {chosen}")
     variants = [v for v in VARIANTS if v.key in chosen]
+    if args.workdir:
+        kept = _kept_disk_tier(Path(args.workdir), [v.key for v in variants])
+        if kept is not None:
+            parser.error(f"--workdir: {kept} holds an earlier run's disk tier, which its server "
+                         "would recover, so the run would start warm; remove it or name an "
+                         "empty folder")
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -103,6 +103,23 @@ def test_shareable_hits_count_other_sessions_in_any_order_but_only_earlier_own_t
     assert reachable_hit_tokens(workload, 4) == [0, 8, 8, 0, 0, 8]
 
 
+def test_the_demo_refuses_a_workdir_whose_disk_tier_would_start_it_warm(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lmcache_histate.backends.demo.main import main
+
+    work = tmp_path / "work"
+    (work / "lru-disk").mkdir(parents=True)  # an empty folder recovers nothing: accepted
+    stale = work / "histate-disk" / "ab" / "object.hsf"  # an earlier run's object
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x" * 16)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--workdir", str(work), "--variants", "histate,lru"])
+    assert exit_info.value.code == 2
+    assert f"--workdir: {work / 'histate-disk'} holds an earlier run's disk tier" in (
+        capsys.readouterr().err)
+    assert stale.read_bytes() == b"x" * 16  # nothing of the user's folder removed
+
+
 @needs_live
 def test_small_demo_run(tmp_path: Path) -> None:
     from support.examples import run_example
