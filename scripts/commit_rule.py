@@ -11,8 +11,7 @@ that breaks the rule is refused with the reason and the message kept in
 A message is read as git stores it after its default clean-up: lines starting with ``#``
 dropped, trailing blank lines ignored. Merge commits are held to the same rule (git's
 "Merge branch 'x'" alone says nothing about why). Whether the subject is in the imperative
-is left to the reviewer: no rule of thumb tells "Fix" from "Fixes" in every language a
-subject may quote.
+is left to the reviewer.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if warm_hits:  # NOTE 5
                         raise RuntimeError(
                             f"{stacks.TITLES[key]} did not start cold: it resumed more than "
-                            f"any earlier prompt shares ({', '.join(warm_hits[:3])})")
+                            f"the workload's other prompts share ({', '.join(warm_hits[:3])})")
                     runs[key].append(rows)
                     if stack.server is not None and key == "histate":
                         priced[key].append(plan_inputs(stack.server.get("/status")))
