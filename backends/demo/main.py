@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .engine_proc import ENGINE_DTYPE
 from .report import report
-from .runs import VARIANTS, RunResult, run_variant
+from .runs import VARIANTS, RunResult, disk_folder, run_variant
 from .workload import build_workload, unique_chunks
 
 __all__ = ["main"]
@@ -34,11 +34,11 @@ def _workdir(path: str | None) -> Iterator[Path]:
 
 
 def _kept_disk_tier(workdir: Path, keys: Sequence[str]) -> Path | None:
-    """The first of the variants' disk folders (``runs.server_config``: ``<key>-disk``) in
-    ``workdir`` that holds a file, else None. A server recovers its disk folder at start, so
-    a run into a kept ``--workdir`` would compare warm caches, not the variants."""
+    """The first of the variants' disk folders (``runs.disk_folder``) in ``workdir`` that
+    holds a file, else None. A server recovers its disk folder at start, so a run into a
+    kept ``--workdir`` would compare warm caches, not the variants."""
     for key in keys:
-        folder = workdir / f"{key}-disk"
+        folder = disk_folder(workdir, key)
         if folder.is_dir() and any(p.is_file() for p in folder.rglob("*")):
             return folder
     return None

@@ -50,6 +50,11 @@ class RunResult:
     disk_bytes: int = 0
 
 
+def disk_folder(workdir: Path, key: str) -> Path:
+    """Where the server of variant ``key`` keeps its disk tier under ``workdir``."""
+    return workdir / f"{key}-disk"
+
+
 def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: float,
                   disk_gib: float, layout: EngineFacts,
                   ports: tuple[int, int] | None = None) -> Path:
@@ -62,7 +67,7 @@ def server_config(key: str, policy: str, model: Path, workdir: Path, cpu_gib: fl
         "model": str(model / "config.json"),
         **layout.server_settings(),
         "cpu_gib": cpu_gib,
-        "disk_path": str(workdir / f"{key}-disk"),
+        "disk_path": str(disk_folder(workdir, key)),
         "disk_gib": disk_gib,
         "disk_fsync": False,
         "host": "127.0.0.1",
