@@ -1,5 +1,5 @@
 # The two commands of the README. Both do all set-up first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test test-avx2 lint fuzz mutants planted-mutants hooks
+.PHONY: setup demo test test-fast test-avx2 lint fuzz mutants planted-mutants hooks
 
 # The vLLM tests whose outcome depends on the engine's layout (block size, state dtypes):
 # restores bit for bit, the interval saves' boundaries, the production geometry, preemption
@@ -22,6 +22,11 @@ demo: setup
 test: setup lint
 	.venv/bin/python -m pytest --durations=10
 	$(MAKE) --no-print-directory test-avx2
+
+# The fast tier: every test that starts no real part (tests/support/live_marker.py), about a
+# minute here. For the edit-test loop; `make test` runs everything.
+test-fast: setup lint
+	.venv/bin/python -m pytest -q -m "not live" --durations=5
 
 # vLLM picks the block size and state dtypes per CPU ISA. On an AVX-512 machine the vLLM
 # tests run once more on vLLM's AVX2 path (tests/support/force_avx2), so both layouts are

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import Phase, settings
+from support.live_marker import LiveGuard
 
 # `make test` and CI run the same examples every run (the ``ci`` profile, the default):
 # a failure there is a regression, never a lucky draw. `make fuzz` (docs/testing.md) draws
@@ -24,12 +26,31 @@ _PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(_PROFILE)
 
 
+# The live marker (tests/support/live_marker.py): folders decide, a guard keeps it true.
+_GUARD = LiveGuard(Path(__file__).resolve().parent)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "live: may start a real part (lmcache server, vLLM engine, redis-server, a mount); "
+        "-m 'not live' is the fast tier, make test-fast (docs/testing.md)",
+    )
+    config.pluginmanager.register(_GUARD, "histate-live-guard")
+    _GUARD.install()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _GUARD.uninstall()
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """Under the fuzz profile, scale each property test's own example budget.
 
     A test's ``@settings(max_examples=N)`` overrides any profile, so the profile alone
     cannot ask for more examples: the budget each test chose is multiplied instead
     (FUZZ_SCALE, default 20), keeping the tests' relative costs."""
+    _GUARD.mark(items)
     if _PROFILE != "fuzz":
         return
     scale = int(os.environ.get("FUZZ_SCALE", "20"))
