@@ -348,10 +348,15 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
+        from lmcache.v1.multiprocess.http_server import app
+
         from . import policies
+        from .routing_api import install_routing_api
         from .runtime.runtime import HiStateRuntime
 
-        policies.install(HiStateRuntime(cfg))
+        runtime = HiStateRuntime(cfg)
+        policies.install(runtime)
+        install_routing_api(app, runtime)
     try:
         confirm_with_lmcache(lmcache_args, bindings)
     except ConfigError as exc:

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.lmcache_mp import ATTN_GROUP, REC_GROUP, HybridEngineClient, LMCacheServer, TokenSource
+from support.lmcache_mp import (
+    ATTN_GROUP,
+    REC_GROUP,
+    HybridEngineClient,
+    LMCacheServer,
+    LMCacheServerError,
+    TokenSource,
+)
 from support.redis_cluster import RedisClusterNodes
 from test_backend_server import CHUNK, GEOMETRY, histate, hs, settle, wait_until
 
@@ -42,6 +49,10 @@ def shared_loads(server: LMCacheServer) -> tuple[int, int]:
 def metrics(server: LMCacheServer) -> str:
     with urllib.request.urlopen(server.endpoints.http_url + "/metrics", timeout=10) as r:
         return r.read().decode()
+
+
+def resume(server: LMCacheServer, prompt: list[int]) -> dict[str, Any]:
+    return server.http("POST", "/histate/resume", {"token_ids": prompt})
 
 
 @pytest.fixture
@@ -76,6 +87,16 @@ def test_cluster_down_the_node_serves_its_own_tiers_as_fast_then_reconciles(
             settle(a)
             expected = engine.stored_bytes(sp, 4)
             assert shared(a)["used_bytes"] > 0
+            # Routing: P resumes at its snapshot (chunk 3, 4 chunks); a prompt sharing P's
+            # first 3 chunks has their KV here but no snapshot behind any of them: 0.
+            assert resume(a, p) == {"instance": "a", "chunk_tokens": CHUNK,
+                                    "kv_tokens": 4 * CHUNK, "resumable_tokens": 4 * CHUNK,
+                                    "shared_tier": "connected"}
+            other = p[: 3 * CHUNK] + tokens.tokens(2 * CHUNK)
+            assert resume(a, other)["kv_tokens"] == 3 * CHUNK
+            assert resume(a, other)["resumable_tokens"] == 0
+            with pytest.raises(LMCacheServerError, match="token_ids must be a list"):
+                a.http("POST", "/histate/resume", {"token_ids": ["x"]})
             up = _median_lookup_s(engine, p)
             redis_cluster.stop()
             down = _median_lookup_s(engine, p)
@@ -85,6 +106,8 @@ def test_cluster_down_the_node_serves_its_own_tiers_as_fast_then_reconciles(
             assert status["mode"] == "degraded" and status["connection"]["outages"] == 1
             assert status["connection"]["skipped"] >= 9
             assert "histate_shared_tier_connected 0.0" in metrics(a)
+            assert resume(a, p)["resumable_tokens"] == 4 * CHUNK  # no cluster needed
+            assert resume(a, p)["shared_tier"] == "degraded"
             print(f"\nown-tier hit, median of 9: cluster up {up * 1e3:.1f} ms, "
                   f"down {down * 1e3:.1f} ms")
             assert down <= up + 0.050

@@ -111,7 +111,7 @@ from ..shared_index.deployment import DeploymentSync
 from ..shared_tier.tier import HiStateSharedAdapter
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
 from .model_core import ModelCore
-from .object_map import ObjectMap
+from .object_map import ObjectMap, node_key
 from .recovery import recover_from_disk
 from .reporting import StatusReport
 from .sessions import SessionTracker
@@ -354,6 +354,32 @@ class HiStateRuntime:
         """Called by LMCache under its L1 lock when writes finish: queue only (NOTE 3)."""
         if keys:
             self._commits.append(list(keys))
+
+    def resumable(self, token_ids: Sequence[int], cache_salt: str = "") -> dict[str, Any]:
+        """How much of a prompt this node resumes from its own tiers (``routing_api``):
+        ``resumable_tokens`` at the deepest boundary with a snapshot within the KV prefix
+        the core holds, ``kv_tokens`` the KV prefix alone."""
+        shared = self.shared_tier
+        out: dict[str, Any] = {
+            "instance": None if shared is None else shared.config.tier.instance,
+            "chunk_tokens": self.model.chunk, "kv_tokens": 0, "resumable_tokens": 0,
+            "shared_tier": None if shared is None else (
+                "degraded" if shared.degraded else "connected"),
+        }
+        chunk = self.model.chunk
+        end = len(token_ids) - len(token_ids) % chunk
+        if self.ctx is None or end <= 0:
+            return out
+        hashes = _chain_hashes(self.ctx, token_ids, end)
+        keys = [node_key(h, cache_salt) for h in hashes]
+        with self.lock:
+            core = self.model.core
+            if core is None:
+                return out
+            match = core.lookup(keys)
+        out["kv_tokens"] = match.kv_chunks * chunk
+        out["resumable_tokens"] = match.hit_chunks * chunk
+        return out
 
     def shared_route(self, keys: Sequence[ObjectKey], route: set[ObjectKey]) -> list[ObjectKey]:
         """Which committed ``keys`` go to the shared tier (``shared_tier.tier`` NOTE 3):
