@@ -23,8 +23,6 @@ from lmcache_histate.backends.server.shared_tier.tier import HiStateSharedAdapte
 from support.redis_cluster import RedisClusterNodes
 from test_backend_disk_tier import MODEL, key, load, lookup, store
 
-from lmcache_histate.config import ConfigError, parse_config
-
 PAYLOAD = 1000
 
 
@@ -196,22 +194,3 @@ def test_a_master_killed_loses_only_its_values(
     # Every buffer is the right object or untouched zeros: 0 wrong bytes.
     for i, got in enumerate(data):
         assert got in (payload(i), bytes(PAYLOAD))
-
-
-def test_config_errors_name_the_key() -> None:
-    base = {"model": "qwen3.5-9b", "chunk_size": 256, "cpu_gib": 1, "disk_path": "/tmp/x",
-            "disk_gib": 1}
-    cases = {
-        "shared_tier.nodes": {"deployment": "d", "budget_gib": 1, "nodes": ["nohost"]},
-        "shared_tier.budget_gib": {"deployment": "d", "budget_gib": -1, "nodes": ["h:1"]},
-        "shared_tier.deployment": {"deployment": "a b", "budget_gib": 1, "nodes": ["h:1"]},
-        "shared_tier.tls_ca_file": {"deployment": "d", "budget_gib": 1, "nodes": ["h:1"],
-                                    "tls_ca_file": "/nonexistent"},
-        "shared_tier.bogus": {"deployment": "d", "budget_gib": 1, "nodes": ["h:1"], "bogus": 1},
-    }
-    for name, section in cases.items():
-        with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
-            parse_config({**base, "shared_tier": section})
-    cfg = parse_config({**base, "shared_tier": {"deployment": "d", "budget_gib": 2,
-                                                "nodes": ["10.0.0.5:6379"]}})
-    assert cfg.shared_tier is not None and cfg.shared_tier.budget_bytes == 2 << 30
