@@ -70,6 +70,28 @@ on it (``backends/server/disk/config.py``). Its ``adapter_params`` are the serve
 ``DISK_TIER_KEYS`` under the same names, plus ``index_model`` (the shared index's model
 namespace), and ``parse_disk_tier`` validates them with the checks ``parse_config`` uses:
 one rule per key, one message for a bad value wherever it is given.
+
+NOTE 6 (``shared_tier``: a tier on a Redis/Valkey Cluster, docs/multi-node.md): absent (the
+default), every tier is the node's own. Present, the server adds a third tier beside the
+CPU and disk tiers: objects stored as values in a Redis Cluster that every node of the
+``deployment`` reads, under one budget for the whole deployment kept in the cluster
+(``backends/server/shared_tier``)::
+
+    shared_tier:
+      nodes: [10.0.0.5:6379, 10.0.0.6:6379]   # startup nodes, host:port (at least one)
+      deployment: prod-a       # namespace, with the model; the same on every node
+      instance: node-a         # this server's name (default: host name and port)
+      budget_gib: 64           # the deployment's shared-tier budget (same on every node)
+      key_prefix: histate-obj  # object values are <key_prefix>:<deployment>:<id>
+      username: histate        # ACL user (optional); the password from password_file
+      password_file: /etc/histate/redis-password
+      tls: false               # rediss; tls_ca_file: CA bundle (default: system CAs)
+      connect_timeout_s: 0.5
+      op_timeout_s: 2.0        # one call (a 50 MB value at 200 MB/s: 0.25 s)
+      lease_ttl_s: 30
+      claim_ttl_s: 60
+      write_ttl_s: 120
+      retry_s: 2.0             # while the cluster is down, how often it is probed
 """
 
 from __future__ import annotations
@@ -98,6 +120,7 @@ __all__ = [
     "ConfigError",
     "HiStateConfig",
     "SharedIndexConfig",
+    "SharedTierConfig",
     "load_config",
     "parse_config",
     "parse_disk_tier",
@@ -116,6 +139,7 @@ SCHEMES = ("redis", "rediss", "unix")
 MIN_SECRET = 16
 """Shortest accepted shared secret in ``auth_token_file``, in characters (NOTE 4)."""
 SHARED_INDEX = "shared_index"
+SHARED_TIER = "shared_tier"
 _NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 
 
@@ -164,6 +188,53 @@ class SharedIndexConfig:
 
 
 SHARED_INDEX_ALLOWED = tuple(f.name for f in fields(SharedIndexConfig))
+
+
+@dataclass(frozen=True)
+class SharedTierConfig:
+    """A validated ``shared_tier`` section (NOTE 6)."""
+
+    nodes: tuple[str, ...]
+    deployment: str
+    instance: str
+    budget_gib: float
+    key_prefix: str = "histate-obj"
+    username: str | None = None
+    password_file: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    connect_timeout_s: float = 0.5
+    op_timeout_s: float = 2.0
+    lease_ttl_s: float = 30.0
+    claim_ttl_s: float = 60.0
+    write_ttl_s: float = 120.0
+    retry_s: float = 2.0
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget_gib * 2**30)
+
+    def index_config(self) -> SharedIndexConfig:
+        """The shared index's settings for the tier's entries (its URL names the first
+        startup node, for log lines; the client is a cluster client)."""
+        user = f"{self.username}@" if self.username else ""
+        scheme = "rediss" if self.tls else "redis"
+        return SharedIndexConfig(
+            url=f"{scheme}://{user}{self.nodes[0]}/0", deployment=self.deployment,
+            instance=self.instance, password_file=self.password_file,
+            tls_ca_file=self.tls_ca_file, connect_timeout_s=self.connect_timeout_s,
+            op_timeout_s=self.op_timeout_s, lease_ttl_s=self.lease_ttl_s,
+            claim_ttl_s=self.claim_ttl_s, write_ttl_s=self.write_ttl_s, retry_s=self.retry_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["nodes"] = list(self.nodes)
+        return out
+
+
+SHARED_TIER_ALLOWED = tuple(f.name for f in fields(SharedTierConfig))
+_NODE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})")
 _SHARED_INDEX_TIMES = ("connect_timeout_s", "op_timeout_s", "lease_ttl_s", "claim_ttl_s",
                        "write_ttl_s", "retry_s")
 
@@ -215,6 +286,8 @@ class HiStateConfig:
     mamba_ssm_cache_dtype: str = "auto"
     # Several servers sharing one disk tier through Redis; None = one server (today).
     shared_index: SharedIndexConfig | None = None
+    # A shared tier on a Redis Cluster for the nodes of a deployment (NOTE 6).
+    shared_tier: SharedTierConfig | None = None
 
     # ------------------------------------------------------------ derived
     @property
@@ -254,7 +327,7 @@ class HiStateConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, SharedIndexConfig):
+            if isinstance(value, SharedIndexConfig | SharedTierConfig):
                 value = value.to_dict()
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -449,6 +522,9 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         )
     _check_disk_tier(data, values, values.get("port"), base_dir, errors)
     _check_exposure(data, values, base_dir, errors)
+    if get(SHARED_TIER) is not None:
+        values[SHARED_TIER] = parse_shared_tier(get(SHARED_TIER), values.get("port"), base_dir,
+                                                errors)
     port, http_port = values.get("port", 5555), values.get("http_port", 8080)
     if port is not None and port == http_port:
         errors.append("http_port: must differ from port (both are opened by the server)")
@@ -605,6 +681,66 @@ def _shared_index(
     if len(errors) > n0:
         return None
     return SharedIndexConfig(**out)
+
+
+# ---------------------------------------------------------------- shared_tier (NOTE 6)
+def parse_shared_tier(
+    value: Any, port: int | None, base_dir: Path | None, errors: list[str]
+) -> SharedTierConfig | None:
+    """Validate the section; problems go to ``errors``, each naming ``shared_tier.<key>``.
+    ``port`` (the server's ZMQ port) names the instance when ``instance`` is not given."""
+    if not isinstance(value, Mapping):
+        errors.append(f"{SHARED_TIER}: must be a mapping with at least 'nodes', 'deployment' "
+                      f"and 'budget_gib', got {value!r}")
+        return None
+    n0 = len(errors)
+    for key in sorted(str(k) for k in value if k not in SHARED_TIER_ALLOWED):
+        errors.append(
+            f"{SHARED_TIER}.{key}: unknown key; allowed keys: {', '.join(SHARED_TIER_ALLOWED)}"
+        )
+    out: dict[str, Any] = {}
+    nodes = value.get("nodes")
+    if isinstance(nodes, str):
+        nodes = [nodes]
+    if not isinstance(nodes, list) or not nodes or not all(
+            isinstance(n, str) and (m := _NODE.fullmatch(n)) and 1 <= int(m.group(2)) <= 65535
+            for n in nodes):
+        errors.append(f"{SHARED_TIER}.nodes: required: a list of host:port startup nodes of "
+                      f"the cluster (port 1..65535), got {nodes!r}"[:300])
+    else:
+        out["nodes"] = tuple(nodes)
+    for key in ("deployment", "instance", "key_prefix", "username"):
+        raw = value.get(key)
+        if raw is None and key == "instance":
+            raw = re.sub(r"[^A-Za-z0-9._/-]", "_", f"{socket.gethostname()}-{port or 5555}")[:128]
+        if raw is None and key in ("key_prefix", "username"):
+            continue
+        if not isinstance(raw, str) or not _NAME.fullmatch(raw):
+            errors.append(f"{SHARED_TIER}.{key}: must be 1-128 characters of [A-Za-z0-9._/-], "
+                          f"got {raw!r}")
+        out[key] = raw
+    out["budget_gib"] = _gib(f"{SHARED_TIER}.budget_gib", value.get("budget_gib"), errors)
+    for key in _SHARED_INDEX_TIMES:
+        if key in value:
+            out[key] = _positive_number(f"{SHARED_TIER}.{key}", value[key], errors, " (seconds)")
+    if "tls" in value:
+        out["tls"] = _boolean(f"{SHARED_TIER}.tls", value["tls"], errors)
+    if value.get("password_file") is not None:
+        out["password_file"] = _secret_file(
+            f"{SHARED_TIER}.password_file", value["password_file"], base_dir, errors,
+            min_length=1,
+        )
+    ca = value.get("tls_ca_file")
+    if ca is not None:
+        path = _resolve(str(ca), base_dir)
+        if not isinstance(ca, str) or not path.is_file():
+            errors.append(f"{SHARED_TIER}.tls_ca_file: must be a readable file, got {ca!r}")
+        elif not out.get("tls"):
+            errors.append(f"{SHARED_TIER}.tls_ca_file: only used with tls: true")
+        out["tls_ca_file"] = str(path)
+    if len(errors) > n0:
+        return None
+    return SharedTierConfig(**{k: v for k, v in out.items() if v is not None})
 
 
 def _redis_url(raw: Any, errors: list[str]) -> str | None:

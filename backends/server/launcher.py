@@ -62,6 +62,7 @@ __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv",
 CPU_SERVER_MODULE = "lmcache_histate.backends.server.cpu_server_module"
 HISTATE_SERVER_MODULE = "lmcache_histate.backends.server.server_module"
 DISK_ADAPTER_MODULE = "lmcache_histate.backends.server.disk.tier"
+SHARED_ADAPTER_MODULE = "lmcache_histate.backends.server.shared_tier.tier"
 
 # lmcache server flags that map onto configuration keys: on the command line they win.
 _OVERRIDES = {
@@ -162,6 +163,22 @@ def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
     return spec
 
 
+def shared_adapter_spec(cfg: HiStateConfig) -> dict[str, Any] | None:
+    """The ``--l2-adapter`` JSON of the shared tier (None without a ``shared_tier``
+    section). Listed after the disk tier: LMCache's prefetch plan loads each chunk from
+    the first adapter that has it, so a node reads the cluster only for what its own
+    tiers lack (docs/multi-node.md)."""
+    if cfg.shared_tier is None:
+        return None
+    return {
+        "type": "plugin",
+        "module_path": SHARED_ADAPTER_MODULE,
+        "class_name": "HiStateSharedAdapter",
+        "adapter_params": {"shared_tier": cfg.shared_tier.to_dict(),
+                           "index_model": index_model_name(cfg.model)},
+    }
+
+
 def server_argv(cfg: HiStateConfig, passthrough: Sequence[str] = ()) -> list[str]:
     """``lmcache`` CLI arguments (starting with ``server``) for ``cfg``."""
     argv = [
@@ -178,6 +195,9 @@ def server_argv(cfg: HiStateConfig, passthrough: Sequence[str] = ()) -> list[str
         "--eviction-trigger-watermark", f"{cfg.l1_eviction_watermark:g}",
         "--l2-adapter", json.dumps(disk_adapter_spec(cfg), separators=(",", ":")),
     ]
+    shared = shared_adapter_spec(cfg)
+    if shared is not None:
+        argv += ["--l2-adapter", json.dumps(shared, separators=(",", ":"))]
     if cfg.policy == "histate":
         argv += [
             "--l2-store-policy", "histate",
@@ -328,10 +348,15 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     if cfg.policy == "histate":
+        from lmcache.v1.multiprocess.http_server import app
+
         from . import policies
+        from .routing_api import install_routing_api
         from .runtime.runtime import HiStateRuntime
 
-        policies.install(HiStateRuntime(cfg))
+        runtime = HiStateRuntime(cfg)
+        policies.install(runtime)
+        install_routing_api(app, runtime)
     try:
         confirm_with_lmcache(lmcache_args, bindings)
     except ConfigError as exc:

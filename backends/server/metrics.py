@@ -33,6 +33,13 @@ and appear with a ``_total`` suffix, e.g.::
     histate_shared_index_calls{what}              calls, failures, skipped, outages, ...
     histate_shared_index_reregistered             objects registered again after an outage
     histate_shared_index_disk_bytes{what}         the deployment's used / budget / evicting
+    histate_l2_objects_loaded{tier}               objects loaded from the node's own disk
+                                                  tier ("disk") and from the shared tier
+                                                  ("shared"): local and fleet hits apart
+    histate_shared_tier_connected                 with a shared_tier section: 1 / 0
+                                                  (degraded: the node's own tiers only)
+    histate_shared_tier_calls{what}               calls, failures, skipped, outages, ...
+    histate_shared_tier_bytes{what}               the deployment's used / budget / evicting
 """
 
 from __future__ import annotations
@@ -113,7 +120,40 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
 
         return read
 
+    def shared_tier(read_part: Callable[[dict], list[tuple[float, dict]]]) -> Callable:
+        """A series of the shared tier's status (none without the section)."""
+        def read() -> list[tuple[float, dict]]:
+            part = runtime.status().get("shared_tier")
+            return [] if part is None else read_part(part)
+
+        return read
+
+    def loaded() -> list[tuple[float, dict]]:
+        status = runtime.status()
+        return [(float(((status.get(name) or {}).get("stats") or {}).get("objects_loaded", 0)),
+                 {"tier": tier}) for name, tier in (("disk", "disk"), ("shared_tier", "shared"))
+                if status.get(name) is not None]
+
     return {
+        "histate_l2_objects_loaded": (
+            "Objects loaded from the node's own disk tier and from the shared tier", loaded,
+        ),
+        "histate_shared_tier_connected": (
+            "1 while the shared tier's cluster answers, 0 while degraded (own tiers only)",
+            shared_tier(lambda p: [(float(p["mode"] == "connected"), {})]),
+        ),
+        "histate_shared_tier_calls": (
+            "Shared tier connection counters (calls, failures, skipped while degraded, "
+            "outages, recoveries, probes)",
+            shared_tier(lambda p: [(float(v), {"what": k}) for k, v in p["connection"].items()]),
+        ),
+        "histate_shared_tier_bytes": (
+            "The deployment's shared tier: used, budget and being-evicted bytes",
+            shared_tier(lambda p: [
+                (float(p[f"{k}_bytes"]), {"what": k})
+                for k in ("used", "budget", "evicting") if f"{k}_bytes" in p
+            ]),
+        ),
         "histate_shared_index_connected": (
             "1 while the shared index's Redis answers, 0 while degraded (local view)",
             shared(lambda p: [(float(p["mode"] == "connected"), {})]),

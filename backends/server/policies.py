@@ -1,6 +1,7 @@
 """HiState's store policy and L1 eviction policy for ``lmcache server``, and their wiring.
 
-* ``HiStateStorePolicy`` (``--l2-store-policy histate``; LMCache's store-policy registry):
+* ``HiStateStorePolicy`` (``--l2-store-policy histate``; LMCache's store-policy registry;
+  with a shared tier it also sends it what the runtime's ``shared_route`` picks):
   LMCache calls ``select_store_targets`` with every batch of objects just committed to
   L1. The runtime places them with the core and answers which go to the disk tier now
   (every snapshot whose home is disk — intermediate ones, and a durable copy of each
@@ -55,10 +56,15 @@ __all__ = ["STORE_POLICY_NAME", "HiStateL1EvictionPolicy", "HiStateStorePolicy",
 
 STORE_POLICY_NAME = "histate"
 DISK_ADAPTER_CLASS = "HiStateDiskAdapter"
+SHARED_ADAPTER_CLASS = "HiStateSharedAdapter"
 
 
 def _is_disk_tier(desc: L2AdapterDescriptor) -> bool:
     return getattr(desc.config, "class_name", None) == DISK_ADAPTER_CLASS
+
+
+def _is_shared_tier(desc: L2AdapterDescriptor) -> bool:
+    return getattr(desc.config, "class_name", None) == SHARED_ADAPTER_CLASS
 
 
 class HiStateStorePolicy(StorePolicy):
@@ -71,12 +77,16 @@ class HiStateStorePolicy(StorePolicy):
         self, keys: list[ObjectKey], adapters: list[L2AdapterDescriptor]
     ) -> dict[int, list[ObjectKey]]:
         route = self.runtime.on_committed(keys)
-        if not route:
-            return {}
+        plan: dict[int, list[ObjectKey]] = {}
         disk = [d.index for d in adapters if _is_disk_tier(d)]
-        if not disk:
-            return {}
-        return {disk[0]: [k for k in keys if k in route]}
+        if route and disk:
+            plan[disk[0]] = [k for k in keys if k in route]
+        shared = [d.index for d in adapters if _is_shared_tier(d)]
+        if shared:  # shared_tier NOTE 3: what another node needs to resume
+            to_shared = self.runtime.shared_route(keys, route)
+            if to_shared:
+                plan[shared[0]] = to_shared
+        return plan
 
     def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
         self.runtime.on_persisted(keys)  # deletes itself, retrying keys a reader locked

@@ -22,6 +22,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parents[1])
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+from support.redis_cluster import redis_cluster  # noqa: E402, F401 (fixture: shared tier)
 from support.redis_server import redis_server  # noqa: E402, F401 (fixture: shared index)
 
 LIVE = all(importlib.util.find_spec(m) is not None for m in ("vllm", "lmcache"))

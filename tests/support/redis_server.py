@@ -26,12 +26,13 @@ class RedisServer:
     """One ``redis-server`` process; ``start`` / ``kill`` / ``start`` again keeps the port."""
 
     def __init__(
-        self, workdir: Path, *extra: str, config: str = "", tls: tuple[Path, Path] | None = None
+        self, workdir: Path, *extra: str, config: str = "", tls: tuple[Path, Path] | None = None,
+        port: int | None = None,
     ) -> None:
         """``extra``: command-line options; ``config``: redis.conf lines (e.g. ``user``
         directives, whose spaces the command line would not keep); ``tls``: (certificate,
         key) files: a TLS port is opened too (``tls_url``), the plain one stays for the
-        readiness probe."""
+        readiness probe; ``port``: the port to use (default: a free one)."""
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
@@ -43,6 +44,8 @@ class RedisServer:
         self.extra = extra
         self.config = config
         self.port, *tls_ports = free_ports(2 if tls else 1)
+        if port is not None:
+            self.port = port
         self.tls_port = tls_ports[0] if tls_ports else None
         if tls is not None:
             cert, key = tls

@@ -102,14 +102,16 @@ from lmcache.v1.distributed.internal_api import L1ManagerListener
 
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.tiers import ServerTier
+from lmcache_histate.core.tiers import KV, ServerTier
 
+from ..disk.entries import ObjectMeta
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
+from ..shared_tier.tier import HiStateSharedAdapter
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
 from .model_core import ModelCore
-from .object_map import ObjectMap
+from .object_map import ObjectMap, node_key
 from .recovery import recover_from_disk
 from .reporting import StatusReport
 from .sessions import SessionTracker
@@ -154,6 +156,8 @@ class HiStateRuntime:
         self._listening = False
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
+        self.shared_tier: HiStateSharedAdapter | None = None
+        """The shared tier among the server's L2 adapters (``attach_server``), or None."""
 
     @property
     def core(self) -> HiStateCache | None:
@@ -194,6 +198,10 @@ class HiStateRuntime:
                  if isinstance(a, HiStateDiskAdapter)]
         if disks and self.actions.disk is None:
             self._drive_disk_tier(disks[0])
+        shared = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
+                  if isinstance(a, HiStateSharedAdapter)]
+        if shared:
+            self.shared_tier = shared[0]
         if ctx.chunk_size != self.model.chunk:
             logger.warning(
                 "server chunk size %d differs from the configuration's %d; using %d",
@@ -290,7 +298,9 @@ class HiStateRuntime:
             out = self.report.status()
             if self._shared() is not None:  # the janitor's exchange with the deployment
                 out["deployment_sync"] = self.deployment.status()
-            return out
+        if self.shared_tier is not None:  # its own lock; never under the runtime's
+            out["shared_tier"] = self.shared_tier.report_status()
+        return out
 
     # ============================================================ store policy
     def on_committed(self, keys: Sequence[ObjectKey]) -> set[ObjectKey]:
@@ -344,6 +354,53 @@ class HiStateRuntime:
         """Called by LMCache under its L1 lock when writes finish: queue only (NOTE 3)."""
         if keys:
             self._commits.append(list(keys))
+
+    def resumable(self, token_ids: Sequence[int], cache_salt: str = "") -> dict[str, Any]:
+        """How much of a prompt this node resumes from its own tiers (``routing_api``):
+        ``resumable_tokens`` at the deepest boundary with a snapshot within the KV prefix
+        the core holds, ``kv_tokens`` the KV prefix alone."""
+        shared = self.shared_tier
+        out: dict[str, Any] = {
+            "instance": None if shared is None else shared.config.tier.instance,
+            "chunk_tokens": self.model.chunk, "kv_tokens": 0, "resumable_tokens": 0,
+            "shared_tier": None if shared is None else (
+                "degraded" if shared.degraded else "connected"),
+        }
+        chunk = self.model.chunk
+        end = len(token_ids) - len(token_ids) % chunk
+        if self.ctx is None or end <= 0:
+            return out
+        hashes = _chain_hashes(self.ctx, token_ids, end)
+        keys = [node_key(h, cache_salt) for h in hashes]
+        with self.lock:
+            core = self.model.core
+            if core is None:
+                return out
+            match = core.lookup(keys)
+        out["kv_tokens"] = match.kv_chunks * chunk
+        out["resumable_tokens"] = match.hit_chunks * chunk
+        return out
+
+    def shared_route(self, keys: Sequence[ObjectKey], route: set[ObjectKey]) -> list[ObjectKey]:
+        """Which committed ``keys`` go to the shared tier (``shared_tier.tier`` NOTE 3):
+        every snapshot (and KV) the core writes to disk (``route``) and every KV chunk the
+        core keeps, i.e. what another node needs to resume at a snapshot. Their headers
+        go to the shared tier before the store controller submits the write."""
+        shared = self.shared_tier
+        if shared is None:
+            return []
+        out: list[ObjectKey] = []
+        metas: dict[ObjectKey, ObjectMeta] = {}
+        with self.lock:
+            for key in keys:
+                if not self.model.ours(key):
+                    continue
+                if key in route or (self.model.part(key) == KV and self.objects.key_tiers(key)):
+                    out.append(key)
+                    metas[key] = ObjectMeta(*self.objects.object_meta(key))
+        shared.expect_headers(metas)
+        self.stats["shared_tier.routed"] += len(out)
+        return out
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier

@@ -119,8 +119,14 @@ class IndexConnection:
         *,
         client: redis.Redis | None = None,
         clock: Callable[[], float] = time.monotonic,
+        label: str = "shared index",
+        recovery: str = "re-registering this server's objects",
     ) -> None:
+        """``label`` names the connection in its log lines, ``recovery`` what its recovery
+        listeners do (the shared tier's differ from the shared index's)."""
         self.cfg = cfg
+        self.label = label
+        self.recovery = recovery
         self.client = client if client is not None else make_client(cfg)
         self._clock = clock
         self._lock = threading.Lock()
@@ -214,9 +220,9 @@ class IndexConnection:
             fault, self.fault = self.fault, ""
             self._stats["recoveries"] += 1
         logger.warning(
-            "shared index: Redis at %s usable again after %.1fs (%s before; %d calls served "
-            "from the local view); re-registering this server's objects", self.where, outage,
-            fault, skipped,
+            "%s: Redis at %s usable again after %.1fs (%s before; %d calls served "
+            "from the local view); %s", self.label, self.where, outage, fault, skipped,
+            self.recovery,
         )
         for listener in self._recovery:
             listener()
@@ -251,8 +257,9 @@ class IndexConnection:
                 self._probe_wait = self.cfg.retry_s  # NOTE 2: a new outage
             self._stats["outages"] += 1
         logger.warning(
-            "shared index: Redis at %s %s (%s); serving from the local view until it "
-            "serves again (probed every %.1fs%s)", self.where, self.fault, _detail(exc),
+            "%s: Redis at %s %s (%s); serving from the local view until it "
+            "serves again (probed every %.1fs%s)", self.label, self.where, self.fault,
+            _detail(exc),
             self.cfg.retry_s, "" if self.fault == "unreachable"
             else f", backing off to {MAX_BACKOFF * self.cfg.retry_s:.1f}s",
         )

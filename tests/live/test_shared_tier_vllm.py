@@ -1,0 +1,118 @@
+"""A session whose next turn lands on another node resumes there through the shared tier.
+
+Real parts only: a 3-master Redis Cluster on loopback, two ``histate-server`` processes
+(nodes ``a`` and ``b``) with separate disk folders and the same ``shared_tier`` section,
+each with its own vLLM CPU engine serving the tiny hybrid model, and the reference engine
+without a connector (``reference_run``). The scenario and the hand-derived expectations are
+``test_vllm_cpu_roundtrip``'s (its ``LAYOUTS`` table): turn 1, prompt A (10 chunks + 50
+tokens), runs on node A, whose server keeps snapshots at the controller's plan ``[kC,
+10C]`` and sends them with the KV chunks to the shared tier; turn 2, prompt B (A's first
+8.6 chunks, another tail), runs on node B, whose own tiers hold nothing: B hits exactly
+``k`` chunks (the last boundary with a snapshot below the divergence), every one of the
+``k`` KV chunks and the snapshot loaded from the shared tier (none from its disk), and
+its greedy tokens and top-5 logprobs equal the reference's exactly. Negative control:
+with node B's test hook zeroing restored recurrent state, prompt C (same prefix, another
+tail) hits the same boundary and its logprobs differ from recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from support.redis_cluster import RedisClusterNodes
+from test_vllm_cpu_roundtrip import (
+    LAUNCHER,
+    MAX_TOKENS,
+    TOP_LOGPROBS,
+    ZERO_HOOK_MODULE,
+    connector_config,
+    histate_config,
+    layout_of,
+    make_prompts,
+    needs_live,
+    server_module_arg,
+    settle,
+)
+
+
+def tier_section(cluster: RedisClusterNodes, instance: str) -> dict[str, Any]:
+    return {"nodes": cluster.nodes, "deployment": "vllm-fleet", "instance": instance,
+            "budget_gib": 0.2}
+
+
+def loads(status: dict[str, Any], tier: str) -> int:
+    stats = (status.get(tier) or {}).get("stats") or {}
+    return sum(v for n, v in stats.items() if n.startswith("loads_group_"))
+
+
+@needs_live
+def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
+    tmp_path: Path, tiny_model: Path, tiny_layout: Any, reference_run: dict[str, Any],
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
+    from support.lmcache_mp import lmcache_server, support_pythonpath
+
+    row = layout_of(tiny_layout)
+    chunk = tiny_layout.block_size
+    config = json.loads((tiny_model / "config.json").read_text())
+    prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
+    zero_flag = tmp_path / "zero-restored-recurrent"
+    commands = {}
+    for name in ("a", "b"):
+        cfg = histate_config(tmp_path / f"histate-{name}.yaml", tiny_model,
+                             tmp_path / f"disk-{name}",
+                             shared_tier=tier_section(redis_cluster, name))
+        commands[name] = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
+    ask = {"histate_saves": True, "cached_token_stats": True}
+
+    def engine_on(server: Any, name: str) -> EngineProcess:
+        kwargs = engine_kwargs(tiny_model, chunk_tokens=chunk,
+                               kv_transfer_config=connector_config(server.endpoints.zmq_port))
+        return EngineProcess(kwargs, workdir=tmp_path, name=name, block_size=chunk)
+
+    with (
+        lmcache_server(workdir=tmp_path / "server-a", chunk_size=None, l1_size_gb=0.1,
+                       command=commands["a"], startup_timeout=180,
+                       env=support_pythonpath()) as server_a,
+        lmcache_server(server_module_arg(ZERO_HOOK_MODULE, {"flag": str(zero_flag)}),
+                       workdir=tmp_path / "server-b", chunk_size=None, l1_size_gb=0.1,
+                       command=commands["b"], startup_timeout=180,
+                       env=support_pythonpath()) as server_b,
+    ):
+        with engine_on(server_a, "engine-a") as engine_a:
+            a = engine_a.generate(prompts["A"], max_tokens=MAX_TOKENS, kv_transfer_params=ask,
+                                  reset=True)
+            final_a = settle(server_a)
+        with engine_on(server_b, "engine-b") as engine_b:
+            b = engine_b.generate(prompts["B"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
+                                  kv_transfer_params=ask, reset=True)
+            after_b = settle(server_b)
+            zero_flag.touch()  # arm the negative control
+            c = engine_b.generate(prompts["C"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
+                                  kv_transfer_params=ask, reset=True)
+            settle(server_b)
+        metrics = server_b.http("GET", "/metrics")
+
+    k = row["first_interval_chunks"]
+    assert a["kv_transfer_params"]["histate_saves"]["kept"] == [k * chunk, 10 * chunk]
+    # Node A sent its 10 KV chunks and 2 snapshots to the shared tier.
+    shared_a = final_a["shared_tier"]
+    assert shared_a["mode"] == "connected"
+    assert shared_a["stats"]["objects_stored"] == 10 + 2, shared_a["stats"]
+    # Turn 2 on node B: k chunks, all k KV chunks + the snapshot at kC from the shared tier.
+    assert b["num_cached_tokens"] == k * chunk
+    assert b["kv_transfer_params"]["cached_token_stats"]["num_lmcache_cached_tokens"] == k * chunk
+    assert loads(after_b, "shared_tier") == k + 1
+    assert loads(after_b, "disk") == 0
+    reference = reference_run
+    assert b["token_ids"] == reference["B"]["token_ids"]
+    assert b["logprobs"] == reference["B"]["logprobs"]  # exact float equality, all top-5
+    # Negative control: the same hit with the restored recurrent state zeroed differs.
+    assert c["num_cached_tokens"] == k * chunk
+    assert c["logprobs"] != reference["C"]["logprobs"], "zeroed state left outputs unchanged"
+    text = metrics if isinstance(metrics, str) else json.dumps(metrics)
+    assert 'histate_l2_objects_loaded{tier="shared"}' in text
