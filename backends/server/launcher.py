@@ -327,6 +327,7 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
     from lmcache_histate.backends.upstream import install_shm_release
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
+    keep_request_thread()
     if cfg.policy == "histate":
         from . import policies
         from .runtime.runtime import HiStateRuntime
@@ -344,8 +345,9 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
 
 def guard_control_plane(cfg: HiStateConfig) -> None:
-    """Bound every HTTP request body (``access.BodyLimit``); with ``auth_token_file``,
-    every HTTP route but ``/healthcheck`` needs the secret; refused RPCs log quietly.
+    """Health routes fail with the data plane (``data_plane``); bound every HTTP request
+    body (``access.BodyLimit``); with ``auth_token_file``, every HTTP route but
+    ``/healthcheck`` needs the secret; refused RPCs log quietly.
 
     Must run before ``lmcache server`` starts its FastAPI app (``access``, NOTE 1).
     """
@@ -354,10 +356,32 @@ def guard_control_plane(cfg: HiStateConfig) -> None:
     from lmcache_histate.exposure import read_secret
 
     from .access import install_http_guard, install_refusal_log
+    from .data_plane import install_data_plane_gate, probe_url
 
     secret = read_secret(cfg.auth_token_file) if cfg.auth_token_file else None
+    install_data_plane_gate(app, probe_url(cfg.host, cfg.port))  # innermost: added first
     install_http_guard(app, secret)
     install_refusal_log()
+
+
+def keep_request_thread() -> None:
+    """Malformed frames are dropped with one rate-limited line and LMCache's request
+    thread lives (``upstream.install_request_loop_guard``); if it ends otherwise, one
+    CRITICAL line, and ``/healthcheck`` fails (``data_plane``)."""
+    import logging
+
+    from lmcache_histate.backends.upstream import install_request_loop_guard
+
+    from .quiet_log import install_malformed_request_log
+
+    quiet = install_malformed_request_log()
+    log = logging.getLogger("lmcache_histate.data_plane")
+
+    def on_death(exc: BaseException) -> None:
+        log.critical("LMCache's request thread stopped (%s: %s): engines get no answers; "
+                     "/healthcheck answers 503", type(exc).__name__, exc, exc_info=exc)
+
+    install_request_loop_guard(quiet.line, on_death)
 
 
 if __name__ == "__main__":
