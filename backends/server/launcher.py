@@ -328,6 +328,7 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     keep_request_thread()
+    stop_on_hangup()
     if cfg.policy == "histate":
         from . import policies
         from .runtime.runtime import HiStateRuntime
@@ -362,6 +363,27 @@ def guard_control_plane(cfg: HiStateConfig) -> None:
     install_data_plane_gate(app, probe_url(cfg.host, cfg.port))  # innermost: added first
     install_http_guard(app, secret)
     install_refusal_log()
+
+
+def stop_on_hangup() -> None:
+    """SIGHUP stops the server as SIGTERM does (docs/reliability.md, promise 11).
+
+    Without a handler SIGHUP killed the process at once (no shutdown lines, the disk tier
+    not closed). There is nothing to reload: every setting is read at start, and most
+    (ports, sizes, the disk folder) cannot change under running engines. The handler
+    raises SIGTERM, so whichever SIGTERM handler holds at that moment runs: uvicorn's
+    graceful shutdown once the server runs, the default exit during start-up.
+    """
+    import logging
+    import signal
+
+    log = logging.getLogger("lmcache_histate.launcher")
+
+    def hangup(_signum: int, _frame: object) -> None:
+        log.warning("SIGHUP: stopping as for SIGTERM (histate-server reloads nothing)")
+        signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGHUP, hangup)
 
 
 def keep_request_thread() -> None:
