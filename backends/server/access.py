@@ -46,10 +46,11 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from .quiet_log import RateLimitedLine
 
 __all__ = ["MAX_BODY", "OPEN_ROUTES", "AuthError", "BearerGuard", "BodyLimit", "RefusalLog",
            "RpcRefused", "check_rpc_token", "install_http_guard", "install_refusal_log"]
@@ -59,7 +60,6 @@ MAX_BODY = 1 << 20
 RPC_LOGGER = "lmcache.v1.multiprocess.ext_server_module"
 """LMCache 0.5.6's logger of server-module RPC failures (``init_logger(__name__)``)."""
 
-logger = logging.getLogger("lmcache_histate.access")
 
 OPEN_ROUTES = frozenset({("GET", "/healthcheck")})
 """(method, path) pairs reachable without the secret."""
@@ -174,29 +174,21 @@ class RefusalLog(logging.Filter):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.window_s = window_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._window_start: float | None = None
-        self._count = 0
-        self.refused = 0
+        self._line = RateLimitedLine(
+            "RPC refused: %s (further refusals: one line per %.0f s)",
+            "%d more RPCs refused in the last %.0f s; latest: %s",
+            window_s, clock,
+        )
+
+    @property
+    def refused(self) -> int:
+        return self._line.events
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if not isinstance(exc, RpcRefused):
             return True
-        now = self._clock()
-        with self._lock:
-            self.refused += 1
-            if self._window_start is not None and now - self._window_start < self.window_s:
-                self._count += 1
-                return False
-            summary, self._count, self._window_start = self._count, 0, now
-        if summary:
-            logger.warning("%d more RPCs refused in the last %.0f s; latest: %s",
-                           summary, self.window_s, exc)
-        else:
-            logger.warning("RPC refused: %s (further refusals: one line per %.0f s)",
-                           exc, self.window_s)
+        self._line(str(exc))
         return False
 
 

@@ -347,6 +347,8 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
     from lmcache_histate.backends.upstream import install_shm_release
 
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
+    keep_request_thread()
+    stop_on_hangup()
     if cfg.policy == "histate":
         from lmcache.v1.multiprocess.http_server import app
 
@@ -369,8 +371,9 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
 
 
 def guard_control_plane(cfg: HiStateConfig) -> None:
-    """Bound every HTTP request body (``access.BodyLimit``); with ``auth_token_file``,
-    every HTTP route but ``/healthcheck`` needs the secret; refused RPCs log quietly.
+    """Health routes fail with the data plane (``data_plane``); bound every HTTP request
+    body (``access.BodyLimit``); with ``auth_token_file``, every HTTP route but
+    ``/healthcheck`` needs the secret; refused RPCs log quietly.
 
     Must run before ``lmcache server`` starts its FastAPI app (``access``, NOTE 1).
     """
@@ -379,10 +382,53 @@ def guard_control_plane(cfg: HiStateConfig) -> None:
     from lmcache_histate.exposure import read_secret
 
     from .access import install_http_guard, install_refusal_log
+    from .data_plane import install_data_plane_gate, probe_url
 
     secret = read_secret(cfg.auth_token_file) if cfg.auth_token_file else None
+    install_data_plane_gate(app, probe_url(cfg.host, cfg.port))  # innermost: added first
     install_http_guard(app, secret)
     install_refusal_log()
+
+
+def stop_on_hangup() -> None:
+    """SIGHUP stops the server as SIGTERM does (docs/reliability.md, promise 11).
+
+    Without a handler SIGHUP killed the process at once (no shutdown lines, the disk tier
+    not closed). There is nothing to reload: every setting is read at start, and most
+    (ports, sizes, the disk folder) cannot change under running engines. The handler
+    raises SIGTERM, so whichever SIGTERM handler holds at that moment runs: uvicorn's
+    graceful shutdown once the server runs, the default exit during start-up.
+    """
+    import logging
+    import signal
+
+    log = logging.getLogger("lmcache_histate.launcher")
+
+    def hangup(_signum: int, _frame: object) -> None:
+        log.warning("SIGHUP: stopping as for SIGTERM (histate-server reloads nothing)")
+        signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGHUP, hangup)
+
+
+def keep_request_thread() -> None:
+    """Malformed frames are dropped with one rate-limited line and LMCache's request
+    thread lives (``upstream.install_request_loop_guard``); if it ends otherwise, one
+    CRITICAL line, and ``/healthcheck`` fails (``data_plane``)."""
+    import logging
+
+    from lmcache_histate.backends.upstream import install_request_loop_guard
+
+    from .quiet_log import install_malformed_request_log
+
+    quiet = install_malformed_request_log()
+    log = logging.getLogger("lmcache_histate.data_plane")
+
+    def on_death(exc: BaseException) -> None:
+        log.critical("LMCache's request thread stopped (%s: %s): engines get no answers; "
+                     "/healthcheck answers 503", type(exc).__name__, exc, exc_info=exc)
+
+    install_request_loop_guard(quiet.line, on_death)
 
 
 if __name__ == "__main__":

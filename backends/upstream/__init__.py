@@ -5,6 +5,8 @@
 * ``lmcache_patches``: L1 eviction-policy routing (launcher), the strided fallback copy
   kernel (CPU server module), the CPU shared-memory KV wrapper (connector, worker side), the
   release of an engine's shared-memory mappings on session close (launcher);
+* ``lmcache_request_loop``: the request thread kept alive through malformed frames, and
+  stopped without tracebacks (launcher);
 * ``vllm_patches``: the in-process CPU engine start-up fix (engine child).
 
 Nothing here runs at import time; each patch is installed by an explicit call from the entry
@@ -18,12 +20,15 @@ from .lmcache_patches import (
     route_cpu_shm_wrapping,
     route_l1_eviction_policy,
 )
+from .lmcache_request_loop import MalformedRequest, install_request_loop_guard
 from .patching import CHECKED_VERSIONS, UpstreamVersionError, patch
 from .vllm_patches import install_vllm_cpu_inprocess_fix
 
 __all__ = [
     "CHECKED_VERSIONS",
+    "MalformedRequest",
     "UpstreamVersionError",
+    "install_request_loop_guard",
     "install_shm_release",
     "install_strided_fallback_kernel",
     "install_vllm_cpu_inprocess_fix",
