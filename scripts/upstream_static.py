@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 import zipfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -473,7 +473,7 @@ def derive_uses(files: Iterable[tuple[str, str]], resolver: Resolver) -> dict[st
 
 
 def _walk_uses(name: str, tree: ast.Module, aliases: dict[str, tuple[str, str]],
-               add: object, resolver: Resolver) -> None:
+               add: Callable[[str, str, str], Use], resolver: Resolver) -> None:
     def ref_of(expr: ast.AST) -> str | None:
         chain = _chain(expr)
         if chain is None or chain[0] not in aliases:
@@ -489,25 +489,25 @@ def _walk_uses(name: str, tree: ast.Module, aliases: dict[str, tuple[str, str]],
         if isinstance(node, ast.Attribute) and id(node) not in inner:
             ref = ref_of(node)
             if ref is not None:
-                add(ref, "attribute", where)  # type: ignore[operator]
+                add(ref, "attribute", where)
         if isinstance(node, ast.Call):
             func_ref = ref_of(node.func)
             if func_ref is not None:
-                use = add(func_ref, "call", where)  # type: ignore[operator]
+                use = add(func_ref, "call", where)
                 use.calls.append(_shape(node, bound=False, where=where))
             if isinstance(node.func, ast.Name) and node.func.id == "patch" and \
                     len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
                 owner = ref_of(node.args[0])
                 if owner is not None:
                     add(f"{_shorten(owner, resolver)}.{node.args[1].value}".replace(":.", ":"),
-                        "patch", where)  # type: ignore[operator]
+                        "patch", where)
         if isinstance(node, ast.ClassDef):
             upstream = [ref_of(b) for b in node.bases]
             bases = [r for r in upstream if r is not None]
             if not bases:
                 continue
             base = _shorten(bases[0], resolver)
-            use = add(base, "subclass", where)  # type: ignore[operator]
+            use = add(base, "subclass", where)
             use.subclass = f"{name}:{node.name}"
             methods = [s for s in node.body if isinstance(s, ast.FunctionDef)]
             use.subclass_methods |= {m.name for m in methods}
@@ -517,7 +517,7 @@ def _walk_uses(name: str, tree: ast.Module, aliases: dict[str, tuple[str, str]],
                     member = resolver.class_member(base_target, method.name)
                     if member is not None and member.kind == "function" and \
                             method.name not in ("__new__", "__init__"):
-                        over = add(f"{base}.{method.name}", "override",  # type: ignore[operator]
+                        over = add(f"{base}.{method.name}", "override",
                                    f"{name}:{method.lineno}")
                         params = render_params(method.args)
                         if not any(p.startswith("*") for p in params):
@@ -527,7 +527,7 @@ def _walk_uses(name: str, tree: ast.Module, aliases: dict[str, tuple[str, str]],
                             isinstance(sub.func.value, ast.Call) and \
                             isinstance(sub.func.value.func, ast.Name) and \
                             sub.func.value.func.id == "super" and sub.func.attr != "__new__":
-                        called = add(f"{base}.{sub.func.attr}", "call",  # type: ignore[operator]
+                        called = add(f"{base}.{sub.func.attr}", "call",
                                      f"{name}:{sub.lineno}")
                         called.calls.append(_shape(sub, bound=True, where=f"{name}:{sub.lineno}"))
 
