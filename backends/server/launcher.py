@@ -46,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from lmcache_histate import __version__
 from lmcache_histate.config import DISK_TIER_KEYS, ConfigError, HiStateConfig, load_config
 
 from . import preflight
@@ -55,7 +56,6 @@ from .access_flags import (
     screen_command_line,
     screen_extra_server_args,
 )
-from .shared_index.layout import index_model_name
 
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
@@ -149,6 +149,10 @@ def disk_adapter_spec(cfg: HiStateConfig) -> dict[str, Any]:
     values = cfg.to_dict()
     params = {key: values[key] for key in DISK_TIER_KEYS if values[key] is not None}
     if cfg.shared_index is not None:  # one folder for the deployment (docs/shared-index.md)
+        # Imported here: the shared_index package imports redis, which neither --help nor a
+        # config without a shared index needs (a wheel installed without the live extras).
+        from .shared_index.layout import index_model_name
+
         params["index_model"] = index_model_name(cfg.model)
     spec: dict[str, Any] = {
         "type": "plugin",
@@ -293,6 +297,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run lmcache server with HiState (disk tier, placement, unified eviction).",
         epilog="Other arguments are passed to `lmcache server`.",
     )
+    p.add_argument("--version", action="version", version=f"lmcache-histate {__version__}")
     p.add_argument("--config", required=True, help="HiState YAML configuration")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the lmcache command line and vLLM flags, exit")

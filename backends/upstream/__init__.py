@@ -9,6 +9,11 @@
   stopped without tracebacks (launcher);
 * ``vllm_patches``: the in-process CPU engine start-up fix (engine child).
 
+Where an upstream symbol moved or is new between the checked versions, the code calls one
+version-guarded lookup instead of importing it: ``vllm_symbols`` (vLLM), ``lmcache_symbols``
+(LMCache). ``versions``: the versions checked and how (the support matrix, docs/support.md;
+``make compat`` checks every upstream symbol the backends use against them).
+
 Nothing here runs at import time; each patch is installed by an explicit call from the entry
 point named in its module. The bugs, with symptoms and versions: docs/vllm-cpu.md §2 and
 docs/design.md §5.

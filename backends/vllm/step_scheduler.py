@@ -77,9 +77,10 @@ benchmark's ``vllm-grid`` stack is vLLM alone with this class and no connector, 
 stack vLLM's own scheduler with the CPU grid (``benchmarks/live/stacks.py`` NOTE 6).
 
 Version guard: written against vLLM 0.32.0's ``Scheduler._mamba_block_aligned_split(request,
-num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)``; another vLLM
-version, or that method with other parameters, stops the engine at start with an error
-naming both (``check_vllm``).
+num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)``, which 0.33.0
+and 0.34.0 keep (their callers gain ``num_hash_lookahead_tokens``, not the method; checked
+statically by ``make compat``); a vLLM outside the checked series, or that method with other
+parameters, stops the engine at start with an error naming both (``check_vllm``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ import time
 from typing import Any, Protocol
 
 import vllm
+from lmcache_histate.backends.upstream.versions import VLLM
 from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
 from lmcache_histate.backends.vllm.step_price import StepPriceFit
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -107,8 +109,9 @@ __all__ = [
 
 logger = logging.getLogger("lmcache_histate.step_scheduler")
 
-SUPPORTED_VLLM = ("0.32.",)
-"""vLLM versions whose scheduler this module was checked against (prefixes)."""
+SUPPORTED_VLLM = tuple(sorted({v.rsplit(".", 1)[0] + "." for v in VLLM}))
+"""vLLM release series whose scheduler this module was checked against (prefixes): the
+checked versions (``upstream.versions``)."""
 _SPLIT_PARAMS = (
     "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
     "num_external_computed_tokens",

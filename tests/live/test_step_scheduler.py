@@ -218,8 +218,9 @@ def test_the_scheduler_is_guarded_to_the_vllm_it_was_written_for() -> None:
     from lmcache_histate.backends.vllm.step_scheduler import check_vllm
 
     check_vllm()  # the installed vLLM 0.32.0
-    with pytest.raises(RuntimeError, match=r"this is vLLM 0\.33\.1"):
-        check_vllm("0.33.1")
+    check_vllm("0.34.0")  # checked statically (make compat): same split signature
+    with pytest.raises(RuntimeError, match=r"this is vLLM 0\.35\.0"):
+        check_vllm("0.35.0")
 
     def other_split(self: Any, request: Any, num_new_tokens: int) -> int:
         return num_new_tokens

@@ -98,6 +98,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
+from lmcache_histate.backends.upstream.lmcache_symbols import l2_memory_tags
 
 from . import file_format as df
 from .config import HiStateDiskAdapterConfig
@@ -518,6 +519,22 @@ class HiStateDiskAdapter(L2AdapterInterface):
                     except OSError as exc:
                         if not isinstance(exc, FileNotFoundError):
                             logger.warning("HiState disk tier: cannot delete %s: %s", key, exc)
+
+    # ------------------------------------------- LMCache 0.5.7's adapter interface
+    def get_memory_tags(self) -> Any:
+        """The medium's tags: storage on this host, ``REMOTE`` when a deployment's servers
+        share the folder (``shared_index``). Abstract from LMCache 0.5.7, which filters
+        prefetch targets by them; 0.5.6 never calls it (``upstream.lmcache_symbols``)."""
+        return l2_memory_tags(shared=self.config.shared_index is not None)
+
+    def submit_touch(self, keys: list[ObjectKey]) -> None:
+        """Mark the keys this tier holds as accessed, without I/O: LMCache 0.5.7 calls it on
+        a hit served from L1, so its L2 eviction (the LRU baseline's) sees the use. Keys not
+        on disk are not this tier's to touch."""
+        with self._lock:
+            held = [k for k in keys if k in self._index]
+        if held:
+            self._notify_keys_accessed(held)
 
     # -------------------------------------------------------------- inspection
     def contains(self, key: ObjectKey) -> bool:
