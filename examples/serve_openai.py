@@ -213,7 +213,11 @@ def converse(base: str, words: int, histate_http: str) -> dict[str, Any]:
         # Tokens vLLM took from the connector (histate-server), not from its own cache.
         "vllm_external_hit_tokens": metric(vllm_metrics, "vllm:external_prefix_cache_hits_total"),
         "vllm_local_hit_tokens": metric(vllm_metrics, "vllm:prefix_cache_hits_total"),
-        "histate_hit_tokens": metric(histate_metrics, "histate_recompute_tokens_avoided_total"),
+        # Tokens the server's RETRIEVEs wrote into vLLM's blocks (what vLLM took), and what
+        # its lookups found (an estimate: vLLM may hold some already; metrics NOTE 1).
+        "histate_loaded_tokens": metric(histate_metrics, "histate_loaded_tokens_total"),
+        "histate_found_tokens_estimate": metric(histate_metrics,
+                                                "histate_lookup_hit_tokens_estimate_total"),
         "histate_counters": status["counters"],
     }
 

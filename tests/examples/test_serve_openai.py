@@ -17,8 +17,10 @@ vLLM's own prefix cache is emptied before the repeated and the continued turn, s
   text, so it shares all of turn 1's tokens but the last few): the same ``(n1 // C) * C``:
   turn 1's final snapshot is the last one at or below the divergence (turn 1 ends at least
   16 tokens past it, checked);
-* vLLM counts all of them as external (connector) hits and none as local hits, and the
-  server counts the same tokens as served (``histate_recompute_tokens_avoided_total``).
+* vLLM counts all of them as external (connector) hits and none as local hits; the server's
+  loaded-token counter (``histate_loaded_tokens_total``: what its RETRIEVEs wrote into vLLM's
+  blocks) equals vLLM's external hits, and its lookups found the same tokens
+  (``histate_lookup_hit_tokens_estimate_total``; vLLM's own cache held none of them here).
 
 After the example returns, the vLLM worker's shared-memory KV pool (``/dev/shm/torch_<worker
 pid>_*``, named in vLLM's log) is gone: vLLM's shutdown kills torch's shm manager, so the
@@ -72,7 +74,8 @@ def test_chat_completions_through_histate_server_reuse_the_prefix(example_run: P
     reused = repeat["cached_tokens"] + second["cached_tokens"]
     assert result["vllm_external_hit_tokens"] == reused
     assert result["vllm_local_hit_tokens"] == 0
-    assert result["histate_hit_tokens"] == reused
+    assert result["histate_loaded_tokens"] == result["vllm_external_hit_tokens"] == reused
+    assert result["histate_found_tokens_estimate"] == reused
     workers = set(re.findall(r"\(Worker pid=(\d+)\)", (tmp_path / "work" / "vllm.log").read_text()))
     assert workers, "no vLLM worker pid in the log"
     assert [p for pid in workers for p in Path("/dev/shm").glob(f"torch_{pid}_*")] == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -191,13 +192,19 @@ def test_placement_tiers_and_hits_across_them(tmp_path: Path, tokens: TokenSourc
             'histate_snapshots_stored_total{tier="disk"}',
             "histate_kv_chunks_demoted_total",
             'histate_hits_total{kind="internal"}',
-            "histate_recompute_tokens_avoided_total",
+            "histate_lookup_hit_tokens_estimate_total",
             "histate_snapshot_interval_tokens",
             "histate_pressure_factor",
             "histate_eviction_tau_seconds",
             "histate_eviction_reaccess_gap_seconds",
         ):
             assert name in metrics, name
+        # Every HiState series says what it counts (Prometheus HELP, non-empty), and the
+        # lookups' token series says it estimates (metrics NOTE 1).
+        typed = re.findall(r"^# TYPE (histate_\w+) ", metrics, re.M)
+        helped = dict(re.findall(r"^# HELP (histate_\w+) (.*)$", metrics, re.M))
+        assert typed and {n for n in typed if helped.get(n, "").strip()} == set(typed)
+        assert helped["histate_lookup_hit_tokens_estimate_total"].startswith("ESTIMATE")
         # tau: auto (the default) -- the score's scale is the online estimate.
         assert status["eviction_tau_calibrated"] is True and status["eviction_tau_s"] > 0
         assert "HiStateDiskAdapter" in json.dumps(server.status()["storage_manager"])

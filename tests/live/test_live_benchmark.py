@@ -128,6 +128,36 @@ def test_a_replay_that_resumed_more_than_the_workload_shares_did_not_start_cold(
     assert run_live.warm_start_hits(rows, shareable) == ["a/0: 384 > 0", "a/1: 1152 > 768"]
 
 
+def test_stacks_rank_only_beyond_the_spread_of_their_repetitions() -> None:
+    run_live = _live_module("run_live")
+    assert run_live.versus([1.0, 1.2], [1.3, 1.5]) == "lower"
+    assert run_live.versus([1.6, 1.9], [1.3, 1.5]) == "higher"
+    assert run_live.versus([1.0, 1.3], [1.3, 1.5]) == "tie"  # touching ranges tie
+    # p99 per repetition, median [min - max] of those. By hand: HiState's repetitions have
+    # p99 1.0, 3.0, 2.0 -> 2.000 [1.000 - 3.000]; vLLM's 4.0, 5.0, 6.0 -> 5.000 [4.000 -
+    # 6.000], above every HiState repetition on mean and p99.
+    def rep(mean: float, p99: float) -> dict[str, float]:
+        return {"cached_tokens": 0, "mean_s": mean, "p99_s": p99, "sensitive_mean_s": mean,
+                "first_turns_mean_s": mean}
+
+    data = {"repetitions": {"vllm": [rep(2, 4), rep(2.5, 5), rep(3, 6)],
+                            "histate": [rep(0.5, 1), rep(0.7, 3), rep(0.6, 2)]}}
+    vllm_row, hs_row = run_live.spread_table(data)[2:]
+    assert "| 5.000 [4.000 – 6.000] |" in vllm_row and vllm_row.endswith("| higher / higher |")
+    assert "| 2.000 [1.000 – 3.000] |" in hs_row and hs_row.endswith("| - |")
+
+
+def test_a_page_names_the_repetitions_whose_counters_disagree() -> None:
+    run_live = _live_module("run_live")
+    ours = {"vllm_external_hits": 768.0, "loaded": 768.0, "loaded_resumed": 0.0,
+            "found_estimate": 1536.0}
+    plain = {"vllm_external_hits": 0.0, "loaded": None, "loaded_resumed": None,
+             "found_estimate": None}
+    assert run_live.unreconciled({"histate": [ours], "vllm": [plain]}) == []
+    assert run_live.unreconciled({"histate": [ours, {**ours, "loaded": 384.0}]}) == [
+        "histate rep 2: 384 != 768"]
+
+
 def test_cpu_seconds_count_a_process_and_its_children() -> None:
     """run_live NOTE 4: a parent that only waits for a child which burns 0.3 s of CPU by its
     own clock, then sleeps: the tree's CPU seconds are at least those 0.3 s (the parent
@@ -198,6 +228,14 @@ def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
     assert cpu["vllm"][0]["server"] == 0 < cpu["vllm"][0]["engine"]
     assert cpu["histate"][0]["server"] > 0 and cpu["histate"][0]["engine"] > 0
     assert "CPU seconds used during each replay" in text
+    # What the server says it loaded is what vLLM took (run_live NOTE 6): equal, and not 0
+    # (the second warm-up prompt and the second turns resume from the server); vLLM alone
+    # takes nothing from a connector and has no server counter.
+    (ours,), (plain,) = data["token_counters"]["histate"], data["token_counters"]["vllm"]
+    assert ours["loaded"] == ours["vllm_external_hits"] > 0, ours
+    assert plain == {"vllm_external_hits": 0, "loaded": None, "loaded_resumed": None,
+                     "found_estimate": None}
+    assert "they agree" in text
     # HiState planned on the engine's step grid: vLLM-CPU's OpenAI-server budget of 2,048
     # tokens (engine/arg_utils.py, CPU defaults) in whole blocks.
     (inputs,) = data["plan_inputs"]["histate"]

@@ -136,7 +136,7 @@ def test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set(
         # blocks, as vLLM counts external hits; loads of resumed requests are apart.
         loaded = so.metric(server_metrics, "histate_loaded_tokens_total")
         resumed = so.metric(server_metrics, "histate_loaded_tokens_resumed_total")
-        avoided = so.metric(server_metrics, "histate_recompute_tokens_avoided_total")
+        avoided = so.metric(server_metrics, "histate_lookup_hit_tokens_estimate_total")
         print(f"\nexternal hits {external:.0f}, loaded {loaded:.0f}, resumed {resumed:.0f}, "
               f"lookups found {avoided:.0f}, "
               f"preemptions {so.metric(metrics, 'vllm:num_preemptions_total'):.0f}")
