@@ -31,21 +31,28 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_histate.sim.config import load_setup
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.repeats import Spread, run_repeats, verdict
 from lmcache_histate.sim.report import HISTATE, OFFLOAD, REFERENCE, jsonable, pyplot
 from lmcache_histate.sim.runner import load_sim_trace, policy_factories, select_policies
 
 ROWS = (HISTATE, "histate-paper", "histate-refresh-hit", "histate-refresh-used",
         "histate-refresh-learned", "lru",
-        "file-lru", "lru-refresh-all", OFFLOAD, "sglang-hicache", "sglang-hicache-l3", REFERENCE)
+        "file-lru", "lru-refresh-all", OFFLOAD, "vllm-retention", "sglang-hicache",
+        "sglang-hicache-l3", REFERENCE)
 # metric key, title, digits, scale
 TABLES = (
     ("sensitive_mean", "Reuse-sensitive TTFT mean (s)", 3, 1.0),
+    ("neutral_mean", "Reuse-sensitive TTFT mean, policy-neutral set (s)", 3, 1.0),
     ("ttft_p99", "TTFT p99 (s)", 2, 1.0),
     ("ttft_mean", "TTFT mean (s)", 3, 1.0),
     ("sensitive_p99", "Reuse-sensitive TTFT p99 (s)", 2, 1.0),
     ("token_hit_rate", "Token hit rate (%)", 2, 100.0),
+    ("fill", "Memory full at the end (%)", 0, 100.0),
+    ("bulk_rate", "Achieved request rate over the bulk of the run (requests/h)", 0, 1.0),
 )
+# The metrics a verdict mark is printed for (times: lower is better).
+LOWER_IS_BETTER = ("sensitive_mean", "neutral_mean", "ttft_p99", "ttft_mean", "sensitive_p99")
 # The rows whose ratio to the best baseline the heat map shows.
 HEAT_ROWS = (HISTATE, "histate-refresh-hit", "histate-refresh-used")
 # The rows histate's reuse-sensitive mean must beat by ≥ 5 % in the pressure cells.
@@ -75,10 +82,13 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats, "jitter": args.jitter, "cells": [],
     }
     for sessions in (int(s) for s in args.sessions.split(",")):
+        # The load rule (``sim.load``) per number of sessions; capacities do not enter it.
+        loaded, cal = with_target_load(trace, base.with_(max_sessions=sessions))
+        if cal is not None:
+            print(f"[pressure] {sessions} sessions: {cal.line()}", file=sys.stderr)
         for factor in (float(f) for f in args.factors.split(",")):
-            setup = base.with_(
-                max_sessions=sessions, cpu_bytes=int(base.cpu_bytes * factor),
-                disk_bytes=int(base.disk_bytes * factor),
+            setup = loaded.with_(
+                cpu_bytes=int(base.cpu_bytes * factor), disk_bytes=int(base.disk_bytes * factor),
             )
             factories = select_policies(policy_factories(setup), args.policies)
             t = time.perf_counter()
@@ -86,6 +96,7 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
             doc["cells"].append({
                 "name": _cell_name(sessions, factor), "sessions": sessions, "factor": factor,
                 "cpu_gib": setup.cpu_bytes / (1 << 30), "disk_gib": setup.disk_bytes / (1 << 30),
+                "max_think_s": setup.max_think_s,
                 "rows": {
                     r.name: {k: {"mean": s.mean, "min": s.lo, "max": s.hi, "n": s.n}
                              for k, s in r.metrics.items()}
@@ -114,21 +125,22 @@ def tables(doc: dict[str, Any]) -> str:
                     continue
                 s = _spread(c["rows"][name][metric])
                 mark = ""
-                if metric != "token_hit_rate" and name != HISTATE and HISTATE in c["rows"]:
+                if metric in LOWER_IS_BETTER and name != HISTATE and HISTATE in c["rows"]:
                     mark = " " + verdict(s, _spread(c["rows"][HISTATE][metric]))
                 row.append(f" {s.fmt(digits, scale)}{mark} |")
             lines.append("".join(row))
         lines.append("")
     lines += ["### Checks", "",
               "| cell | rows ahead of histate beyond the spread (p99) | (reuse-sensitive mean) "
+              "| (neutral set mean) "
               "| histate's reuse-sensitive mean vs " + ", ".join(FIVE_PERCENT_ROWS) + " |",
-              "|---|---|---|---|"]
+              "|---|---|---|---|---|"]
     for c in cells:
         rows = c["rows"]
         if HISTATE not in rows:
             continue
         ahead = {}
-        for metric in ("ttft_p99", "sensitive_mean"):
+        for metric in ("ttft_p99", "sensitive_mean", "neutral_mean"):
             h = _spread(rows[HISTATE][metric])
             ahead[metric] = [n for n in rows if n not in (HISTATE, REFERENCE)
                              and verdict(_spread(rows[n][metric]), h) == "−"] or ["none"]
@@ -136,7 +148,8 @@ def tables(doc: dict[str, Any]) -> str:
         pct = [f"{100 * (h / _spread(rows[n]['sensitive_mean']).mean - 1):+.1f} %"
                for n in FIVE_PERCENT_ROWS if n in rows]
         lines.append(f"| {c['name']} | {', '.join(ahead['ttft_p99'])} | "
-                     f"{', '.join(ahead['sensitive_mean'])} | {' / '.join(pct)} |")
+                     f"{', '.join(ahead['sensitive_mean'])} | "
+                     f"{', '.join(ahead['neutral_mean'])} | {' / '.join(pct)} |")
     return "\n".join(lines) + "\n"
 
 

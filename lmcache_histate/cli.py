@@ -61,21 +61,25 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--jitter", type=float, default=0.1,
                    help="relative jitter of --repeats: starts by up to +-J x the gap between "
                         "them, think times by up to +-J x themselves (default 0.1)")
-    p.add_argument("--list-policies", action="store_true", help="list policy names and exit")
+    p.add_argument("--half", choices=["a", "b"],
+                   help="replay one of two disjoint halves of the sessions (CRC-32 of the "
+                        "session id even: a, odd: b), to check that a comparison carries")
+    p.add_argument("--list-policies", action="store_true",
+                   help="list the rows (name, memory under --config, what it is) and exit")
     p.set_defaults(func=_simulate)
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .sim.experiment import SimulateOptions, policy_names, run_simulate
+    from .sim.experiment import SimulateOptions, policy_lines, run_simulate
 
     if args.list_policies:
-        print("\n".join(policy_names(args.config)))
+        print("\n".join(policy_lines(args.config)))
         return 0
     exp = run_simulate(
         SimulateOptions(
             trace=args.trace, synthetic=args.synthetic, rewrite_share=args.rewrite_share,
             rewrite_scope=args.rewrite_scope, config=args.config, policies=args.policies,
-            max_input_tokens=args.max_input_tokens,
+            max_input_tokens=args.max_input_tokens, half=args.half,
             out=args.out, seed=args.seed, sweep=args.sweep, plots=args.plots,
             same_memory=args.same_memory, repeats=args.repeats, jitter=args.jitter,
         )

@@ -232,7 +232,9 @@ class SimSetup:
     queue's recency-vs-cost exchange rate, see ``core.eviction``), ``max_interval_chunks``
     (the interval controller's supported set is 1..this many chunks), ``ema_alpha``
     (residence-time and hit-position EMAs). ``max_think_s`` caps a session's idle gap
-    between requests (the Weka trace has multi-hour gaps; see ``server``).
+    between requests (the Weka trace has multi-hour gaps; see ``server``);
+    ``target_rate_per_h`` (requests per hour over the bulk of the run), if set, replaces
+    it with a cap derived from the trace (``sim.load``).
     ``session_gap_s`` staggers the starts of a trace's sessions when the trace itself
     starts them all at once (every Weka file starts at t = 0): the k-th session starts
     k·gap later. Without it the first K sessions' cold prompts all queue at t = 0 and
@@ -255,6 +257,7 @@ class SimSetup:
     gpu_scheduling: str = "shared"
     seed: int = 0
     name: str = "custom"
+    target_rate_per_h: float | None = None  # derive max_think_s from it (``sim.load``)
 
     def __post_init__(self) -> None:
         positive = ("chunk_tokens", "max_sessions", "max_interval_chunks")
@@ -268,6 +271,9 @@ class SimSetup:
             raise ConfigError(f"histate.tau must be ≥ 0, got {self.tau!r}")
         if not 0 < self.ema_alpha <= 1:
             raise ConfigError(f"histate.ema_alpha must be in (0, 1], got {self.ema_alpha!r}")
+        if self.target_rate_per_h is not None and not self.target_rate_per_h > 0:
+            raise ConfigError(f"target_rate_per_h must be > 0 requests per hour, got "
+                              f"{self.target_rate_per_h!r}")
         for key in ("max_think_s", "session_gap_s"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"{key} must be ≥ 0, got {getattr(self, key)!r}")
@@ -308,7 +314,8 @@ class SimSetup:
 
 
 _TOP_KEYS = {"name", "model", "chunk_tokens", "capacity", "max_sessions", "max_think_s",
-             "session_gap_s", "gpu_scheduling", "seed", "histate", "cost_model", "capture"}
+             "target_rate_per_h", "session_gap_s", "gpu_scheduling", "seed", "histate",
+             "cost_model", "capture"}
 _HISTATE_KEYS = {"tau", "max_interval_chunks", "ema_alpha"}
 # Old YAML names still read, with a deprecation warning naming the new one.
 _RENAMED_HISTATE_KEYS = {"max_interval_multiple": "max_interval_chunks"}
@@ -352,7 +359,8 @@ def load_setup(path: str | Path) -> SimSetup:
         except ConfigError as e:
             raise ConfigError(f"{path}: capture: {e}") from e
     for key, kind in (("chunk_tokens", int), ("max_sessions", int), ("seed", int),
-                      ("max_think_s", float), ("session_gap_s", float)):
+                      ("max_think_s", float), ("session_gap_s", float),
+                      ("target_rate_per_h", float)):
         if key in data:
             kw[key] = _number(data, key, f"{path}: ", kind)
     if "gpu_scheduling" in data:

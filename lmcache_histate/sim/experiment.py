@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from .config import SimSetup, load_setup
+from .load import with_target_load
 from .repeats import (
     DEFAULT_JITTER,
     RepeatedRow,
@@ -29,6 +30,7 @@ from .report import (
     load_line,
     markdown,
     reuse_sensitive,
+    reuse_sensitive_neutral,
     summarize,
     write_report,
 )
@@ -45,7 +47,7 @@ from .runner import (
 from .server import RunResult
 from .trace_model import Trace
 
-__all__ = ["Experiment", "SimulateOptions", "run_simulate"]
+__all__ = ["Experiment", "SimulateOptions", "policy_lines", "policy_names", "run_simulate"]
 
 SWEEP_FACTORS = (1 / 32, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)
 
@@ -59,9 +61,11 @@ class SimulateOptions:
     config: str | None = None
     policies: str | None = None
     max_input_tokens: int | None = None
+    half: str | None = None  # one of two disjoint halves of the sessions (``halves``)
     out: str = "out/simulate"
     seed: int | None = None
     sweep: bool = False
+    sweep_factors: tuple[float, ...] = SWEEP_FACTORS  # CPU and disk scales of --sweep
     plots: bool = True
     same_memory: bool = False
     repeats: int = 1
@@ -95,7 +99,7 @@ class Experiment:
 
 def _trace(opts: SimulateOptions, setup: SimSetup) -> Trace:
     if opts.synthetic is None:
-        return load_sim_trace(opts.trace, setup, opts.max_input_tokens)
+        return load_sim_trace(opts.trace, setup, opts.max_input_tokens, opts.half)
     if opts.synthetic != "rewrite":
         raise ValueError(f"unknown synthetic trace {opts.synthetic!r}; known: rewrite")
     if not 0.0 <= opts.rewrite_share <= 1.0:
@@ -111,17 +115,20 @@ def run_simulate(opts: SimulateOptions, console: Console | None = None) -> Exper
     trace = _trace(opts, setup)
     if trace.num_requests == 0:
         raise ValueError(f"trace {trace.name!r} has no requests (after filtering)")
+    setup, calibration = with_target_load(trace, setup)
+    if calibration is not None and console is not None:
+        console.print(f"[load] {calibration.line()}")
     factories = select_policies(policy_factories(setup), opts.policies)
     if opts.repeats != 1:
         return _run_repeated(opts, setup, trace, factories, console)
     runs = run_policies(trace, setup, factories, console=console)
     sensitive = reuse_sensitive(runs)
-    summaries = summarize(runs, sensitive)
+    summaries = summarize(runs, sensitive, neutral=reuse_sensitive_neutral(runs))
     same = _same_memory(trace, setup, runs, console) if opts.same_memory else []
     points: list[SweepPoint] = []
     if opts.sweep:
         swept = [n for n in (HISTATE, OFFLOAD) if n in policy_factories(setup)]
-        points = sweep_capacity(trace, setup, swept, SWEEP_FACTORS, console=console)
+        points = sweep_capacity(trace, setup, swept, opts.sweep_factors, console=console)
     meta = _meta(opts, setup, trace)
     meta.update({
         "reuse_sensitive_requests": len(sensitive) if sensitive is not None else None,
@@ -144,12 +151,14 @@ def _meta(opts: SimulateOptions, setup: SimSetup, trace: Trace) -> dict[str, Any
         "sessions": len(trace.sessions),
         "requests": trace.num_requests,
         "max_input_tokens": opts.max_input_tokens,
+        "half": opts.half or "all sessions",
         "config": opts.config or "built-in paper set-up (configs/sim-paper.yaml)",
         "model": setup.geometry.name,
         "chunk_tokens": setup.chunk_tokens,
         "capacity_gib": {k: v / (1 << 30) for k, v in setup.capacities.items()},
         "max_sessions": setup.max_sessions,
         "max_think_s": setup.max_think_s,
+        "target_rate_per_h": setup.target_rate_per_h,
         "session_gap_s": setup.session_gap_s,
         "tau": setup.tau,
         "seed": setup.seed,
@@ -209,3 +218,22 @@ def _same_memory(
 def policy_names(config: str | None = None) -> Sequence[str]:
     setup = load_setup(config) if config else SimSetup.paper()
     return list(policy_factories(setup))
+
+
+def policy_lines(config: str | None = None) -> list[str]:
+    """``--list-policies``: per row its name, memory under ``config`` and what it is."""
+    from .baselines import BASELINE_LINES
+    from .capture import capacity_of
+    from .report import GIB
+    from .variants import VARIANT_LINES
+
+    setup = load_setup(config) if config else SimSetup.paper()
+    meaning = {**VARIANT_LINES, **BASELINE_LINES}
+    factories = policy_factories(setup)
+    width = max(len(n) for n in factories)
+    out = []
+    for name, factory in factories.items():
+        cap = capacity_of(factory())
+        memory = "∞" if cap == float("inf") else f"{cap / GIB:.0f} GiB"
+        out.append(f"{name:<{width}}  {memory:>8}  {meaning.get(name, '')}")
+    return out

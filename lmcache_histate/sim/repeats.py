@@ -49,6 +49,7 @@ from .report import (
     memory_cell,
     pyplot,
     reuse_sensitive,
+    reuse_sensitive_neutral,
     summarize,
 )
 from .runner import Factory, run_policies
@@ -144,8 +145,9 @@ def verdict(row: Spread, base: Spread) -> str:
     return "="
 
 
-def _sens(s: PolicySummary, key: str) -> float:
-    return getattr(s.sensitive, key) if s.sensitive is not None else math.nan
+def _sens(s: PolicySummary, key: str, field: str = "sensitive") -> float:
+    stats = getattr(s, field)
+    return getattr(stats, key) if stats is not None else math.nan
 
 
 # Every metric the repeated report carries: name → value of one run's summary.
@@ -157,7 +159,12 @@ METRICS: dict[str, Callable[[PolicySummary], float]] = {
     "ttft_p99": lambda s: s.ttft.p99,
     "sensitive_mean": lambda s: _sens(s, "mean"),
     "sensitive_p99": lambda s: _sens(s, "p99"),
+    "neutral_mean": lambda s: _sens(s, "mean", "neutral"),
+    "neutral_p99": lambda s: _sens(s, "p99", "neutral"),
     "makespan_s": lambda s: s.makespan_s,
+    "request_rate": lambda s: s.request_rate,
+    "bulk_rate": lambda s: s.bulk_rate,
+    "fill": lambda s: s.fill,
 }
 
 
@@ -209,7 +216,9 @@ def run_repeats(
         t = trace if repeats == 1 else jitter_trace(trace, setup.seed, r, jitter)
         label = "" if repeats == 1 else f"#{r + 1} "
         runs = run_policies(t, setup, dict(factories), console=console, label=label)
-        per_repeat.append(summarize(runs, reuse_sensitive(runs)))
+        per_repeat.append(
+            summarize(runs, reuse_sensitive(runs), neutral=reuse_sensitive_neutral(runs))
+        )
     return aggregate(per_repeat)
 
 
@@ -236,14 +245,15 @@ def repeats_markdown(rows: Sequence[RepeatedRow], repeats: int, jitter: float) -
         "/ HiState's, then + (HiState lower beyond the spread: its max below the row's "
         "min), − (the row lower beyond the spread) or = (the ranges overlap: no win).",
         "",
-        "| policy | memory (GiB) | token hit % | TTFT mean (s) | p99 (s) | mean ×HiState "
-        "| p99 ×HiState |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| policy | memory (GiB) | full at end % | token hit % | TTFT mean (s) | p99 (s) "
+        "| mean ×HiState | p99 ×HiState |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         m = r.metrics
         lines.append(
-            f"| {r.name} | {memory_cell(r)} | {m['token_hit_rate'].fmt(2, 100)} | "
+            f"| {r.name} | {memory_cell(r)} | {m['fill'].fmt(0, 100)} | "
+            f"{m['token_hit_rate'].fmt(2, 100)} | "
             f"{m['ttft_mean'].fmt()} | {m['ttft_p99'].fmt()} | "
             f"{_versus(r, base, 'ttft_mean')} | {_versus(r, base, 'ttft_p99')} |"
         )
@@ -264,6 +274,23 @@ def repeats_markdown(rows: Sequence[RepeatedRow], repeats: int, jitter: float) -
                 f"{m['sensitive_p99'].fmt()} | {_versus(r, base, 'sensitive_mean')} | "
                 f"{_versus(r, base, 'sensitive_p99')} |"
             )
+    if any(r.metrics["neutral_mean"].n for r in rows):
+        lines += [
+            "",
+            "Reuse-sensitive requests, policy-neutral set (each repeat's own: hit rates ≥ 5 "
+            "points apart between any two rows of the largest finite memory):",
+            "",
+            "| policy | memory (GiB) | mean (s) | p99 (s) | mean ×HiState | p99 ×HiState |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            m = r.metrics
+            if m["neutral_mean"].n:
+                lines.append(
+                    f"| {r.name} | {memory_cell(r)} | {m['neutral_mean'].fmt()} | "
+                    f"{m['neutral_p99'].fmt()} | {_versus(r, base, 'neutral_mean')} | "
+                    f"{_versus(r, base, 'neutral_p99')} |"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -7,13 +7,25 @@
   request is reuse-sensitive if its hit rate under vLLM with CPU+disk offload is ≥ 5
   points below the unlimited cache's, or if HiState's and vLLM CPU+disk offload's hit
   rates differ by ≥ 5 points. It needs those three rows; without them it is omitted.
+  Because it is defined against vLLM CPU+disk offload's own hits, part of any lead
+  over that row on this set holds by construction; hence the *neutral* set beside it
+  (``reuse_sensitive_neutral``): requests whose hit rates differ by ≥ 5 points between
+  ANY two of the compared rows (the highest minus the lowest), no row singled out. The
+  compared rows are those with the run's largest finite memory (the tiered rows given
+  the same bytes): a GPU-only row or the unlimited reference would put into the set
+  every request that memory alone decides. Both sets are computed over the rows of one
+  run, so a table's columns share one set.
 * **Speedups vs HiState**: baseline statistic / HiState statistic (> 1: HiState faster).
 * **Tier traffic**: bytes read per tier (loads on hits) and written per tier (stores,
   demotions) over the run.
 * **Memory and load**: every table gives each row's memory (GiB over all its tiers,
-  ``RunResult.capacity_bytes``; ∞ for the unlimited reference) and is headed by the
-  simulated duration and request rate (the replay is a closed loop, so rows differ a
-  little: the range over the rows is printed). A *same-total-memory* table (``same``)
+  ``RunResult.capacity_bytes``; ∞ for the unlimited reference) and how full it was at
+  the end (``fill``: bytes held over capacity; near 100 % the memory bound the row), and
+  is headed by the simulated duration and request rate (the replay is a closed loop, so
+  rows differ a little: the range over the rows is printed): over the whole run, and
+  over its *bulk* (``bulk_rate``: the central 90 % of requests by arrival, 0.9·n over the
+  time from the 5th to the 95th percentile arrival), which a few long sessions left
+  alone at the end cannot drag down. A *same-total-memory* table (``same``)
   repeats the rows that have less memory than HiState with their slowest tier grown to
   HiState's total, so that a gap between two rows can be told apart into what the
   memory gives and what the policy does with it.
@@ -41,6 +53,7 @@ __all__ = [
     "REFERENCE",
     "PolicySummary",
     "TtftStats",
+    "bulk_rate",
     "jsonable",
     "load_line",
     "markdown",
@@ -50,6 +63,7 @@ __all__ = [
     "plot_sweep",
     "pyplot",
     "reuse_sensitive",
+    "reuse_sensitive_neutral",
     "summarize",
     "token_hit_rate",
     "write_report",
@@ -79,6 +93,21 @@ def token_hit_rate(results: Iterable[RequestResult]) -> float:
         hit += r.hit_tokens
         total += r.input_tokens
     return hit / total if total else 0.0
+
+
+BULK = 0.9  # share of the requests, by arrival, that ``bulk_rate`` counts
+
+
+def bulk_rate(arrivals: Iterable[float], share: float = BULK) -> float:
+    """Requests per hour over the central ``share`` of the arrivals (module doc).
+    Example: arrivals 0, 10, 20, …, 990 s (100 requests), share 0.9: the 5th and 95th
+    percentile arrivals are 49.5 s and 940.5 s, so 90 requests in 891 s = 363.6 per hour."""
+    xs = sorted(arrivals)
+    if len(xs) < 2:
+        return 0.0
+    tail = 100.0 * (1.0 - share) / 2.0
+    span = percentile(xs, 100.0 - tail) - percentile(xs, tail)
+    return 3600.0 * share * len(xs) / span if span > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +144,7 @@ class PolicySummary:
     token_hit_rate: float
     ttft: TtftStats
     sensitive: TtftStats | None = None
+    neutral: TtftStats | None = None  # the policy-neutral reuse-sensitive set
     rewriting: TtftStats | None = None
     speedup: dict[str, float] = field(default_factory=dict)
     speedup_sensitive: dict[str, float] = field(default_factory=dict)
@@ -126,11 +156,20 @@ class PolicySummary:
     capped_gaps: int = 0
     capacity_bytes: float = 0.0
     capture_s: float = 0.0  # Σ capture time (``capture``) over the requests
+    used_bytes: float = 0.0  # bytes held over all tiers at the end (``stats`` used_*)
+    bulk_rate: float = 0.0  # requests per hour over the bulk of the run (``bulk_rate``)
 
     @property
     def request_rate(self) -> float:
         """Requests per simulated hour."""
         return 3600.0 * self.requests / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def fill(self) -> float:
+        """Bytes held at the end over capacity (nan for unbounded memory)."""
+        if not self.capacity_bytes or math.isinf(self.capacity_bytes):
+            return math.nan
+        return self.used_bytes / self.capacity_bytes
 
 
 def reuse_sensitive(
@@ -154,12 +193,37 @@ def reuse_sensitive(
     return out
 
 
+def reuse_sensitive_neutral(
+    runs: Mapping[str, RunResult], points: float = SENSITIVE_POINTS
+) -> set[tuple[str, int]] | None:
+    """Keys of the requests whose hit rate differs by ≥ ``points`` between any two of the
+    rows with the run's largest finite memory (module doc); None with fewer than two such
+    rows. Example: hit rates 0.90, 0.93, 0.96 for one request in three rows of 208 GiB:
+    0.96 − 0.90 = 0.06 ≥ 0.05, so it is in, whatever a 45 GiB row hit."""
+    finite = [r.capacity_bytes for r in runs.values() if math.isfinite(r.capacity_bytes)]
+    compared = [r for r in runs.values() if finite and r.capacity_bytes == max(finite)]
+    if len(compared) < 2:
+        return None
+    lo: dict[tuple[str, int], float] = {}
+    hi: dict[tuple[str, int], float] = {}
+    for run in compared:
+        for r in run.results:
+            rate = r.hit_rate
+            lo[r.key] = min(lo.get(r.key, rate), rate)
+            hi[r.key] = max(hi.get(r.key, rate), rate)
+    eps = 1e-9  # as in ``reuse_sensitive``
+    return {k for k in lo if hi[k] - lo[k] >= points - eps}
+
+
 def summarize(
     runs: Mapping[str, RunResult],
     sensitive: set[tuple[str, int]] | None,
     histate: str = HISTATE,
+    neutral: set[tuple[str, int]] | None = None,
 ) -> list[PolicySummary]:
-    """One summary per run, in the runs' order, with speedups against ``histate``."""
+    """One summary per run, in the runs' order, with speedups against ``histate``;
+    ``sensitive`` / ``neutral``: the two reuse-sensitive sets (``reuse_sensitive``,
+    ``reuse_sensitive_neutral``), None to leave a set out."""
     out = []
     for name, run in runs.items():
         res = run.results
@@ -179,6 +243,8 @@ def summarize(
                 ttft=ttft,
                 sensitive=TtftStats.of(r.ttft for r in res if r.key in sensitive)
                 if sensitive is not None else None,
+                neutral=TtftStats.of(r.ttft for r in res if r.key in neutral)
+                if neutral is not None else None,
                 rewriting=TtftStats.of(r.ttft for r in res if r.rewrite),
                 read_bytes=dict(sorted(read.items())),
                 written_bytes=dict(sorted(written.items())),
@@ -188,6 +254,8 @@ def summarize(
                 capped_gaps=run.capped_gaps,
                 capacity_bytes=run.capacity_bytes,
                 capture_s=sum(r.capture_s for r in res),
+                used_bytes=sum(v for k, v in run.stats.items() if k.startswith("used_")),
+                bulk_rate=bulk_rate(r.arrival for r in res),
             )
         )
     base = next((s for s in out if s.name == histate), None)
@@ -211,10 +279,17 @@ def memory_cell(s: Any) -> str:
     return f"{s.capacity_bytes / GIB:.0f}" if s.capacity_bytes else "–"
 
 
+def fill_cell(s: Any) -> str:
+    """How full a row's memory was at the end, in % (``PolicySummary.fill``)."""
+    f = s.fill
+    return "–" if math.isnan(f) else f"{100 * f:.0f}"
+
+
 def load_line(summaries: Sequence[PolicySummary]) -> str:
-    """Simulated duration and request rate (their range over the rows)."""
+    """Simulated duration and request rate, whole run and bulk (ranges over the rows)."""
     hours = [s.makespan_s / 3600 for s in summaries]
     rates = [s.request_rate for s in summaries]
+    bulk = [s.bulk_rate for s in summaries]
     if not hours:
         return ""
 
@@ -224,19 +299,22 @@ def load_line(summaries: Sequence[PolicySummary]) -> str:
 
     n = max(s.requests for s in summaries)
     return (f"Simulated duration {span(hours, '.2f')} h, {n:,} requests: "
-            f"{span(rates, ',.0f')} requests/h (range over the rows: closed loop).")
+            f"{span(rates, ',.0f')} requests/h over the run, {span(bulk, ',.0f')}/h over "
+            f"its bulk (the central {BULK:.0%} of requests; ranges over the rows: closed "
+            "loop).")
 
 
 def _ttft_table(summaries: Sequence[PolicySummary]) -> list[str]:
     lines = [
-        "| policy | memory (GiB) | token hit % | TTFT mean (s) | p50 | p95 | p99 | p99 ×HiState "
-        "| mean ×HiState |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | memory (GiB) | full at end % | token hit % | TTFT mean (s) | p50 | p95 | p99 "
+        "| p99 ×HiState | mean ×HiState |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         t = s.ttft
         lines.append(
-            f"| {s.name} | {memory_cell(s)} | {100 * s.token_hit_rate:.2f} | {_f(t.mean)} | "
+            f"| {s.name} | {memory_cell(s)} | {fill_cell(s)} | {100 * s.token_hit_rate:.2f} | "
+            f"{_f(t.mean)} | "
             f"{_f(t.p50)} | {_f(t.p95)} | {_f(t.p99)} | {_f(s.speedup.get('p99'), 2)} | "
             f"{_f(s.speedup.get('mean'), 2)} |"
         )
@@ -268,6 +346,21 @@ def markdown(
                 f"{_f(t.p99)} | {_f(s.speedup_sensitive.get('p99'), 2)} | "
                 f"{_f(s.speedup_sensitive.get('mean'), 2)} |"
             )
+    if any(s.neutral for s in summaries):
+        n = next(s.neutral.n for s in summaries if s.neutral)
+        lines += [
+            "",
+            f"Reuse-sensitive requests, policy-neutral set ({n}: hit rates ≥ 5 points apart "
+            "between any two rows of the largest finite memory):",
+            "",
+            "| policy | memory (GiB) | mean (s) | p50 | p95 | p99 |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for s in summaries:
+            t = s.neutral
+            if t is not None:
+                lines.append(f"| {s.name} | {memory_cell(s)} | {_f(t.mean)} | {_f(t.p50)} | "
+                             f"{_f(t.p95)} | {_f(t.p99)} |")
     if any(s.rewriting for s in summaries):
         lines += ["", "Rewriting requests:", "",
                   "| policy | memory (GiB) | n | mean TTFT (s) | p50 | p99 |",
@@ -356,7 +449,7 @@ def pyplot() -> Any:
 def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
     """TTFT CDF per policy (log x axis: TTFTs span milliseconds to minutes)."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     colours = plt.get_cmap("tab20").colors
     styles = ("-", "--", "-.", ":")
     for i, (name, run) in enumerate(runs.items()):
@@ -371,7 +464,8 @@ def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    # The legend beside the axes, never over the curves.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -381,7 +475,7 @@ def plot_cdf(runs: Mapping[str, RunResult], path: Path) -> Path:
 def plot_sweep(points: Sequence[Any], path: Path) -> Path:
     """Token hit rate and p99 TTFT vs CPU+disk capacity, one line per policy."""
     plt = pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     for name in dict.fromkeys(p.policy for p in points):
         pts = sorted((p for p in points if p.policy == name), key=lambda p: p.factor)
         xs = [(p.cpu_bytes + p.disk_bytes) / GIB for p in pts]
@@ -392,7 +486,7 @@ def plot_sweep(points: Sequence[Any], path: Path) -> Path:
         ax.set_xlabel("CPU + disk capacity (GiB, scaled together)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

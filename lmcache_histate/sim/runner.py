@@ -12,12 +12,14 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import SimSetup
+from .halves import in_half
 from .policy import Policy
 from .server import RunResult, simulate
 from .synthetic import paper_rewrite_trace
@@ -46,14 +48,18 @@ def _is_weka(spec: str) -> bool:
     return p.is_dir() or p.name.removesuffix(".gz").endswith(".json")
 
 
-def load_sim_trace(spec: str, setup: SimSetup, max_input_tokens: int | None = None) -> Trace:
+def load_sim_trace(
+    spec: str, setup: SimSetup, max_input_tokens: int | None = None, half: str | None = None
+) -> Trace:
     """Load a trace at the set-up's chunk size (``traces.load_trace`` specs).
 
     Weka sessions all start at t = 0 in their files, so they are staggered by
     ``setup.session_gap_s`` (see ``SimSetup``); other formats carry their own start
     times. ``max_input_tokens`` keeps only sessions whose largest input is ≤ it (for
-    Weka: whole files, main conversation and subagents together).
+    Weka: whole files, main conversation and subagents together). ``half`` (``a`` or
+    ``b``) keeps one of two disjoint halves of the root sessions (``halves``).
     """
+    keep = None if half is None else partial(in_half, half=half)
     if _is_weka(spec):
         path = sample_trace_dir() if spec in ("weka-sample", "sample") else Path(spec)
         if not path.exists():
@@ -61,11 +67,13 @@ def load_sim_trace(spec: str, setup: SimSetup, max_input_tokens: int | None = No
         name = "weka-sample" if spec in ("weka-sample", "sample") else None
         return load_weka(
             path, setup.chunk_tokens, max_input_tokens=max_input_tokens,
-            session_gap=setup.session_gap_s, name=name,
+            session_gap=setup.session_gap_s, name=name, keep=keep,
         )
     trace = load_trace(spec, setup.chunk_tokens)
     if max_input_tokens is not None:
         trace = trace.filter_sessions(lambda s: s.max_input_tokens <= max_input_tokens)
+    if keep is not None:
+        trace = trace.filter_sessions(lambda s: keep(s.parent or s.id))
     return trace
 
 

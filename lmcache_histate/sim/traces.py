@@ -149,6 +149,7 @@ def load_weka(
     start_offsets: Literal["zero", "staggered"] = "staggered",
     progress: Callable[[int, int], None] | None = None,
     name: str | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Trace:
     """Load Weka Claude Code traces (one gzip'd JSON file = one conversation).
 
@@ -159,12 +160,16 @@ def load_weka(
     t + nested t. Files are independent sessions each starting at 0; the k-th KEPT file
     (sorted by path, after ``max_input_tokens`` filtering) gets offset k*session_gap
     ("staggered"); "zero" puts all at 0. ``max_input_tokens`` keeps only files whose
-    largest input (main and subagents) is ≤ it. ``progress(done, total)`` per file.
+    largest input (main and subagents) is ≤ it; ``keep(stem)``, if given, keeps only the
+    files whose main session id it accepts (both before the staggering: a kept subset
+    starts as densely as a whole folder). ``progress(done, total)`` per file.
     """
     if start_offsets not in ("zero", "staggered") or (start_offsets == "zero" and session_gap):
         raise ValueError(f"start_offsets={start_offsets!r} with session_gap={session_gap}: "
                          "use 'staggered' (k*session_gap) or 'zero' (no gap)")
     paths = _weka_paths(paths_or_dir)
+    if keep is not None:
+        paths = [p for p in paths if keep(p.name.removesuffix(".gz").removesuffix(".json"))]
     interner, rechunkers = HashInterner(), {}
     sessions: list[Session] = []
     kept = 0

@@ -87,6 +87,7 @@ from .policy import HiStatePolicy, Policy
 __all__ = [
     "TIER_MODEL",
     "VARIANTS",
+    "VARIANT_LINES",
     "attention_tokens",
     "histate_policy",
     "histate_variants",
@@ -111,6 +112,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "histate-measured": {"tau": None, "hit_positions": "measured"},
     "histate-neutral-start": {"tau": None, "initial_pressure_factor": 1.0},
     "histate-small-steps": {"tau": None},
+}
+
+# One line per row for ``histate simulate --list-policies`` (the table above, shortened).
+VARIANT_LINES: dict[str, str] = {
+    "histate": "the full design: cost-aware H-queue, tau calibrated online, refresh-all, "
+    "online snapshot interval",
+    "histate-paper": "the paper's eviction rule as published (every end hit priced, no "
+    "exposed_ends)",
+    "histate-refresh-hit": "histate, a hit refreshing only the unit it resumed from",
+    "histate-refresh-used": "histate, a snapshot ranked by when a hit last resumed from it",
+    "histate-refresh-learned": "histate, a snapshot ranked between last pass and last use "
+    "by a learned weight",
+    "histate-return-tau": "histate, tau fitted to whether idle sessions return",
+    "histate-fixed-tau": "histate with the config's fixed tau (what calibration buys)",
+    "histate-align": "histate keeping only each segment's final snapshot (vLLM align mode's "
+    "states)",
+    "histate-every32": "histate with a snapshot every 32 chunks (the paper's fixed interval)",
+    "histate-measured": "histate with measured instead of uniform hit positions",
+    "histate-neutral-start": "histate starting from pressure factor 1 instead of 0",
+    "histate-small-steps": "histate charged one-chunk prefill steps (vLLM's own scheduler)",
 }
 
 

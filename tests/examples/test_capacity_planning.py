@@ -4,7 +4,10 @@
   TTFT is within the slack of the unlimited cache's, checked on hand-made points;
 * the script runs end to end on a trace folder of the user's (two files of the bundled Weka
   sample copied elsewhere) and a user set-up file, and its table rows are the configured
-  capacities scaled by the sweep's factors.
+  capacities scaled by the sweep's factors;
+* by default (the bundled sample on ``configs/sim-sample.yaml``) it teaches what its
+  docstring says: HiState meets the target only from 4x the configured CPU + disk, not at
+  the smallest capacity, and vLLM's offload at none.
 """
 
 from __future__ import annotations
@@ -66,10 +69,23 @@ def test_capacity_planning_runs_on_a_users_trace(tmp_path: Path) -> None:
          "--json", str(out)], timeout=300)
     assert "trace my-traces: 2 sessions" in output
     result = json.loads(out.read_text())
-    factors = [1 / 32, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0]
+    factors = [1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0]
     assert [r["factor"] for r in result["rows"]] == factors
     assert [r["cpu_gib"] for r in result["rows"]] == [8 * f for f in factors]
     assert [r["disk_gib"] for r in result["rows"]] == [16 * f for f in factors]
     meets = [r for r in result["rows"] if r["histate"]["p99_s"] <= result["target_p99_s"]]
     assert result["recommended"] == (meets[0] if meets else None)
     assert (tmp_path / "report" / "report.md").is_file()
+
+
+def test_default_run_needs_capacity_and_separates_the_rows(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    output = run_example("capacity_planning.py",
+                         ["--out", str(tmp_path / "report"), "--json", str(out)], timeout=300)
+    result = json.loads(out.read_text())
+    first = result["first_meeting"]
+    # configs/sim-sample.yaml: 2 GiB CPU + 4 GiB disk; 4x = 8 + 16 GiB.
+    assert (first["histate"]["factor"], first["histate"]["cpu_gib"],
+            first["histate"]["disk_gib"]) == (4.0, 8.0, 16.0)
+    assert first["vllm-cpu-disk-offload"] is None
+    assert "vLLM CPU+disk offload: no capacity in the sweep meets the target" in output

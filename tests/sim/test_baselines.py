@@ -604,8 +604,9 @@ def test_memory_per_row_and_the_same_total_memory_view() -> None:
     mem = {n: capacity_of(f()) for n, f in baseline_policies(**GEO, **caps).items()}
     assert mem == {
         "unlimited": float("inf"), "marconi": 5000, "vllm-align-gpu": 5000,
-        "vllm-cpu-offload": 11000, "vllm-cpu-disk-offload": 18000, "sglang-hicache": 11000,
-        "sglang-hicache-l3": 18000, "lru": 18000, "lru-refresh-all": 18000, "file-lru": 18000,
+        "vllm-cpu-offload": 11000, "vllm-cpu-disk-offload": 18000, "vllm-retention": 18000,
+        "sglang-hicache": 11000, "sglang-hicache-l3": 18000, "lru": 18000,
+        "lru-refresh-all": 18000, "file-lru": 18000,
     }
     same = baseline_policies(**GEO, **caps, same_memory=True)
     assert {n: capacity_of(f()) for n, f in same.items() if n != "unlimited"} == dict.fromkeys(

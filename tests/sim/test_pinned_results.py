@@ -55,7 +55,8 @@ cost_model: cost_model_qwen35_9b_h100.yaml
 TIGHT_ROWS = ("histate,histate-fixed-tau,histate-align,histate-every32,histate-measured,"
               "histate-neutral-start,"
               "unlimited,marconi,"
-              "vllm-align-gpu,vllm-cpu-offload,vllm-cpu-disk-offload,sglang-hicache,"
+              "vllm-align-gpu,vllm-cpu-offload,vllm-cpu-disk-offload,vllm-retention,"
+              "sglang-hicache,"
               "sglang-hicache-l3,lru,lru-refresh-all,"
               "file-lru")
 

@@ -55,7 +55,8 @@ def test_repeated_table_by_hand() -> None:
       1.06, ranges overlap (4.9 < 5.0) → =;
     * fast: mean 0.5 / 0.6 / 0.7 s (0.6 / 1.1 = 0.55, its max 0.7 below HiState's min
       1.0 → −), p99 3.0 / 3.1 / 3.2 s (3.1 / 4.8 = 0.65, 3.2 < 4.6 → −).
-    No row has reuse-sensitive numbers, so that table is left out."""
+    No row holds a byte (``used_bytes`` 0): full at the end 0 [0–0] %. No row has
+    reuse-sensitive numbers, so those tables are left out."""
     runs = [
         [_summary("histate", 0.5, m, p), _summary("lru", h, lm, lp), _summary("fast", 0.5, fm, fp)]
         for m, p, h, lm, lp, fm, fp in [
@@ -67,11 +68,14 @@ def test_repeated_table_by_hand() -> None:
     rows = aggregate(runs)
     assert [r.name for r in rows] == ["histate", "lru", "fast"]
     table = repeats_markdown(rows, 3, 0.1).splitlines()
-    assert "| histate | 2 | 50.00 [50.00–50.00] | 1.100 [1.000–1.200] | 4.800 [4.600–5.000] " \
+    assert "| histate | 2 | 0 [0–0] | " \
+           "50.00 [50.00–50.00] | 1.100 [1.000–1.200] | 4.800 [4.600–5.000] " \
            "| 1.00 = | 1.00 = |" in table
-    assert "| lru | 2 | 50.00 [40.00–60.00] | 1.400 [1.300–1.500] | 5.100 [4.900–5.400] " \
+    assert "| lru | 2 | 0 [0–0] | " \
+           "50.00 [40.00–60.00] | 1.400 [1.300–1.500] | 5.100 [4.900–5.400] " \
            "| 1.27 + | 1.06 = |" in table
-    assert "| fast | 2 | 50.00 [50.00–50.00] | 0.600 [0.500–0.700] | 3.100 [3.000–3.200] " \
+    assert "| fast | 2 | 0 [0–0] | " \
+           "50.00 [50.00–50.00] | 0.600 [0.500–0.700] | 3.100 [3.000–3.200] " \
            "| 0.55 − | 0.65 − |" in table
     assert not any("Reuse-sensitive" in line for line in table)
     assert any("3 repeats, timing jittered ±10 %" in line for line in table)

@@ -61,7 +61,7 @@ def test_hit_rate_and_speedups() -> None:
     assert sums[1].sensitive == TtftStats(1, 4.0, 4.0, 4.0, 4.0)
     assert sums[0].read_bytes == {"disk": 150}
     table = markdown(sums)
-    assert "| histate | – | 75.00 |" in table and "Reuse-sensitive requests (1)" in table
+    assert "| histate | – | – | 75.00 |" in table and "Reuse-sensitive requests (1)" in table
 
 
 def test_every_table_says_memory_duration_and_rate() -> None:
@@ -79,11 +79,12 @@ def test_every_table_says_memory_duration_and_rate() -> None:
                      None)
     table = markdown(sums, same)
     assert table.startswith("Simulated duration 0.50–1.00 h, 2 requests: 2–4 requests/h")
-    assert "| histate | 291 | 75.00 |" in table
-    assert "| vllm-align-gpu | 45 | 50.00 |" in table and "| unlimited | ∞ |" in table
+    # No ``used_*`` stats: 0 % full; the unlimited row's fill is undefined (–).
+    assert "| histate | 291 | 0 | 75.00 |" in table
+    assert "| vllm-align-gpu | 45 | 0 | 50.00 |" in table and "| unlimited | ∞ | – |" in table
     assert "| histate | 291 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 |" in table  # traffic (B, not GiB)
     assert "Same total memory: every row with 291 GiB" in table
-    assert "| vllm-align-gpu | 291 | 50.00 |" in table
+    assert "| vllm-align-gpu | 291 | 0 | 50.00 |" in table
 
 
 def test_markdown_tables_cell_by_cell() -> None:
@@ -98,7 +99,10 @@ def test_markdown_tables_cell_by_cell() -> None:
     token hit: 150/200 = 75.00 %, 100/200 = 50.00 %. TTFT percentiles of two values
     interpolate: p50 = mean, p95 = lo + 0.95·(hi − lo), p99 = lo + 0.99·(hi − lo):
     histate 2.000 / 2.000 / 2.900 / 2.980; lru 4.000 / 4.000 / 5.800 / 5.960; lru ×HiState:
-    p99 5.96/2.98 = 2.00, mean 4/2 = 2.00. Rate: 2 requests in 1 h = 2 requests/h.
+    p99 5.96/2.98 = 2.00, mean 4/2 = 2.00. Rate: 2 requests in 1 h = 2 requests/h; over
+    the bulk: arrivals 0 and 1,800 s, 5th / 95th percentiles 90 and 1,710 s, 0.9 × 2
+    requests in 1,620 s = 4 requests/h. Full at the end: histate holds 1 GiB of 2 (50 %),
+    lru 0.25 GiB of 1 (25 %). The neutral set is request 0 alone: histate 1 s, lru 2 s.
     """
     from dataclasses import replace
 
@@ -106,31 +110,39 @@ def test_markdown_tables_cell_by_cell() -> None:
 
     def r(i: int, hit: int, ttft: float, read: dict[str, int], written: dict[str, int],
           rewrite: bool = False) -> RequestResult:
-        return RequestResult("s", i, 100, 1, hit, 0.0, 0.0, 0.0, 0.0, 0.0, ttft, read, written,
-                             rewrite)
+        return RequestResult("s", i, 100, 1, hit, 1800.0 * i, 0.0, 0.0, 0.0, 0.0, ttft, read,
+                             written, rewrite)
 
     h = RunResult("histate", "t", [
         r(0, 50, 1.0, {"cpu": gib // 2}, {"gpu": gib // 4}),
         r(1, 100, 3.0, {"disk": gib}, {"gpu": gib // 4}, rewrite=True),
-    ], {}, 3600.0, 0.0, 0, capacity_bytes=2 * gib)
+    ], {"used_gpu": gib}, 3600.0, 0.0, 0, capacity_bytes=2 * gib)
     b = RunResult("lru", "t", [
         r(0, 0, 2.0, {}, {"gpu": gib}),
         r(1, 100, 6.0, {"cpu": gib}, {"gpu": gib, "disk": gib // 2}, rewrite=True),
-    ], {}, 3600.0, 0.0, 0, capacity_bytes=gib)
-    sums = summarize({"histate": h, "lru": b}, {("s", 1)})
+    ], {"used_cpu": gib // 4}, 3600.0, 0.0, 0, capacity_bytes=gib)
+    sums = summarize({"histate": h, "lru": b}, {("s", 1)}, neutral={("s", 0)})
     same = summarize({"histate": h, "lru": replace(b, capacity_bytes=2 * gib)}, None)
-    load = "Simulated duration 1.00 h, 2 requests: 2 requests/h (range over the rows: closed loop)."
-    head = ("| policy | memory (GiB) | token hit % | TTFT mean (s) | p50 | p95 | p99 "
-            "| p99 ×HiState | mean ×HiState |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    load = ("Simulated duration 1.00 h, 2 requests: 2 requests/h over the run, 4/h over its "
+            "bulk (the central 90% of requests; ranges over the rows: closed loop).")
+    head = ("| policy | memory (GiB) | full at end % | token hit % | TTFT mean (s) | p50 | p95 "
+            "| p99 | p99 ×HiState | mean ×HiState |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     assert markdown(sums, same) == (
         f"{load}\n\n{head}"
-        "| histate | 2 | 75.00 | 2.000 | 2.000 | 2.900 | 2.980 | 1.00 | 1.00 |\n"
-        "| lru | 1 | 50.00 | 4.000 | 4.000 | 5.800 | 5.960 | 2.00 | 2.00 |\n"
+        "| histate | 2 | 50 | 75.00 | 2.000 | 2.000 | 2.900 | 2.980 | 1.00 | 1.00 |\n"
+        "| lru | 1 | 25 | 50.00 | 4.000 | 4.000 | 5.800 | 5.960 | 2.00 | 2.00 |\n"
         "\nReuse-sensitive requests (1):\n\n"
         "| policy | memory (GiB) | mean (s) | p50 | p95 | p99 | p99 ×HiState | mean ×HiState |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|\n"
         "| histate | 2 | 3.000 | 3.000 | 3.000 | 3.000 | 1.00 | 1.00 |\n"
         "| lru | 1 | 6.000 | 6.000 | 6.000 | 6.000 | 2.00 | 2.00 |\n"
+        "\nReuse-sensitive requests, policy-neutral set (1: hit rates ≥ 5 points apart between "
+        "any two rows of the largest finite memory):\n\n"
+        "| policy | memory (GiB) | mean (s) | p50 | p95 | p99 |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+        "| histate | 2 | 1.000 | 1.000 | 1.000 | 1.000 |\n"
+        "| lru | 1 | 2.000 | 2.000 | 2.000 | 2.000 |\n"
         "\nRewriting requests:\n\n"
         "| policy | memory (GiB) | n | mean TTFT (s) | p50 | p99 |\n"
         "|---|---:|---:|---:|---:|---:|\n"
@@ -144,6 +156,6 @@ def test_markdown_tables_cell_by_cell() -> None:
         "| lru | 1 | 1.0 | 0.0 | 2.0 | 0.0 | 0.5 | 0.0 |\n"
         "\nSame total memory: every row with 2 GiB (each row's slowest tier grown to "
         f"HiState's total; a GPU-only row gets that much GPU). {load}\n\n{head}"
-        "| histate | 2 | 75.00 | 2.000 | 2.000 | 2.900 | 2.980 | 1.00 | 1.00 |\n"
-        "| lru | 2 | 50.00 | 4.000 | 4.000 | 5.800 | 5.960 | 2.00 | 2.00 |\n"
+        "| histate | 2 | 50 | 75.00 | 2.000 | 2.000 | 2.900 | 2.980 | 1.00 | 1.00 |\n"
+        "| lru | 2 | 12 | 50.00 | 4.000 | 4.000 | 5.800 | 5.960 | 2.00 | 2.00 |\n"
     )

@@ -11,6 +11,9 @@
                            blocks, GPU only (``vllm``).
 ``vllm-cpu-offload``       the same + a CPU tier (LRU, cascading).
 ``vllm-cpu-disk-offload``  the same + CPU and disk tiers.
+``vllm-retention``         vLLM CPU+disk with ``--prefix-cache-retention-interval``
+                           4,096 as deployments set it (rounded up to 8 blocks): also a
+                           state at each prefill step end on a multiple of it (``vllm``).
 ``sglang-hicache``         SGLang HiCache + the hybrid radix cache: separate KV / Mamba
                            pools on GPU and host (host split like the device), LRU per
                            pool, states at every chunked-prefill chunk, at the branching
@@ -64,6 +67,7 @@ from collections.abc import Callable
 
 from ...core.cache_types import config_default
 from ...core.interval import supported_intervals
+from ..capture import ENGINE_STEP_TOKENS
 from ..policy import Policy
 from ..variants import three_tier_policy
 from .file_lru import file_lru_policy
@@ -71,9 +75,9 @@ from .marconi import DEFAULT_FLOPS, FlopModel
 from .marconi_policy import MarconiPolicy
 from .sglang import sglang_hicache_policy
 from .unlimited import UnlimitedPolicy
-from .vllm import vllm_align_policy
+from .vllm import retention_chunks, vllm_align_policy
 
-__all__ = ["BASELINES", "LRU_ROWS", "baseline_policies"]
+__all__ = ["BASELINES", "BASELINE_LINES", "LRU_ROWS", "baseline_policies"]
 
 BASELINES: tuple[str, ...] = (
     "unlimited",
@@ -81,12 +85,30 @@ BASELINES: tuple[str, ...] = (
     "vllm-align-gpu",
     "vllm-cpu-offload",
     "vllm-cpu-disk-offload",
+    "vllm-retention",
     "sglang-hicache",
     "sglang-hicache-l3",
     "lru",
     "lru-refresh-all",
     "file-lru",
 )
+
+# One line per row for ``histate simulate --list-policies`` (the table above, shortened).
+BASELINE_LINES: dict[str, str] = {
+    "unlimited": "reference: never evicts, a state at every chunk",
+    "marconi": "Marconi on vLLM, GPU only: end and branch-point states, recency + FLOP "
+    "efficiency",
+    "vllm-align-gpu": "vLLM align mode, GPU prefix cache only (LRU over blocks)",
+    "vllm-cpu-offload": "vLLM align mode + CPU offload (LRU per tier)",
+    "vllm-cpu-disk-offload": "vLLM align mode + CPU and disk offload (LRU per tier)",
+    "vllm-retention": "vLLM CPU+disk with --prefix-cache-retention-interval 4096 "
+    "(rounded to whole blocks)",
+    "sglang-hicache": "SGLang HiCache: GPU + host pools, a state per prefill chunk, LRU",
+    "sglang-hicache-l3": "SGLang HiCache + an L3 storage tier of the disk's size",
+    "lru": "HiState's core with plain LRU (tau 0, no refresh-all)",
+    "lru-refresh-all": "HiState's core with LRU and refresh-all",
+    "file-lru": "every KV chunk and snapshot file its own LRU object (paper's ablation)",
+}
 
 # The rows that are HiState's own core with plain-recency eviction (tau = 0), and the knobs
 # that make them so (``variants.histate_policy`` takes the same): no second implementation.
@@ -135,6 +157,9 @@ def baseline_policies(
         "step_tokens": step_grid[0],
         "step_price": step_grid[1],
     }
+    # vLLM's steps: the engine's budget in whole blocks (``CostModel.step_grid``).
+    step_chunks = (step_grid[0] or ENGINE_STEP_TOKENS) // chunk_tokens or 1
+    retention = (retention_chunks(chunk_tokens), step_chunks)
     total = gpu_bytes + cpu_bytes + disk_bytes
     # The slowest tier of each row: as configured, or grown to the common total.
     gpu_only = total if same_memory else gpu_bytes
@@ -152,6 +177,9 @@ def baseline_policies(
         ),
         "vllm-cpu-disk-offload": lambda: vllm_align_policy(
             "vllm-cpu-disk-offload", **geo, tiers=[gpu, cpu, disk]
+        ),
+        "vllm-retention": lambda: vllm_align_policy(
+            "vllm-retention", **geo, tiers=[gpu, cpu, disk], retention=retention
         ),
         "sglang-hicache": lambda: sglang_hicache_policy(
             "sglang-hicache", **sglang, cpu_bytes=host

@@ -53,6 +53,32 @@ default ``prefix_cache_retention_interval = 0``:
   step end); the offload rows also copy the junction state to host. The end state is
   the engine's own replay boundary, captured by every row alike.
 
+* **Periodic retention** (``vllm-retention``): ``--prefix-cache-retention-interval R``
+  with ``R > 0`` (``config/cache.py:159``: "Positive values additionally retain
+  periodic checkpoints at the specified interval, which must be a multiple of the
+  scheduler block size"). ``R`` must be a multiple of the scheduler block
+  (``v1/core/kv_cache_coordinator.py:57``), 528 tokens here, so the 4,096 of public
+  deployment scripts is refused for this model; the row takes the smallest multiple at
+  or above it, 4,224 = 8 blocks (``retention_chunks``; NOTE 1). The Mamba manager then
+  keeps a state block at every ``R``-th block boundary besides the semantic ones
+  (``v1/core/single_type_kv_cache_manager.py:1568-1582``, ``reachable_block_mask``),
+  and the offloading connector stores the same mask
+  (``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:1540-1547``).
+  But a state exists only where a prefill step ends: in align mode the running state is
+  written at each step's end and the blocks in between are null
+  (``single_type_kv_cache_manager.py:1780-1840``, ``allocate_new_blocks``), and the
+  scheduler's step stops are the block grid, the last cacheable block, the prompt's tail
+  and the junction (``v1/core/sched/scheduler.py:512`` and ``538-555``), not the
+  retention boundaries. So a periodic state is kept where a step end falls on a
+  multiple of ``R``: from the resume point ``h``, steps of the engine's budget rounded
+  down to whole blocks (``step_chunks``, 8,192 → 15 blocks), restarting at a junction
+  stop (``VLLMRetentionPolicy.periodic``).
+
+NOTE 1 (the retention interval is rounded up, not down). 4,224 keeps fewer states than
+3,696 (7 blocks) would, but 3,696 is further from what deployments ask for (4,096),
+and with 15-block steps both keep a periodic state at one step end in 8 or 7: the rounding
+is not what decides the row.
+
 Not modelled: the per-request reserved blocks of running requests (the server model
 runs no admission control), block-hash collisions, the forced recompute of the last
 prompt token when a whole prompt hits (every row shares this simplification).
@@ -66,7 +92,22 @@ from ..trace_model import Request
 from .end_state import EndStatePolicy, StatePlan
 from .tiered_lru import PoolSpec, TieredLRU, UseHandle
 
-__all__ = ["VLLMAlignPolicy", "vllm_align_policy"]
+__all__ = [
+    "DEPLOYED_RETENTION_TOKENS",
+    "VLLMAlignPolicy",
+    "VLLMRetentionPolicy",
+    "retention_chunks",
+    "vllm_align_policy",
+]
+
+DEPLOYED_RETENTION_TOKENS = 4096  # --prefix-cache-retention-interval of deployment scripts
+
+
+def retention_chunks(chunk_tokens: int, tokens: int = DEPLOYED_RETENTION_TOKENS) -> int:
+    """The retention interval in blocks: the smallest multiple of the block at or above
+    ``tokens`` (vLLM refuses one that is not a multiple; module doc, NOTE 1).
+    4,096 tokens on 528-token blocks → 8 blocks (4,224 tokens)."""
+    return max(1, -(-tokens // chunk_tokens))
 
 
 class VLLMAlignPolicy(EndStatePolicy):
@@ -82,6 +123,47 @@ class VLLMAlignPolicy(EndStatePolicy):
         return StatePlan(replay, [junction], splits=1)
 
 
+class VLLMRetentionPolicy(VLLMAlignPolicy):
+    """Align mode with periodic retention: also every step end on a multiple of
+    ``every`` blocks (module doc, "Periodic retention")."""
+
+    def __init__(self, name: str, engine: TieredLRU, every: int, step_chunks: int) -> None:
+        super().__init__(name, engine)
+        if every < 1 or step_chunks < 1:
+            raise ValueError("retention and step intervals must be ≥ 1 block")
+        self.every = every
+        self.step_chunks = step_chunks
+        self.periodic_states = 0  # periodic states planned (besides the semantic ones)
+
+    def periodic(self, start: int, stop: int, junction: int | None) -> list[int]:
+        """Step ends in ``(start, stop)`` that fall on a multiple of ``every``: steps of
+        ``step_chunks`` from ``start``, restarting at ``junction`` (a forced stop).
+        Example: start 3, stop 40, steps of 15, every 8: ends 18, 33 → none kept; with
+        start 1: ends 16, 31 → [16]."""
+        out = []
+        pos = start
+        while True:
+            end = pos + self.step_chunks
+            if junction is not None and pos < junction < end:
+                end = junction
+            if end >= stop:
+                return out
+            if end % self.every == 0:
+                out.append(end)
+            pos = end
+
+    def plan(self, request: Request, handle: UseHandle) -> StatePlan:
+        base = super().plan(request, handle)
+        junction = base.mid[0] if base.mid else None
+        extra = self.periodic(handle.match.hit_chunks, base.final, junction)
+        self.periodic_states += len(extra)
+        return StatePlan(base.final, [*base.mid, *extra], splits=base.splits)
+
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), "periodic_states": float(self.periodic_states)}
+
+
 def vllm_align_policy(
     name: str,
     *,
@@ -89,8 +171,10 @@ def vllm_align_policy(
     kv_bytes_per_token: int,
     snapshot_bytes: int,
     tiers: Sequence[tuple[str, int]],
+    retention: tuple[int, int] | None = None,
 ) -> VLLMAlignPolicy:
-    """vLLM align mode over ``tiers`` = [(name, capacity bytes), ...], fastest first."""
+    """vLLM align mode over ``tiers`` = [(name, capacity bytes), ...], fastest first;
+    ``retention`` = (interval, step) in blocks: periodic retention (``VLLMRetentionPolicy``)."""
     if not tiers:
         raise ValueError("vLLM needs at least the gpu tier")
     engine = TieredLRU(
@@ -99,4 +183,6 @@ def vllm_align_policy(
         snapshot_bytes,
         [PoolSpec(tier, capacity) for tier, capacity in tiers],
     )
+    if retention is not None:
+        return VLLMRetentionPolicy(name, engine, *retention)
     return VLLMAlignPolicy(name, engine)
