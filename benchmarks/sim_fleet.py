@@ -28,7 +28,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lmcache_histate.sim.fleet import ROWS, FleetSetup, fleet_trace, load_fleet
+from lmcache_histate.sim.fleet import ROUTERS, ROWS, FleetSetup, fleet_trace, load_fleet
 from lmcache_histate.sim.fleet_report import (
     RowOutcome,
     aggregate_cells,
@@ -97,39 +97,61 @@ def main() -> None:
     ap.add_argument("--jitter", type=float, default=0.1)
     ap.add_argument("--routers", default=None, help="comma-separated (default: the config's)")
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--router-rows", action="append", default=[], metavar="ROUTER=ROW,...",
+                    help="rows for one router (default: --rows)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--out", default="benchmarks/sim_fleet")
     ap.add_argument("--page", default="benchmarks/sim_fleet.md")
     args = ap.parse_args()
     if args.repeats < 1 or args.jobs < 1:
         ap.error("--repeats and --jobs must be ≥ 1")
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        ap.error(f"unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
+    rows = _rows(ap, args.rows)
+    router_rows: dict[str, list[str]] = {}
+    for spec in args.router_rows:
+        router, _, names = spec.partition("=")
+        router_rows[router.strip()] = _rows(ap, names)
     t0 = time.perf_counter()
     setup, trace, fleet = _trace(args)
     routers = ([r.strip() for r in args.routers.split(",")] if args.routers
                else list(fleet.routers))
     for r in routers:
-        if r not in fleet.routers and r not in ("session-affinity", "least-loaded", "random"):
-            ap.error(f"unknown router {r!r}")
+        if r not in ROUTERS:
+            ap.error(f"unknown router {r!r}; routers: {', '.join(ROUTERS)}")
     units = [(r, k) for r in routers for k in range(args.repeats)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    page = Path(args.page)
+    old = page.read_text() if page.exists() else ""
     outcomes: list[RowOutcome] = []
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TextColumn("router × repeat"),
                         TimeElapsedColumn())
     with progress, ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(args,)) as pool:
         task = progress.add_task(f"fleet ×{fleet.nodes} nodes", total=len(units))
-        futures = {pool.submit(_unit, r, k, args.repeats, args.jitter, rows): (r, k)
-                   for r, k in units}
-        for fut in as_completed(futures):
+        futures = {pool.submit(_unit, r, k, args.repeats, args.jitter,
+                               router_rows.get(r, rows)): (r, k) for r, k in units}
+        for done, fut in enumerate(as_completed(futures), 1):
             outcomes += fut.result()
             r, k = futures[fut]
             progress.update(task, advance=1, description=f"{r} #{k + 1}")
+            # Every finished unit rewrites the results: a cut run keeps what it did.
+            tables = _write(args, setup, trace, fleet, routers, outcomes, out, page, old, t0,
+                            f"{done} of {len(units)} router × repeat units")
+    print(tables)
+
+
+def _rows(ap: argparse.ArgumentParser, spec: str) -> list[str]:
+    rows = [r.strip() for r in spec.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
+    return rows
+
+
+def _write(args: argparse.Namespace, setup: Any, trace: Any, fleet: FleetSetup,
+           routers: list[str], outcomes: list[RowOutcome], out: Path, page: Path, old: str,
+           t0: float, done: str) -> str:
     cells = aggregate_cells(outcomes)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_fleet_json(out / "fleet.json", cells)
     plot_fleet(cells, routers, out / "fleet.png")
     tables = fleet_markdown(cells, routers)
@@ -152,12 +174,11 @@ def main() -> None:
                   "copies with their conversation); a claim must hold on both",
         "reuse-sensitive": "requests whose hit rate under `unlimited` (one cache the whole fleet "
                            "reads) is ≥ 5 points above the local vllm-cpu-disk-offload row's",
-        "wall time": f"{(time.perf_counter() - t0) / 60:.1f} min with --jobs {args.jobs}",
+        "wall time": f"{(time.perf_counter() - t0) / 60:.1f} min with --jobs {args.jobs} "
+                     f"({done})",
     }
-    page = Path(args.page)
-    old = page.read_text() if page.exists() else ""
     page.write_text(_page(args, meta, tables, old))
-    print(tables)
+    return tables
 
 
 if __name__ == "__main__":
