@@ -91,9 +91,13 @@ from .trace_model import Request, Session, Trace
 __all__ = [
     "HISTATE_LOCAL",
     "HISTATE_SHARED",
+    "LMCACHE_SHARED",
+    "LOCAL_ROWS",
     "REFERENCE",
     "ROUTERS",
     "ROWS",
+    "SGLANG_SHARED",
+    "VLLM_LOCAL",
     "FleetRow",
     "FleetRun",
     "FleetSetup",

@@ -13,6 +13,8 @@ from lmcache_histate.sim.fleet import (
     HISTATE_LOCAL,
     HISTATE_SHARED,
     LMCACHE_SHARED,
+    SGLANG_SHARED,
+    VLLM_LOCAL,
     FleetSetup,
     LeastLoaded,
     RandomRouter,
@@ -67,20 +69,29 @@ def by_key(fr):  # type: ignore[no-untyped-def]
     return {r.key: r for r in fr.run.results}
 
 
-def test_next_turn_on_another_node_hits_only_through_the_shared_tier() -> None:
-    s = setup()
-    local = by_key(run(HISTATE_LOCAL, two_turns(), ByTurn(2)))
+@pytest.mark.parametrize("local_row", [HISTATE_LOCAL, VLLM_LOCAL])
+def test_next_turn_on_another_node_misses_without_a_shared_tier(local_row: str) -> None:
+    local = by_key(run(local_row, two_turns(), ByTurn(2)))
     assert local[("a", 1)].hit_tokens == 0  # node 1 never saw the session
-    fr = run(HISTATE_SHARED, two_turns(), ByTurn(2))
-    shared = by_key(fr)
+
+
+# Turn 0 (32 tokens, 8 chunks) leaves its final state after chunk 8 (HiState: the last
+# hashed chunk; SGLang: the end) or after chunk (32 - 1) // 4 = 7 (vLLM's replay boundary,
+# the LMCache row's engine). Node 1 resumes there, reading that many KV chunks and one
+# state over the network: chunks + 1 objects.
+@pytest.mark.parametrize(("row", "chunks"),
+                         [(HISTATE_SHARED, 8), (SGLANG_SHARED, 8), (LMCACHE_SHARED, 7)])
+def test_next_turn_on_another_node_hits_only_through_the_shared_tier(
+    row: str, chunks: int
+) -> None:
+    s = setup()
+    fr = run(row, two_turns(), ByTurn(2))
     assert fr.node_of == {("a", 0): 0, ("a", 1): 1}
-    r = shared[("a", 1)]
-    # Turn 0's final state is after its 8th chunk: node 1 resumes there, reading the 8
-    # KV chunks and the one snapshot over the network (9 objects).
-    assert r.hit_tokens == 32
-    nbytes = 8 * s.kv_chunk_bytes + s.snapshot_bytes
+    r = by_key(fr)[("a", 1)]
+    assert r.hit_tokens == chunks * CHUNK
+    nbytes = chunks * s.kv_chunk_bytes + s.snapshot_bytes
     assert r.load_bytes == {"shared": nbytes}
-    assert r.load_s == pytest.approx(nbytes / 1e9 + 9 * 0.01)
+    assert r.load_s == pytest.approx(nbytes / 1e9 + (chunks + 1) * 0.01)
     assert fr.shared_hits == 1
 
 
