@@ -147,23 +147,37 @@ class HiStatePolicy:
             loads[names[_fastest(snap.snap_tiers)]] += snap.snap_bytes
         return Lookup(hit * self.cache.config.chunk_tokens, dict(loads), handle)
 
-    def complete(self, request: Request, lookup: Lookup, now: float) -> dict[str, int]:
-        handle: RequestHandle = lookup.handle
-        before = Counter(self.counter.written_bytes)
-        if self.promote_tier is not None:
-            self.promoted_bytes += self.cache.promote(handle, self.promote_tier, now)
+    def plan(
+        self, request: Request, handle: RequestHandle, start_chunks: int | None = None
+    ) -> list[int]:
+        """Token positions of the states this request saves: the core's plan for the span
+        it computes, from its KV match (or from ``start_chunks`` if that lies deeper: a
+        prefix resumed from elsewhere, ``sim.shared_tier``) to its last hashed chunk."""
         # The snapshot plan ends at the last HASHED chunk, like the baselines' end state
         # (``len(keys)``): a trace may hash fewer chunks than ``input_tokens // chunk``
         # (the trailing blocks it does not list), and a plan ending past the stored chain
         # would skip the segment's final snapshot. ``input_tokens`` stays the session's
         # context length.
         chunk = self.cache.config.chunk_tokens
-        plan = self.cache.snapshot_plan(
-            handle.match.kv_chunks * chunk,
+        start = handle.match.kv_chunks
+        if start_chunks is not None:
+            start = max(start, start_chunks)
+        return self.cache.snapshot_plan(
+            start * chunk,
             min(request.input_tokens, len(handle.keys) * chunk),
             handle.kind,
             handle.segment_start,
         )
+
+    def complete(
+        self, request: Request, lookup: Lookup, now: float, start_chunks: int | None = None
+    ) -> dict[str, int]:
+        """Promote, then store the prompt's KV and the planned states (``plan``)."""
+        handle: RequestHandle = lookup.handle
+        before = Counter(self.counter.written_bytes)
+        if self.promote_tier is not None:
+            self.promoted_bytes += self.cache.promote(handle, self.promote_tier, now)
+        plan = self.plan(request, handle, start_chunks)
         self.cache.complete(handle, request.input_tokens, now, boundaries=plan)
         after = self.counter.written_bytes
         return {name: after[name] - before[name] for name in after if after[name] != before[name]}
