@@ -211,3 +211,22 @@ def test_the_cuda_extra_allows_the_checked_vllm_and_refuses_the_torch_abi_break(
     assert str(cuda["lmcache"]) == "==0.5.6" and str(cuda["torch"]) == "==2.13.0"
     assert [v for v, torch in versions.VLLM.items() if cuda["torch"].contains(torch)] == \
         ["0.32.0"]
+
+
+def test_each_l2_adapter_of_ours_is_checked_on_its_own(tmp_path: Path) -> None:
+    # Another adapter (as a shared tier would be) that lacks 0.5.7's get_memory_tags is
+    # named, wherever it lives, and the disk tier's methods do not cover for it.
+    other = ("backends/server/other_tier.py",
+             "from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface\n\n\n"
+             "class OtherTier(L2AdapterInterface):\n    def submit_touch(self, keys):\n"
+             "        pass\n")
+    resolver = us.Resolver({"vllm": INSTALLED, "lmcache": INSTALLED}, compat.ALIASES)
+    uses = us.derive_uses([*compat.our_sources(), other], resolver)
+    assert "backends/server/other_tier.py" in compat.adapter_files(uses)
+    planted(tmp_path, API, OBJECT_KEY, TAGS + OBJECT_KEY)
+    tree = planted(tmp_path, BASE, UNLOCK, NEW_ABSTRACT + UNLOCK)
+    problems = cell(uses, "lmcache", "0.5.7rc2", tree, scope="l2-adapter")
+    assert "lmcache.v1.distributed.l2_adapters.base:L2AdapterInterface.get_memory_tags: " \
+        "abstract, not implemented by OtherTier (backends/server/other_tier.py:OtherTier)" \
+        in problems
+    assert not [p for p in problems if "HiStateDiskAdapter" in p]
