@@ -514,8 +514,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     trees = {k: tree_of(p) for k, p in wheels.items()}
     if args.derive:
         ref = {"vllm": trees[("vllm", reference[0])], "lmcache": trees[("lmcache", reference[1])]}
+        resolver = us.Resolver(ref, ALIASES)
         for symbol, use in sorted(derive(ref).items()):
-            print(f"{symbol}  [{', '.join(sorted(use.kinds))}] {use.where[0]}")
+            params = us.params_of(resolver.resolve(symbol), resolver) \
+                if "patch" in use.kinds else None
+            print(f"{symbol}  [{', '.join(sorted(use.kinds))}] {use.where[0]}"
+                  + (f"  PATCHED params: {params}" if params is not None else ""))
         return 0
     problems, cells = run_static(trees, versions, reference)
     for cell in cells:
