@@ -47,8 +47,10 @@ import upstream_static as us
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("backends",)
-ADAPTER_SCOPE = ("backends/server/disk/", "backends/upstream/lmcache_symbols.py")
-"""Our files whose upstream uses make up the L2-adapter interface (``versions.LMCACHE``)."""
+ADAPTER_BASES = ("lmcache.v1.distributed.l2_adapters.base:L2AdapterInterface",
+                 "lmcache.v1.distributed.l2_adapters.config:L2AdapterConfigBase")
+"""The L2-adapter interface (``versions.LMCACHE`` scope ``l2-adapter``): the upstream uses of
+the files defining our subclasses of these, and of ``upstream/lmcache_symbols.py``."""
 
 ALIASES = {
     "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector:LMCacheMPConnector":
@@ -366,13 +368,24 @@ def check_version(uses: dict[str, us.Use], package: str, version: str,
                   cpu_versions: Sequence[str]) -> Cell:
     """One cell: ``package`` ``version``'s symbols (within ``scope``) on ``trees``."""
     resolver = us.Resolver(trees, ALIASES)
+    files = adapter_files(uses)
     selected = {s: u for s, u in uses.items()
                 if in_scope(s, package, version, cpu_versions)
-                and (scope == "all" or any(w.startswith(ADAPTER_SCOPE) for w in u.where))}
+                and (scope == "all" or any(w.rsplit(":", 1)[0] in files for w in u.where))}
     declared = {s: p for s, p in PATCHED.items() if s in selected}
     problems = us.check(selected, declared, resolver, packages=(package,))
     checked = sum(1 for s in selected if s.split(":")[0].split(".")[0] == package)
     return Cell(package, version, checked, problems, "" if scope == "all" else scope)
+
+
+def adapter_files(uses: dict[str, us.Use]) -> set[str]:
+    """Our files in the ``l2-adapter`` scope: those defining an L2 adapter or its config
+    (every adapter of ours, wherever it lives), and the LMCache lookups they call."""
+    files = {"backends/upstream/lmcache_symbols.py"}
+    for base in ADAPTER_BASES:
+        if base in uses:
+            files |= {ours.rsplit(":", 1)[0] for ours in uses[base].subclasses}
+    return files
 
 
 def derive(trees: dict[str, us.SourceTree], root: Path = ROOT) -> dict[str, us.Use]:
@@ -501,8 +514,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     trees = {k: tree_of(p) for k, p in wheels.items()}
     if args.derive:
         ref = {"vllm": trees[("vllm", reference[0])], "lmcache": trees[("lmcache", reference[1])]}
+        resolver = us.Resolver(ref, ALIASES)
         for symbol, use in sorted(derive(ref).items()):
-            print(f"{symbol}  [{', '.join(sorted(use.kinds))}] {use.where[0]}")
+            params = us.params_of(resolver.resolve(symbol), resolver) \
+                if "patch" in use.kinds else None
+            print(f"{symbol}  [{', '.join(sorted(use.kinds))}] {use.where[0]}"
+                  + (f"  PATCHED params: {params}" if params is not None else ""))
         return 0
     problems, cells = run_static(trees, versions, reference)
     for cell in cells:

@@ -409,8 +409,8 @@ class Use:
     where: list[str] = field(default_factory=list)
     params: tuple[str, ...] | None = None  # an override's parameters, as we wrote them
     calls: list[CallShape] = field(default_factory=list)
-    subclass: str | None = None  # for "subclass": our class, "file:Class"
-    subclass_methods: set[str] = field(default_factory=set)
+    subclasses: dict[str, set[str]] = field(default_factory=dict)
+    """For "subclass": each class of ours on it (``file:Class``) -> the methods it defines."""
 
 
 def _symbol(ref: tuple[str, str], rest: Sequence[str] = ()) -> str:
@@ -508,9 +508,8 @@ def _walk_uses(name: str, tree: ast.Module, aliases: dict[str, tuple[str, str]],
                 continue
             base = _shorten(bases[0], resolver)
             use = add(base, "subclass", where)
-            use.subclass = f"{name}:{node.name}"
             methods = [s for s in node.body if isinstance(s, ast.FunctionDef)]
-            use.subclass_methods |= {m.name for m in methods}
+            use.subclasses[f"{name}:{node.name}"] = {m.name for m in methods}
             base_target = resolver.resolve(base)
             for method in methods:
                 if base_target is not None and base_target.kind == "class":
@@ -571,12 +570,13 @@ def check(uses: dict[str, Use], declared: dict[str, tuple[str, ...] | None],
                 why = call_problem(upstream, call)
                 if why is not None:
                     problems.append(f"{symbol}{_sig(upstream)} {why} (called at {call.where})")
-        if use is not None and use.subclass is not None and target.kind == "class":
-            ours = use.subclass.rsplit(":", 1)[1]
-            for method, owner in sorted(resolver.abstract_methods(target).items()):
-                if method not in use.subclass_methods:
-                    problems.append(f"{owner}.{method}: abstract, not implemented by {ours} "
-                                    f"({use.subclass})")
+        if use is not None and use.subclasses and target.kind == "class":
+            abstract = sorted(resolver.abstract_methods(target).items())
+            for where_ours, methods in sorted(use.subclasses.items()):
+                ours = where_ours.rsplit(":", 1)[1]
+                problems += [f"{owner}.{method}: abstract, not implemented by {ours} "
+                             f"({where_ours})" for method, owner in abstract
+                             if method not in methods]
     return problems
 
 
