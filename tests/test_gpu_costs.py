@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_histate.sim.config import load_cost_model, load_setup
+from lmcache_histate.sim.config import ConfigError, load_cost_model, load_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = "cost_model_qwen35_9b_h100_measured.yaml"
@@ -139,3 +139,10 @@ def test_a_bad_disk_folder_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == f"gpu_costs: --disk-dir {tmp_path / 'nowhere'} is not a folder"
     assert not (tmp_path / "x.json").exists()
+
+
+def test_an_unknown_cost_model_lists_the_shipped_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_cost_model("nowhere")
+    assert "shipped: " in str(err.value) and "cost_model_qwen35_9b_h100.yaml" in str(err.value)
+    assert "scripts/gpu_costs_fit.py" in str(err.value)
