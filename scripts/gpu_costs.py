@@ -439,31 +439,47 @@ def prefill(geo: Geometry, weights: list[dict[str, torch.Tensor]], x: torch.Tens
 
 
 # ---------------------------------------------------------------- kernels
-def pick_kernel(choice: str, device: str) -> tuple[str, Kernel]:
-    """fla's Triton kernel (CUDA, fla importable) or the PyTorch chunked reference."""
-    if choice in ("auto", "fla") and device == "cuda":
-        try:
-            import fla
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        except ImportError:
-            if choice == "fla":
-                raise SystemExit("gpu_costs: --gdn-kernel fla but fla does not import "
-                                 "(carry the fla-core and einops wheels)") from None
-        else:
-            def fla_kernel(q, k, v, g, beta, state):
-                o, final = chunk_gated_delta_rule(
-                    q[None], k[None], v[None], g[None], beta[None].to(q.dtype),
-                    initial_state=state[None], output_final_state=True,
-                    use_qk_l2norm_in_kernel=True)
-                return o[0], final[0]
-            return f"fla {getattr(fla, '__version__', '?')}", fla_kernel
-    if choice == "fla":
-        raise SystemExit("gpu_costs: --gdn-kernel fla needs a CUDA device")
+class SetupError(RuntimeError):
+    """The environment cannot run what was asked (exit 2, one line)."""
 
-    def torch_kernel(q, k, v, g, beta, state):
-        o, final, _ = chunked_gdn(q, k, v, g, beta, state)
-        return o.to(q.dtype), final
-    return "torch-chunked (backends/vllm/gdn_reference.py)", torch_kernel
+
+def torch_kernel(q, k, v, g, beta, state):
+    o, final, _ = chunked_gdn(q, k, v, g, beta, state)
+    return o.to(q.dtype), final
+
+
+TORCH_KERNEL = "torch-chunked (backends/vllm/gdn_reference.py)"
+
+
+def pick_kernel(choice: str, device: str, geo: Geometry) -> tuple[str, Kernel]:
+    """fla's Triton kernel where it imports and runs a small case at the model's head sizes
+    on CUDA (``auto`` falls back to the PyTorch chunked reference, naming why), else the
+    reference."""
+    if choice == "torch" or (choice == "auto" and device != "cuda"):
+        return TORCH_KERNEL, torch_kernel
+    if device != "cuda":
+        raise SetupError("--gdn-kernel fla needs a CUDA device")
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        def fla_kernel(q, k, v, g, beta, state):
+            o, final = chunk_gated_delta_rule(
+                q[None], k[None], v[None], g[None], beta[None].to(q.dtype),
+                initial_state=state[None], output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            return o[0], final[0]
+
+        gen = torch.Generator(device=device).manual_seed(3)
+        fla_kernel(*gdn_inputs(geo, 100, device, torch.bfloat16, gen))
+        torch.cuda.synchronize()
+    except Exception as e:  # ImportError, a Triton compile error, a shape it refuses
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+        if choice == "fla":
+            raise SetupError(f"--gdn-kernel fla: fla does not run here ({why}); carry the "
+                             "fla-core and einops wheels (benchmarks/gpu_costs.md)") from e
+        return f"{TORCH_KERNEL}; fla unavailable: {why}", torch_kernel
+    return f"fla {getattr(fla, '__version__', '?')}", fla_kernel
 
 
 def fp32_kernel(q, k, v, g, beta, state):
@@ -916,7 +932,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     clock = Clock(device, args.budget_s)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
-    kernel_name, kernel = pick_kernel(args.gdn_kernel, device)
+    try:
+        kernel_name, kernel = pick_kernel(args.gdn_kernel, device, p.geometry)
+    except SetupError as e:
+        print(f"gpu_costs: {e}", file=sys.stderr)
+        return 2
     attention_name, attention = pick_attention(device, p.geometry.head_dim)
     geo = p.geometry
     result: dict[str, Any] = {

@@ -8,6 +8,7 @@ sizes are derived by hand from the ``tiny-qwen3-next`` preset.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -133,11 +134,22 @@ def test_the_fit_refuses_what_measures_no_gpu(tiny: tuple[Path, dict[str, Any]],
     assert not out.exists()  # nothing written by a refused run
 
 
-def test_a_bad_disk_folder_is_one_line(tmp_path: Path) -> None:
-    done = run("scripts/gpu_costs.py", "--tiny", "--json", str(tmp_path / "x.json"),
-               "--disk-dir", str(tmp_path / "nowhere"))
-    assert done.returncode == 2
-    assert done.stderr.strip() == f"gpu_costs: --disk-dir {tmp_path / 'nowhere'} is not a folder"
+@pytest.mark.parametrize("bad", ["disk", "kernel"])
+def test_a_bad_setting_is_one_line(tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (``main(argv)``): the same exit status and line, without a second torch
+    start-up per case."""
+    spec = importlib.util.spec_from_file_location("gpu_costs", ROOT / "scripts" / "gpu_costs.py")
+    assert spec is not None and spec.loader is not None
+    gpu_costs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_costs", gpu_costs)  # its dataclasses look it up
+    spec.loader.exec_module(gpu_costs)
+    extra = (["--disk-dir", str(tmp_path / "nowhere")] if bad == "disk" else
+             ["--gdn-kernel", "fla", "--device", "cpu"])  # fla's kernels need CUDA
+    assert gpu_costs.main(["--tiny", "--json", str(tmp_path / "x.json"), *extra]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gpu_costs: --disk-dir {tmp_path / 'nowhere'} is not a folder" if bad == "disk"
+        else "gpu_costs: --gdn-kernel fla needs a CUDA device")
     assert not (tmp_path / "x.json").exists()
 
 
