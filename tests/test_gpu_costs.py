@@ -31,7 +31,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("gpu_costs") / "tiny.json"
-    done = run("scripts/gpu_costs.py", "--tiny", "--json", str(out), "--budget-s", "900")
+    done = run("scripts/gpu_costs.py", "--tiny", "--json", str(out), "--budget-s", "900",
+               "--disk-dir", str(out.parent))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gpu_costs: wrote" in done.stdout
     return out, json.loads(out.read_text())
@@ -67,7 +68,7 @@ def test_the_json_has_every_section_with_the_preset_sizes(
                for r in copies.values())
     reads = {r["what"]: r for r in data["disk"]["reads"]}
     assert set(reads) == {"snapshot", "kv_chunk"} and all(r["cold_s"] > 0 for r in reads.values())
-    assert data["disk"]["disk"]["path"] and "fstype" in data["disk"]["disk"]
+    assert data["disk"]["disk"]["path"] == str(tiny[0].parent) and "fstype" in data["disk"]["disk"]
     # 32 blocks in one step, then in steps of 16, 4 and 1 blocks.
     rows = data["step_price"]["rows"]
     assert [(r["blocks_per_step"], r["steps"]) for r in rows] == [(32, 1), (16, 2), (4, 8),
