@@ -11,8 +11,8 @@ carried from step to step, a device sync at each step end). In order:
    token-by-token gated delta rule, plain softmax attention) on fresh random inputs; one
    prompt prefilled in one step against two steps (the cache path); the GDN kernel in use
    against the float32 recurrence; the in-step capture's states against separate steps.
-   A failed check stops the run after writing the JSON (exit 1): timing a wrong model
-   measures nothing.
+   A failed check marks the JSON (``correctness.passed`` false, exit 1 at the end) and
+   ``gpu_costs_fit.py`` refuses it: timing a wrong model measures nothing (NOTE 3).
 2. ``copies``: one snapshot (51.5 MB) and one KV chunk (17 MB) device → pinned host →
    device; ``disk``: a cold (page cache dropped with ``posix_fadvise``) and a warm file
    read of each from ``--disk-dir``, with the disk named (device, model, filesystem).
@@ -161,17 +161,20 @@ class Plan:
     price_steps: tuple[int, ...] = (16, 4, 1)
     capture_blocks: int = 16
     capture_every: tuple[int, ...] = (8, 4, 1)
-    repeats: int = 2
+    repeats: int = 3
     copy_repeats: int = 10
     tolerance: dict[str, float] = field(default_factory=dict)
 
 
 # NOTE 1 (tolerances). bf16 weights and activations carry a relative rounding of 2^-8 ≈
 # 0.4 % per operation; over 32 residual layers the hidden state of the bf16 stack stays
-# within a few percent of the float32 one when both are right, while a wrong mask, a wrong
-# head mapping or a lost state moves it by tens of percent. The GDN kernel alone (bf16
-# q/k/v, float32 state) stays well under 1 %.
-TOLERANCE = {"stack_vs_fp32": 0.05, "one_vs_two_steps": 0.05, "kernel_vs_fp32": 0.02}
+# within a few percent of the float32 one when both are right (0.5 % on the tiny CPU run),
+# while a wrong mask, a wrong head mapping or a lost state moves it by tens of percent
+# (a random output is ~100 % off). The GDN kernel alone (bf16 q/k/v, float32 state; fla
+# keeps its WY factors in bf16) is within 0.2-0.4 % on the CPU kernels. The bounds sit
+# between the two, loose enough that a right model on another kernel passes: the device
+# run cannot be repeated at will.
+TOLERANCE = {"stack_vs_fp32": 0.10, "one_vs_two_steps": 0.10, "kernel_vs_fp32": 0.05}
 
 
 def plan(mode: str, intermediate: int | None) -> Plan:
@@ -184,6 +187,7 @@ def plan(mode: str, intermediate: int | None) -> Plan:
             scratch=(2048, 4096, 8192, 16384, 32768, 65536, 100000),
             prefixed=((16384, 24576), (32768, 40960), (65536, 73728), (92000, 100000),
                       (50000, 100000)),
+            repeats=3,  # the median of 3 ignores one disturbed run (a first-call compile)
             tolerance=TOLERANCE,
         )
     return Plan(
@@ -194,6 +198,11 @@ def plan(mode: str, intermediate: int | None) -> Plan:
         price_blocks=32, price_steps=(16, 4, 1), capture_blocks=16, repeats=1, copy_repeats=3,
         tolerance=TOLERANCE,
     )
+
+
+# NOTE 3 (a failed check does not stop the run). The device is lent for minutes, once: the
+# timings of a run whose check failed are kept for diagnosis (what failed, by how much, how
+# fast the kernels ran), but the JSON says so and no cost model is made from it.
 
 
 # ---------------------------------------------------------------- the model
@@ -290,7 +299,7 @@ def flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     op = (torch.ops.aten._scaled_dot_product_flash_attention if q.is_cuda
           else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
     result = op(q[None], k[None], v[None], 0.0, causal)
-    return result[0][0], result[1][0].float()
+    return result[0][0], result[1][0, :, :q.shape[1]].float()  # some kernels pad the LSE
 
 
 def blocked_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -331,11 +340,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
     return (out.float() * w + out_a.float() * w_a) / (w + w_a)
 
 
-def pick_attention(device: str) -> tuple[str, AttentionImpl]:
-    """ATen's flash kernel if it agrees with the float32 scores on a small case, else the
-    blocked fallback."""
+def pick_attention(device: str, head_dim: int) -> tuple[str, AttentionImpl]:
+    """ATen's flash kernel if it agrees with the float32 scores on a small case at the
+    model's head size, else the blocked fallback."""
     gen = torch.Generator(device=device).manual_seed(7)
-    q, k, v = (torch.randn(4, n, 64, generator=gen, device=device).to(torch.bfloat16)
+    q, k, v = (torch.randn(4, n, head_dim, generator=gen, device=device).to(torch.bfloat16)
                for n in (48, 80, 80))
     with contextlib.suppress(Exception):
         for causal, keys in ((True, 48), (False, 80)):
@@ -387,6 +396,8 @@ def attention_mixer(geo: Geometry, p: dict[str, torch.Tensor], x: torch.Tensor, 
     kc[:, start:end] = k.transpose(0, 1).to(kc.dtype)
     vc[:, start:end] = v.transpose(0, 1).to(vc.dtype)
     groups = geo.attention_heads // geo.kv_heads
+    # KV heads expanded to the query heads: a copy vLLM's kernel does not make (it reads the
+    # grouped heads in place), so the attention term is overstated by that copy's time.
     keys, values = (y[:, :end].to(x.dtype).repeat_interleave(groups, 0) for y in (kc, vc))
     qh = q.transpose(0, 1)
     if impl is None:  # the float32 reference: plain softmax over explicit scores
@@ -429,31 +440,47 @@ def prefill(geo: Geometry, weights: list[dict[str, torch.Tensor]], x: torch.Tens
 
 
 # ---------------------------------------------------------------- kernels
-def pick_kernel(choice: str, device: str) -> tuple[str, Kernel]:
-    """fla's Triton kernel (CUDA, fla importable) or the PyTorch chunked reference."""
-    if choice in ("auto", "fla") and device == "cuda":
-        try:
-            import fla
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        except ImportError:
-            if choice == "fla":
-                raise SystemExit("gpu_costs: --gdn-kernel fla but fla does not import "
-                                 "(carry the fla-core and einops wheels)") from None
-        else:
-            def fla_kernel(q, k, v, g, beta, state):
-                o, final = chunk_gated_delta_rule(
-                    q[None], k[None], v[None], g[None], beta[None].to(q.dtype),
-                    initial_state=state[None], output_final_state=True,
-                    use_qk_l2norm_in_kernel=True)
-                return o[0], final[0]
-            return f"fla {getattr(fla, '__version__', '?')}", fla_kernel
-    if choice == "fla":
-        raise SystemExit("gpu_costs: --gdn-kernel fla needs a CUDA device")
+class SetupError(RuntimeError):
+    """The environment cannot run what was asked (exit 2, one line)."""
 
-    def torch_kernel(q, k, v, g, beta, state):
-        o, final, _ = chunked_gdn(q, k, v, g, beta, state)
-        return o.to(q.dtype), final
-    return "torch-chunked (backends/vllm/gdn_reference.py)", torch_kernel
+
+def torch_kernel(q, k, v, g, beta, state):
+    o, final, _ = chunked_gdn(q, k, v, g, beta, state)
+    return o.to(q.dtype), final
+
+
+TORCH_KERNEL = "torch-chunked (backends/vllm/gdn_reference.py)"
+
+
+def pick_kernel(choice: str, device: str, geo: Geometry) -> tuple[str, Kernel]:
+    """fla's Triton kernel where it imports and runs a small case at the model's head sizes
+    on CUDA (``auto`` falls back to the PyTorch chunked reference, naming why), else the
+    reference."""
+    if choice == "torch" or (choice == "auto" and device != "cuda"):
+        return TORCH_KERNEL, torch_kernel
+    if device != "cuda":
+        raise SetupError("--gdn-kernel fla needs a CUDA device")
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        def fla_kernel(q, k, v, g, beta, state):
+            o, final = chunk_gated_delta_rule(
+                q[None], k[None], v[None], g[None], beta[None].to(q.dtype),
+                initial_state=state[None], output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            return o[0], final[0]
+
+        gen = torch.Generator(device=device).manual_seed(3)
+        fla_kernel(*gdn_inputs(geo, 100, device, torch.bfloat16, gen))
+        torch.cuda.synchronize()
+    except Exception as e:  # ImportError, a Triton compile error, a shape it refuses
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+        if choice == "fla":
+            raise SetupError(f"--gdn-kernel fla: fla does not run here ({why}); carry the "
+                             "fla-core and einops wheels (benchmarks/gpu_costs.md)") from e
+        return f"{TORCH_KERNEL}; fla unavailable: {why}", torch_kernel
+    return f"fla {getattr(fla, '__version__', '?')}", fla_kernel
 
 
 def fp32_kernel(q, k, v, g, beta, state):
@@ -496,6 +523,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def gdn_inputs(geo: Geometry, n: int, device: str, dtype: torch.dtype, gen: torch.Generator
+               ) -> tuple[torch.Tensor, ...]:
+    """Random inputs of one GDN layer's prefill kernel for ``n`` tokens: q, k, v in
+    ``dtype``, decays in (e^-0.5, 1], write strengths in [0, 1), a small random state."""
+    hk, hv, dk, dv = geo.gdn_key_heads, geo.gdn_value_heads, geo.gdn_key_dim, geo.gdn_value_dim
+    q = torch.randn(n, hk, dk, generator=gen, device=device).to(dtype)
+    k = torch.randn(n, hk, dk, generator=gen, device=device).to(dtype)
+    v = torch.randn(n, hv, dv, generator=gen, device=device).to(dtype)
+    g = -torch.rand(n, hv, generator=gen, device=device) * 0.5
+    beta = torch.rand(n, hv, generator=gen, device=device)
+    return q, k, v, g, beta, torch.randn(hv, dk, dv, generator=gen, device=device) * 0.1
+
+
 def correctness(p: Plan, weights, kernel: Kernel, attention: AttentionImpl, device: str,
                 dtype: torch.dtype,
                 gen: torch.Generator) -> dict[str, Any]:
@@ -522,13 +562,7 @@ def correctness(p: Plan, weights, kernel: Kernel, attention: AttentionImpl, devi
     check("one_vs_two_steps", rel_err(two, one[half:]), p.tolerance["one_vs_two_steps"],
           f"tokens {half}..{n} prefilled after a cached prefix of {half} vs in one step")
 
-    hk, hv = geo.gdn_key_heads, geo.gdn_value_heads
-    q = torch.randn(n, hk, geo.gdn_key_dim, generator=gen, device=device).to(dtype)
-    k = torch.randn(n, hk, geo.gdn_key_dim, generator=gen, device=device).to(dtype)
-    v = torch.randn(n, hv, geo.gdn_value_dim, generator=gen, device=device).to(dtype)
-    g = -torch.rand(n, hv, generator=gen, device=device) * 0.5
-    beta = torch.rand(n, hv, generator=gen, device=device)
-    s0 = torch.randn(hv, geo.gdn_key_dim, geo.gdn_value_dim, generator=gen, device=device) * 0.1
+    q, k, v, g, beta, s0 = gdn_inputs(geo, n, device, dtype, gen)
     o_k, s_k = kernel(q, k, v, g, beta, s0.clone())
     o_r, s_r = recurrent_gdn(q, k, v, g, beta, s0)
     check("kernel_vs_fp32", max(rel_err(o_k, o_r), rel_err(s_k, s_r)),
@@ -683,13 +717,7 @@ def capture_cost(p: Plan, kernel: Kernel, kernel_name: str, device: str, dtype: 
     kept every ``e`` blocks inside it, against the same step without."""
     geo = p.geometry
     n = p.capture_blocks * geo.block_tokens
-    hk, hv = geo.gdn_key_heads, geo.gdn_value_heads
-    q = torch.randn(n, hk, geo.gdn_key_dim, generator=gen, device=device).to(dtype)
-    k = torch.randn(n, hk, geo.gdn_key_dim, generator=gen, device=device).to(dtype)
-    v = torch.randn(n, hv, geo.gdn_value_dim, generator=gen, device=device).to(dtype)
-    g = -torch.rand(n, hv, generator=gen, device=device) * 0.5
-    beta = torch.rand(n, hv, generator=gen, device=device)
-    s0 = torch.zeros(hv, geo.gdn_key_dim, geo.gdn_value_dim, device=device)
+    q, k, v, g, beta, s0 = gdn_inputs(geo, n, device, dtype, gen)
     reps = max(3, p.repeats)
     methods: dict[str, Callable[..., Any]] = {
         f"segments ({kernel_name.split()[0]})": lambda b: capture_by_segments(
@@ -905,8 +933,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     clock = Clock(device, args.budget_s)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
-    kernel_name, kernel = pick_kernel(args.gdn_kernel, device)
-    attention_name, attention = pick_attention(device)
+    try:
+        kernel_name, kernel = pick_kernel(args.gdn_kernel, device, p.geometry)
+    except SetupError as e:
+        print(f"gpu_costs: {e}", file=sys.stderr)
+        return 2
+    attention_name, attention = pick_attention(device, p.geometry.head_dim)
     geo = p.geometry
     result: dict[str, Any] = {
         "schema": SCHEMA, "mode": mode,
@@ -922,11 +954,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.json)
 
-    def finish(code: int) -> int:
+    def save() -> None:
+        """The JSON so far (after every section: a run cut short keeps what it measured)."""
         result["skipped"] = clock.skipped
         result["elapsed_s"] = time.perf_counter() - clock.start
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)
+
+    def finish(code: int) -> int:
+        save()
         print(table(result))
         print(f"gpu_costs: wrote {out}")
         return code
@@ -939,9 +977,10 @@ def main(argv: list[str] | None = None) -> int:
         result["section_s"] = {"correctness": time.perf_counter() - t0}
         print(f"[gpu_costs] correctness done in {result['section_s']['correctness']:.1f} s",
               file=sys.stderr, flush=True)
-        if not result["correctness"]["passed"]:
-            print("gpu_costs: a correctness check failed; no timings", file=sys.stderr)
-            return finish(1)
+        failed = not result["correctness"]["passed"]
+        if failed:  # NOTE 3
+            print("gpu_costs: A CORRECTNESS CHECK FAILED: the timings below are kept for "
+                  "diagnosis only (gpu_costs_fit.py refuses this JSON)", file=sys.stderr)
         sections: dict[str, Callable[[], Any]] = {
             "copies": lambda: copies(p, device, clock),
             "disk": lambda: disk_reads(p, disk_dir, clock),
@@ -955,10 +994,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             result[name] = section()
             result["section_s"][name] = time.perf_counter() - t0
+            save()
             print(f"[gpu_costs] {name} done in {result['section_s'][name]:.1f} s",
                   file=sys.stderr, flush=True)
         result["fit"] = fit(result["prefill"])
-    return finish(0)
+    return finish(1 if failed else 0)
 
 
 if __name__ == "__main__":

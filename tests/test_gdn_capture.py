@@ -103,7 +103,7 @@ def test_segment_calls_copy_each_boundary_state() -> None:
 
 def test_vllm_cpu_kernel_states_inside_a_step_equal_separate_engine_steps() -> None:
     """vLLM-CPU's op as the GDN layer calls it (a pool slot updated in place,
-    gdn_attention.py:303-315): separate steps = one call per step on slot 1 of a two-slot
+    gdn_attention.py:333-351): separate steps = one call per step on slot 1 of a two-slot
     pool; the in-step capture must give the same states bit for bit."""
     import vllm._custom_ops as ops
 

@@ -8,6 +8,7 @@ sizes are derived by hand from the ``tiny-qwen3-next`` preset.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_histate.sim.config import load_cost_model, load_setup
+from lmcache_histate.sim.config import ConfigError, load_cost_model, load_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = "cost_model_qwen35_9b_h100_measured.yaml"
@@ -30,7 +31,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("gpu_costs") / "tiny.json"
-    done = run("scripts/gpu_costs.py", "--tiny", "--json", str(out), "--budget-s", "900")
+    done = run("scripts/gpu_costs.py", "--tiny", "--json", str(out), "--budget-s", "900",
+               "--disk-dir", str(out.parent))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gpu_costs: wrote" in done.stdout
     return out, json.loads(out.read_text())
@@ -66,7 +68,7 @@ def test_the_json_has_every_section_with_the_preset_sizes(
                for r in copies.values())
     reads = {r["what"]: r for r in data["disk"]["reads"]}
     assert set(reads) == {"snapshot", "kv_chunk"} and all(r["cold_s"] > 0 for r in reads.values())
-    assert data["disk"]["disk"]["path"] and "fstype" in data["disk"]["disk"]
+    assert data["disk"]["disk"]["path"] == str(tiny[0].parent) and "fstype" in data["disk"]["disk"]
     # 32 blocks in one step, then in steps of 16, 4 and 1 blocks.
     rows = data["step_price"]["rows"]
     assert [(r["blocks_per_step"], r["steps"]) for r in rows] == [(32, 1), (16, 2), (4, 8),
@@ -133,9 +135,27 @@ def test_the_fit_refuses_what_measures_no_gpu(tiny: tuple[Path, dict[str, Any]],
     assert not out.exists()  # nothing written by a refused run
 
 
-def test_a_bad_disk_folder_is_one_line(tmp_path: Path) -> None:
-    done = run("scripts/gpu_costs.py", "--tiny", "--json", str(tmp_path / "x.json"),
-               "--disk-dir", str(tmp_path / "nowhere"))
-    assert done.returncode == 2
-    assert done.stderr.strip() == f"gpu_costs: --disk-dir {tmp_path / 'nowhere'} is not a folder"
+@pytest.mark.parametrize("bad", ["disk", "kernel"])
+def test_a_bad_setting_is_one_line(tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (``main(argv)``): the same exit status and line, without a second torch
+    start-up per case."""
+    spec = importlib.util.spec_from_file_location("gpu_costs", ROOT / "scripts" / "gpu_costs.py")
+    assert spec is not None and spec.loader is not None
+    gpu_costs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_costs", gpu_costs)  # its dataclasses look it up
+    spec.loader.exec_module(gpu_costs)
+    extra = (["--disk-dir", str(tmp_path / "nowhere")] if bad == "disk" else
+             ["--gdn-kernel", "fla", "--device", "cpu"])  # fla's kernels need CUDA
+    assert gpu_costs.main(["--tiny", "--json", str(tmp_path / "x.json"), *extra]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gpu_costs: --disk-dir {tmp_path / 'nowhere'} is not a folder" if bad == "disk"
+        else "gpu_costs: --gdn-kernel fla needs a CUDA device")
     assert not (tmp_path / "x.json").exists()
+
+
+def test_an_unknown_cost_model_lists_the_shipped_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_cost_model("nowhere")
+    assert "shipped: " in str(err.value) and "cost_model_qwen35_9b_h100.yaml" in str(err.value)
+    assert "scripts/gpu_costs_fit.py" in str(err.value)

@@ -18,7 +18,9 @@ step's input (exact by definition, nothing to run).
 NOTE 1 (why segment calls, not the kernel's chunk states). Neither engine kernel hands its
 per-chunk states to the caller: vLLM's CPU op ``chunk_gated_delta_rule_cpu`` updates the
 pool slot in place and returns the final state only (vllm 0.32
-``model_executor/layers/mamba/ops/cpu/gdn_attention.py:303-315``); the CUDA path's Triton
+``model_executor/layers/mamba/ops/cpu/gdn_attention.py:333-351``); on CUDA the GDN layer
+calls its prefill kernel once per step with the pool as ``initial_state``
+(``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:1231-1244``), and the Triton
 ``chunk_gated_delta_rule_fwd`` computes them (``third_party/flash_linear_attention/ops/
 chunk.py:61-71``) but returns them only with ``GDN_RECOMPUTE_SUPPRESS_LEVEL >= 3``
 (``chunk.py:83-86``) and ``ChunkGatedDeltaRuleFunction.forward`` drops them
@@ -34,8 +36,12 @@ NOTE 2 (where this lives). The live connector would use it from a patch of vLLM'
 layer (``backends/upstream/``): the prefill branch of ``_cpu_gdn_attention_nonspec`` calls
 the kernel once per request with ``initial_state_indices`` naming the request's slot;
 ``capture_by_segments`` with :func:`vllm_cpu_kernel` is that call split at the plan's
-boundaries. It needs torch only at import (vLLM is imported when the CPU kernel is asked
-for), so ``scripts/gpu_costs.py`` runs it on a machine without vLLM.
+boundaries (on CUDA, the call at ``qwen_gdn_linear_attn.py:1231``). In a batched step the
+other requests' sequences still share the first call (varlen ``cu_seqlens``); a request's
+later segments cannot join it, since each starts from the state the one before leaves, so
+``k`` states inside a step cost ``k`` more kernel calls, not ``k`` more steps. It needs
+torch only at import (vLLM is imported when the CPU kernel is asked for), so
+``scripts/gpu_costs.py`` runs it on a machine without vLLM.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ def conv_states_at(x: Tensor, conv_state: Tensor, boundaries: tuple[int, ...] | 
 
 def vllm_cpu_kernel(eps: float = 1e-5) -> GdnKernel:
     """vLLM-CPU's prefill op as a :data:`GdnKernel`, called as the GDN layer calls it
-    (``gdn_attention.py:303-315``: ``use_qk_l2norm_in_kernel=True``, one sequence, the
+    (``gdn_attention.py:333-351``: ``use_qk_l2norm_in_kernel=True``, one sequence, the
     state a pool slot updated in place; here the pool is ``state`` itself, slot 0)."""
     import vllm._custom_ops as ops
 

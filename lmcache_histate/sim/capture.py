@@ -26,9 +26,10 @@ with the cost model's constants (``capture_time``) and charges it on the request
   the true cost lies between 0 and this. The final state and the KV, which every tiered
   row writes alike, are not charged.
 
-Constants (NOTE 2: no GPU was lent to this task to measure them on an H100; they are
-estimates with their sources, and ``benchmarks/sim_weka.md`` shows HiState's row with
-``step_overhead_s`` 0 and twice the default as well):
+Constants (NOTE 2: estimates with their sources, not measured on an H100;
+``benchmarks/sim_weka.md`` shows HiState's row with ``step_overhead_s`` 0 and twice the
+default as well; ``scripts/gpu_costs.py`` measures the price of a step end on a GPU and
+``scripts/gpu_costs_fit.py`` writes it into a measured cost model, ``benchmarks/gpu_costs.md``):
 
 * ``ENGINE_STEP_TOKENS`` = 8,192: vLLM's default ``max_num_batched_tokens`` for an
   OpenAI server on a ≥ 70 GiB non-A100 GPU (vllm 0.32 ``engine/arg_utils.py``,

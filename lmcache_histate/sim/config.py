@@ -176,7 +176,10 @@ def _data_path(name: str) -> Path:
 def load_cost_model(spec: str | Path = DEFAULT_COST_MODEL, base: Path | None = None) -> CostModel:
     """A cost model from a YAML path, or the name of one shipped in ``lmcache_histate/data``.
 
-    Relative paths are resolved against ``base`` (the config file's folder) first.
+    Relative paths are resolved against ``base`` (the config file's folder) first. Shipped:
+    ``cost_model_qwen35_9b_h100.yaml`` (estimates, the default) and, once measured on a GPU,
+    ``cost_model_qwen35_9b_h100_measured.yaml`` (``scripts/gpu_costs_fit.py``); either is
+    named with or without the ``cost_model_`` prefix and the ``.yaml`` suffix.
     """
     candidates = [Path(spec)]
     if base is not None and not Path(spec).is_absolute():
@@ -186,7 +189,10 @@ def load_cost_model(spec: str | Path = DEFAULT_COST_MODEL, base: Path | None = N
     candidates.append(_data_path(f"cost_model_{name}"))
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise ConfigError(f"cost_model: no such file or shipped model {str(spec)!r}")
+        shipped = sorted(p.name for p in _data_path(".").glob("cost_model_*.yaml"))
+        raise ConfigError(f"cost_model: no such file or shipped model {str(spec)!r}; shipped: "
+                          f"{', '.join(shipped)} (a measured model is written by "
+                          "scripts/gpu_costs_fit.py, benchmarks/gpu_costs.md)")
     data = _read_yaml(path)
     unknown = sorted(set(data) - {"name", *_COST_KEYS, *_OPTIONAL_COST_KEYS})
     if unknown:
