@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from lmcache_histate.backends.demo.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model()  # ~/.cache/lmcache-histate/tiny-qwen3-next-<hash>/
+    print(f"model {model} (point your own client's `histate serve` at it)", flush=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="histate-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -8,9 +8,10 @@ What it does, with nothing downloaded:
    3 GatedDeltaNet layers + 1 full-attention layer, byte-level tokenizer trained locally);
 2. builds a replay from the bundled Weka Claude Code sample (``sim.traces.sample_trace_dir``):
    a few sessions, their first requests, in arrival order (see *Workload* below);
-3. runs it twice, each time against a fresh server started with ``histate-server`` (the
-   project's launcher around ``lmcache server``) and a fresh vLLM CPU engine (offline
-   ``vllm.LLM`` in a child process, ``engine_proc``) with ``HiStateConnector``:
+3. runs it against each variant's own fresh server started with ``histate-server`` (the
+   project's launcher around ``lmcache server``) and own fresh vLLM CPU engine (offline
+   ``vllm.LLM`` in a child process, ``engine_proc``) with ``HiStateConnector``, all started
+   first and then fed each request in turn, interleaved (``runs.run_interleaved`` NOTE 1):
 
    * **HiState**: ``policy: histate`` (HiState placement, unified eviction, disk tier) and the
      connector's interval-driven saves (recurrent state only at the boundaries the server's
@@ -22,8 +23,9 @@ What it does, with nothing downloaded:
 
    both with the same tier sizes, by default smaller than what the LRU run would store (the
    regime HiState is for: a cache smaller than the agents' working set);
-4. prints, per request, the cached tokens and the measured time to first token (TTFT) of both
-   runs, then a summary.
+4. prints, per request, the cached tokens and the measured time to first token (TTFT) of the
+   runs, then a summary and a HiState-vs-LRU line that gives a TTFT ratio only with its
+   spread over sessions, and none where the hits tie (``report.compare``).
 
 Workload. Weka traces list one hash id per 64-token source block (equal ids = equal prefix).
 Each source block becomes ``--block-tokens`` synthetic tokens (default 8, i.e. 1/8 of the
@@ -49,9 +51,10 @@ cannot hold sessions between turns (the paper's setting: 24 concurrent sessions)
 reuse goes through LMCache and its tiers, which is what is compared.
 
 The package: ``workload`` (the replay), ``servers`` (``histate-server`` processes),
-``engine_proc`` (a ``vllm.LLM`` in a child process; also used by the live tests), ``runs``
-(one replay against one server variant), ``report`` (tables and summary), ``main`` (the
-command line). The tiny model generator is ``lmcache_histate.backends.demo.tiny_model``.
+``engine_proc`` (a ``vllm.LLM`` in a child process; also used by the live tests),
+``runs`` (the replay against the server variants, interleaved), ``report`` (tables and
+summary), ``main`` (the command line). The tiny model generator is
+``lmcache_histate.backends.demo.tiny_model``.
 """
 
 from .main import main

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .engine_proc import ENGINE_DTYPE
 from .report import report
-from .runs import VARIANTS, RunResult, disk_folder, run_variant
+from .runs import VARIANTS, disk_folder, run_interleaved
 from .workload import build_workload, unique_chunks
 
 __all__ = ["main"]
@@ -136,16 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"CPU {gib * 2**30 / 1e6:.1f} MB + disk {gib * 2**30 / 1e6:.1f} MB "
         f"({args.cache_fraction:g} x that footprint each)"
     )
-    results: list[RunResult] = []
     with _workdir(args.workdir) as work, Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), console=console,
     ) as progress:
-        for variant in variants:
-            results.append(run_variant(
-                variant, workload, model=model, workdir=work, cpu_gib=gib, disk_gib=gib,
-                layout=layout, max_model_len=args.max_model_len, gap=args.gap, progress=progress,
-            ))
+        results = run_interleaved(
+            variants, workload, model=model, workdir=work, cpu_gib=gib, disk_gib=gib,
+            layout=layout, max_model_len=args.max_model_len, gap=args.gap, progress=progress,
+        )
     data = report(console, workload, results, settings)
     console.print(f"total {time.monotonic() - started:.0f} s")
     if args.json:

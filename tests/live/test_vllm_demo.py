@@ -146,3 +146,41 @@ def test_small_demo_run(tmp_path: Path) -> None:
     # Same prompts, same tiers: HiState hits at least as many tokens as stock LMCache.
     summary = data["summary"]
     assert summary["histate"]["cached_tokens"] >= summary["lru"]["cached_tokens"]
+    # What the HiState server counted as loaded is what vLLM reported cached (its own
+    # prefix cache is reset after every request, so every cached token came from the server).
+    assert data["server_loaded_tokens"] == {"histate": summary["histate"]["cached_tokens"]}
+    # The comparison line's numbers: a ratio only beside its spread over the 2 sessions,
+    # none where the hit rates are within 5 points.
+    versus = data["versus_lru"]
+    gap = 100 * (summary["histate"]["hit_rate"] - summary["lru"]["hit_rate"])
+    assert versus["hits_tie"] == (gap < 5)
+    if versus["hits_tie"]:
+        assert "ratio" not in versus
+    else:
+        assert versus["sessions"] == 2 and versus["lo"] <= versus["ratio"] <= versus["hi"]
+
+
+def test_the_demo_gives_a_ratio_only_with_its_spread_and_none_where_hits_tie() -> None:
+    from lmcache_histate.backends.demo.report import compare, comparison_line
+
+    def rows(session_ttfts: dict[str, list[float]], cached: int) -> list[dict]:
+        return [{"session": s, "prompt_tokens": 100, "cached_tokens": cached, "ttft_s": t}
+                for s, ts in session_ttfts.items() for t in ts]
+
+    ours = rows({"a": [0.1, 0.1], "b": [0.2, 0.2]}, cached=50)  # hit rate 50 %
+    # By hand: LRU means a 0.2, b 0.2 against ours 0.1, 0.2 -> per session 2.0 and 1.0;
+    # overall 0.2 / 0.15 = 1.33. Session b is not faster: a tie, said with its spread.
+    theirs = rows({"a": [0.2, 0.2], "b": [0.1, 0.3]}, cached=0)
+    c = compare(ours, theirs)
+    assert (c["hits_tie"], c["verdict"], c["sessions"]) == (False, "tie", 2)
+    assert [round(c[k], 6) for k in ("ratio", "lo", "hi")] == [1.333333, 1.0, 2.0]
+    assert "= 1.33 [1.00 – 2.00 over 2 sessions]: a tie" in comparison_line(c)
+    # Every session's LRU mean above ours: faster, beyond the spread.
+    c = compare(ours, rows({"a": [0.2, 0.2], "b": [0.3, 0.3]}, cached=0))
+    assert (c["verdict"], round(c["lo"], 6), round(c["hi"], 6)) == ("faster", 1.5, 2.0)
+    # Hit rates 50 % against 48 % tie (under 5 points): no ratio at all, whatever the TTFTs
+    # (the loaded run: 1.75 from runs with equal hits).
+    c = compare(ours, rows({"a": [0.9, 0.9], "b": [0.9, 0.9]}, cached=48))
+    assert c["hits_tie"] and "ratio" not in c
+    line = comparison_line(c)
+    assert "no TTFT ratio" in line and "/ HiState =" not in line
