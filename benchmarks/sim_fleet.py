@@ -34,6 +34,7 @@ from lmcache_histate.sim.fleet_report import (
     aggregate_cells,
     fleet_markdown,
     plot_fleet,
+    read_fleet_json,
     run_fleet_repeat,
     write_fleet_json,
 )
@@ -102,7 +103,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--out", default="benchmarks/sim_fleet")
     ap.add_argument("--page", default="benchmarks/sim_fleet.md")
+    ap.add_argument("--render", action="store_true",
+                    help="rewrite the page's tables and the plot from --out's fleet.json, "
+                         "running nothing")
     args = ap.parse_args()
+    if args.render:
+        _render(Path(args.out), Path(args.page))
+        return
     if args.repeats < 1 or args.jobs < 1:
         ap.error("--repeats and --jobs must be ≥ 1")
     rows = _rows(ap, args.rows)
@@ -137,6 +144,20 @@ def main() -> None:
             # Every finished unit rewrites the results: a cut run keeps what it did.
             tables = _write(args, setup, trace, fleet, routers, outcomes, out, page, old, t0,
                             f"{done} of {len(units)} router × repeat units")
+    print(tables)
+
+
+def _render(out: Path, page: Path) -> None:
+    """The page's tables and claims and the plot again, from a finished ``fleet.json``;
+    the page's head (command, set-up) and notes stay."""
+    cells = read_fleet_json(out / "fleet.json")
+    routers = list(dict.fromkeys(r for r, _ in cells))
+    plot_fleet(cells, routers, out / "fleet.png")
+    old = page.read_text()
+    head = old.split("### Router", 1)[0]
+    notes = old.split(NOTES_MARKER, 1)[1] if NOTES_MARKER in old else "\n"
+    tables = fleet_markdown(cells, routers)
+    page.write_text(head + tables + "\n" + NOTES_MARKER + notes)
     print(tables)
 
 
