@@ -74,7 +74,7 @@ def _page(args: argparse.Namespace, meta: dict[str, Any], tables: str, old: str)
         "Command (repo root):",
         "",
         "```",
-        f"nice -n 10 {cmd}",
+        f"nice -n 5 {cmd}",
         "```",
         "",
         *(f"* {k}: {v}" for k, v in meta.items()),
