@@ -10,10 +10,11 @@ marker is kept across runs), ``fleet.json`` (every value of every repeat and par
 (default ``benchmarks/sim_fleet``). Model: ``lmcache_histate/sim/{fleet,shared_tier,
 fleet_report}.py``.
 
-Usage: ``nice -n 10 python benchmarks/sim_fleet.py [--trace ../shared/traces/weka-cc]
+Usage: ``nice -n 5 python benchmarks/sim_fleet.py [--trace ../shared/traces/weka-cc]
 [--max-input-tokens 100000] [--config configs/sim-fleet.yaml] [--repeats 5]
-[--jitter 0.1] [--routers least-loaded,...] [--rows histate,...] [--jobs 2]
-[--out DIR] [--page FILE]``.
+[--jitter 0.1] [--routers least-loaded,...] [--rows histate,...]
+[--router-rows ROUTER=ROW,...] [--jobs 2] [--out DIR] [--page FILE]``; ``--render``
+rewrites the page's tables and the plot from ``--out``'s ``fleet.json``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _page(args: argparse.Namespace, meta: dict[str, Any], tables: str, old: str)
         "nodes × each node's own tiers + the ONE shared tier of the fleet.",
         "",
     ]
-    return "\n".join(head) + tables + "\n" + NOTES_MARKER + notes
+    return "\n".join(head) + "\n" + tables + "\n" + NOTES_MARKER + notes
 
 
 def main() -> None:
