@@ -33,17 +33,22 @@ that picks a node for EVERY request (an agent's next turn may land elsewhere):
   ``vllm-cpu-disk-offload``  vLLM align mode + CPU and disk offload, local only
   ``sglang-hicache+l3``      SGLang HiCache (GPU + host per node) + a shared L3: every
                              node backs up what reaches its host pool to the L3
-                             (write-through; KV pages and, for the hybrid model, the
-                             Mamba states, ``hiradix_cache.write_backup_storage`` with
-                             ``mamba_archive_transfers``) and prefetches from it on a
-                             miss. Mooncake Store evicts at a high watermark (95 %) a
-                             share of objects (5 %) by approximate LRU
-                             (``mooncake-store`` docs, "Eviction Policy";
-                             ``DEFAULT_EVICTION_HIGH_WATERMARK_RATIO`` = 0.95): one
-                             LRU pool here (``shared_tier.LRUShared``), the
-                             watermark's unused 5 % not charged (in its favour), and
-                             the prefetch assumed complete (``wait_complete``, in its
-                             favour). No local disk: HiCache's third level IS the L3.
+                             (write-through) and prefetches from it on a miss. For the
+                             hybrid model the backup carries the node's Mamba host state
+                             keyed by its last page hash, and a prefetch loads the KV
+                             pages and one state (the hybrid HiRadix cache's
+                             ``write_backup_storage`` → ``mamba_archive_transfers``,
+                             ``prefetch_from_storage`` → ``mamba_prefetch_alloc``;
+                             read through the code search in an annotated copy of
+                             SGLang's source, its upstream path not confirmed here).
+                             Mooncake Store evicts, at a high watermark (95 %), a share
+                             of its objects (5 %) by approximate LRU (Mooncake Store
+                             docs, "Eviction Policy"; ``DEFAULT_EVICTION_RATIO`` 0.05,
+                             ``DEFAULT_EVICTION_HIGH_WATERMARK_RATIO`` 0.95): one LRU
+                             pool here (``shared_tier.LRUShared``), the watermark's
+                             unused 5 % not charged (in its favour), and the prefetch
+                             assumed complete (``wait_complete``, in its favour). No
+                             local disk: HiCache's third level IS the L3.
   ``lmcache-lru+l2``         stock LMCache: vLLM align mode with LMCache's CPU + disk
                              (the ``vllm-cpu-disk-offload`` engine) + a shared remote
                              L2 (LRU; the default store policy writes every key to every

@@ -55,6 +55,7 @@ __all__ = [
     "claim",
     "fleet_markdown",
     "plot_fleet",
+    "read_fleet_json",
     "run_fleet_repeat",
     "session_halves",
 ]
@@ -188,8 +189,12 @@ def aggregate_cells(outcomes: Sequence[RowOutcome]) -> dict[tuple[str, str], Fle
 
 
 def claim(row: FleetCell, base: FleetCell, metric: str) -> str:
-    """``+`` / ``−`` / ``tie`` (module docstring: beyond the spread on all and both halves)."""
-    marks = {verdict(row.spread(metric, p), base.spread(metric, p)) for p in PARTS}
+    """``+`` / ``−`` / ``tie`` (module docstring: beyond the spread on all and both halves);
+    a single run has no spread, so it claims nothing."""
+    spreads = [(row.spread(metric, p), base.spread(metric, p)) for p in PARTS]
+    if any(r.n < 2 or b.n < 2 for r, b in spreads):
+        return "tie"
+    marks = {verdict(r, b) for r, b in spreads}
     if marks == {"+"}:
         return "+"
     if marks == {"−"}:
@@ -279,11 +284,25 @@ def write_fleet_json(path: Path, cells: Mapping[tuple[str, str], FleetCell]) -> 
     return path
 
 
+def read_fleet_json(path: Path) -> dict[tuple[str, str], FleetCell]:
+    """The cells ``write_fleet_json`` wrote, in their order."""
+    cells: dict[tuple[str, str], FleetCell] = {}
+    for d in json.loads(path.read_text()):
+        cell = FleetCell(d["router"], d["row"], d["node_bytes"], d["shared_bytes"], d["nodes"])
+        for key, values in d["values"].items():
+            part, metric = key.split(":", 1)
+            cell.values[(part, metric)] = [float(v) for v in values]
+        cells[(cell.router, cell.row)] = cell
+    return cells
+
+
 def plot_fleet(cells: Mapping[tuple[str, str], FleetCell], routers: Sequence[str],
                path: Path) -> Path:
     """p99 and reuse-sensitive mean per router: a marker at each row's mean, a bar from
     its min to its max over the repeats; the legend outside the axes."""
     plt = pyplot()
+    from matplotlib import ticker
+
     rows = list(dict.fromkeys(r for (_, r) in cells))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(1, len(rows))
@@ -306,11 +325,14 @@ def plot_fleet(cells: Mapping[tuple[str, str], FleetCell], routers: Sequence[str
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, label=name, **style)
         ax.set_xticks(range(len(routers)), routers)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3, which="both")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 0.85, 1))
-    fig.savefig(path, dpi=120)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -194,6 +194,8 @@ def test_a_claim_needs_the_spread_and_both_halves() -> None:
     assert claim(one_half, base, "ttft_p99") == "tie"
     behind = cell("x", {"all": [0.1, 0.5], "A": [0.1, 0.5], "B": [0.2, 0.9]})
     assert claim(behind, base, "ttft_p99") == "−"
+    single = cell(HISTATE_SHARED, {"all": [1], "A": [1], "B": [1]})
+    assert claim(cell("x", {"all": [9], "A": [9], "B": [9]}), single, "ttft_p99") == "tie"
 
 
 def test_fleet_config_errors_name_the_key(tmp_path: Path) -> None:
