@@ -181,14 +181,17 @@ def render_pressure(docs: Mapping[str, Any]) -> str:
 
 def render_rewrite(docs: Mapping[str, Any], key: str = "rewrite") -> str:
     doc = docs[key]
-    lines = [f"| scope | rewriting share | Δ rewriting requests' mean TTFT, {doc['row']} vs "
-             f"{doc['baseline']}: mean [min … max] over seeds | verdict |",
-             "|---|---:|---|---|"]
+    memory = " / ".join(f"{doc['memory_gib'][n]:.0f}" for n in (doc["row"], doc["baseline"]))
+    lines = [f"Memory {doc['row']} / {doc['baseline']}: {memory} GiB.", "",
+             f"| scope | rewriting share | achieved requests/h | Δ rewriting requests' mean "
+             f"TTFT, {doc['row']} vs {doc['baseline']}: mean [min … max] over seeds | verdict |",
+             "|---|---:|---:|---|---|"]
     for s in doc["summary"]:
         word = ("lower on every seed" if s["max"] < 0 else
                 "higher on every seed" if s["min"] > 0 else "tie (the range spans 0)")
-        lines.append(f"| {s['scope']} | {s['share']:.0%} | {s['mean']:+.1%} "
-                     f"[{s['min']:+.1%} … {s['max']:+.1%}] over {s['seeds']} seeds | {word} |")
+        lines.append(f"| {s['scope']} | {s['share']:.0%} | {s['requests_per_h']:,.0f} | "
+                     f"{s['mean']:+.1%} [{s['min']:+.1%} … {s['max']:+.1%}] over "
+                     f"{s['seeds']} seeds | {word} |")
     return "\n".join(lines) + "\n"
 
 
