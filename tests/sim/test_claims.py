@@ -47,12 +47,14 @@ def test_lower_only_beyond_the_spread_on_all_sessions_and_both_halves() -> None:
 
 def test_check_page_reports_a_stale_number_and_a_hand_written_ranking() -> None:
     claims = _claims()
-    doc = {"doc": {"row": "histate", "baseline": "vllm", "summary": [
-        {"scope": "last", "share": 0.05, "seeds": 10, "mean": -0.118, "min": -0.165,
-         "max": 0.004}]}}
+    doc = {"doc": {"row": "histate", "baseline": "vllm",
+                   "memory_gib": {"histate": 291.0, "vllm": 291.0}, "summary": [
+                       {"scope": "last", "share": 0.05, "seeds": 10, "mean": -0.118,
+                        "min": -0.165, "max": 0.004, "requests_per_h": 942.4}]}}
     rendered = claims.render_rewrite({"rewrite": doc["doc"]})
-    assert "| last | 5% | -11.8% [-16.5% … +0.4%] over 10 seeds | tie (the range spans 0) |" \
-        in rendered
+    assert rendered.startswith("Memory histate / vllm: 291 / 291 GiB.")
+    assert ("| last | 5% | 942 | -11.8% [-16.5% … +0.4%] over 10 seeds "
+            "| tie (the range spans 0) |") in rendered
     page = ("### Rewrite test\n\n<!-- claims:rewrite -->\n" + rendered + "<!-- /claims -->\n"
             "\n* HiState is ahead at 5 %.\n")
     problems = claims.check_page("P.md", page, {"rewrite": doc["doc"]})
@@ -61,7 +63,7 @@ def test_check_page_reports_a_stale_number_and_a_hand_written_ranking() -> None:
     stale = page.replace("-11.8%", "-15.0%")
     (problem,) = [p for p in claims.check_page("P.md", stale, {"rewrite": doc["doc"]})
                   if "differs" in p.what]
-    assert "block 'rewrite' differs from its file: line 3" in problem.what
+    assert "block 'rewrite' differs from its file: line 5" in problem.what
 
 
 def test_the_pages_say_what_the_recorded_files_say() -> None:
