@@ -68,3 +68,28 @@ def test_check_page_reports_a_stale_number_and_a_hand_written_ranking() -> None:
 
 def test_the_pages_say_what_the_recorded_files_say() -> None:
     assert [str(p) for p in _claims().check()] == []
+
+
+def test_a_pressure_cell_lists_a_row_only_where_both_halves_agree() -> None:
+    """One cell; ``lru``'s p99 is below HiState's beyond the spread on all sessions and
+    half a, but the ranges overlap on half b: with the halves it is not listed; without
+    them it is, and the cell says "all only"."""
+    def cell(lru_p99: tuple[float, float]) -> dict[str, object]:
+        def m(lo: float, hi: float) -> dict[str, float]:
+            return {"mean": (lo + hi) / 2, "min": lo, "max": hi, "n": 5}
+        row = {k: m(1.0, 1.2) for k in ("sensitive_mean", "neutral_mean", "bulk_rate", "fill")}
+        return {"name": "24 sessions, ×0.125", "sessions": 24, "factor": 0.125,
+                "max_think_s": 572.0,
+                "rows": {"histate": {**row, "ttft_p99": m(5.0, 5.4)},
+                         "lru": {**row, "ttft_p99": m(*lru_p99)}}}
+
+    claims = _claims()
+    whole = {"repeats": 5, "cells": [cell((4.5, 4.9))]}
+    halves = {"pressure-a": {"cells": [cell((4.4, 4.8))]},
+              "pressure-b": {"cells": [cell((4.8, 5.1))]}}
+    with_halves = claims.render_pressure({"pressure": whole, **halves}).splitlines()[2]
+    assert with_halves.startswith("| 24 × 0.125 | 572 |")
+    assert with_halves.endswith("| none; none; none | none; none; none |")
+    alone = claims.render_pressure({"pressure": whole}).splitlines()[2]
+    assert alone.startswith("| 24 × 0.125 (all only) | 572 |")
+    assert alone.endswith("| lru; none; none | none; none; none |")
