@@ -19,6 +19,7 @@ import argparse
 import time
 
 from lmcache_histate.sim.config import SimSetup, load_setup
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.report import (
     HISTATE,
     OFFLOAD,
@@ -56,11 +57,14 @@ def main() -> None:
                     help="override the config's stagger between session starts")
     args = ap.parse_args()
     base = load_setup(args.config) if args.config else SimSetup.paper()
-    if args.max_think_s is not None:
-        base = base.with_(max_think_s=args.max_think_s)
+    if args.max_think_s is not None:  # a fixed cap in place of the config's target rate
+        base = base.with_(max_think_s=args.max_think_s, target_rate_per_h=None)
     if args.session_gap_s is not None:
         base = base.with_(session_gap_s=args.session_gap_s)
     trace = load_sim_trace(args.trace, base, args.max_input_tokens)
+    base, calibration = with_target_load(trace, base)  # the config's load rule (sim/load.py)
+    if calibration is not None:
+        print(calibration.line())
     rows = [p for p in args.policies.split(",") if p]
     names = list(dict.fromkeys([*rows, REFERENCE, OFFLOAD, HISTATE]))
     print(f"trace {trace.name}: {len(trace.sessions)} sessions, {trace.num_requests} requests")

@@ -16,7 +16,7 @@ same for histate-refresh-hit).
 Usage: ``nice -n 10 python benchmarks/sim_pressure.py [--trace ../shared/traces/weka-cc]
 [--max-input-tokens 100000] [--config configs/sim-paper-load.yaml]
 [--factors 1,0.5,0.25,0.125] [--sessions 24,48] [--repeats 5] [--jitter 0.1]
-[--policies a,b,...] [--out DIR]``; ``--render DIR`` re-prints the tables of a finished
+[--policies a,b,...] [--half a|b] [--out DIR]``; ``--render DIR`` re-prints the tables of a finished
 ``matrix.json`` without running anything.
 """
 
@@ -71,7 +71,7 @@ def _spread(d: dict[str, Any]) -> Spread:
 def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
     base = load_setup(args.config)
     t0 = time.perf_counter()
-    trace = load_sim_trace(args.trace, base, args.max_input_tokens)
+    trace = load_sim_trace(args.trace, base, args.max_input_tokens, args.half)
     print(f"[pressure] {trace.name}: {len(trace.sessions)} sessions, {trace.num_requests} "
           f"requests (loaded in {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     out = Path(args.out)
@@ -79,7 +79,7 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "command": " ".join(sys.argv), "trace": trace.name, "sessions_in_trace":
         len(trace.sessions), "requests": trace.num_requests, "config": args.config,
-        "repeats": args.repeats, "jitter": args.jitter, "cells": [],
+        "repeats": args.repeats, "jitter": args.jitter, "half": args.half, "cells": [],
     }
     for sessions in (int(s) for s in args.sessions.split(",")):
         # The load rule (``sim.load``) per number of sessions; capacities do not enter it.
@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--jitter", type=float, default=0.1)
     ap.add_argument("--policies", default=",".join(ROWS))
+    ap.add_argument("--half", choices=["a", "b"], default=None,
+                    help="one of two disjoint halves of the sessions (sim/halves.py)")
     ap.add_argument("--out", default="benchmarks/sim_pressure")
     ap.add_argument("--render", help="print the tables of DIR/matrix.json and redraw its heat map")
     args = ap.parse_args()

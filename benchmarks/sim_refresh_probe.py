@@ -41,6 +41,7 @@ from lmcache_histate.core.index import Node
 from lmcache_histate.core.tiers import SNAPSHOT
 from lmcache_histate.sim.capture import Capture, capacity_of, capture_of
 from lmcache_histate.sim.config import load_setup
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.policy import HiStatePolicy, Lookup
 from lmcache_histate.sim.repeats import DEFAULT_JITTER, jitter_trace
 from lmcache_histate.sim.report import REFERENCE
@@ -143,8 +144,9 @@ def main() -> None:
     sessions, factor = args.cell.split(":")
     setup = base.with_(max_sessions=int(sessions), cpu_bytes=int(base.cpu_bytes * float(factor)),
                        disk_bytes=int(base.disk_bytes * float(factor)))
-    trace = jitter_trace(load_sim_trace(args.trace, base, args.max_input_tokens), setup.seed,
-                         args.repeat, args.jitter)
+    loaded = load_sim_trace(args.trace, base, args.max_input_tokens)
+    setup, _ = with_target_load(loaded, setup)  # the config's load rule (sim/load.py)
+    trace = jitter_trace(loaded, setup.seed, args.repeat, args.jitter)
     available = policy_factories(setup)
     rows = args.rows.split(",")
     probes: dict[str, Probe] = {}

@@ -81,6 +81,7 @@ def main() -> None:
     summary: list[dict[str, object]] = []
     for scope, share in ((c, s) for c in scopes for s in shares):
         deltas: list[float] = []
+        rates_seen: list[float] = []
         for seed in seeds:
             setup = base.with_(seed=seed)
             trace = rewrite_trace(setup, share, scope)
@@ -98,6 +99,7 @@ def main() -> None:
                      else "– | – | –")
             hours = [runs[n].makespan / 3600 for n in names]
             rates = [len(runs[n].results) / h for n, h in zip(names, hours, strict=True)]
+            rates_seen.append(rates[0])
             print(f"| {scope} | {share:.0%} | {seed} | {n_rw} | {cells} | {al[names[0]]:.3f} | "
                   f"{al[names[1]]:.3f} | {d_al:+.1%} | {hits[0]:.2f} / {hits[1]:.2f} | "
                   f"{hours[0]:.2f} / {hours[1]:.2f} | {rates[0]:,.0f} / {rates[1]:,.0f} |")
@@ -108,11 +110,13 @@ def main() -> None:
                   f"{_mean(deltas):+.1%} [{min(deltas):+.1%} … {max(deltas):+.1%}]: "
                   f"{verdict} | | | | | | |")
             summary.append({"scope": scope, "share": share, "seeds": len(deltas),
-                            "mean": _mean(deltas), "min": min(deltas), "max": max(deltas)})
+                            "mean": _mean(deltas), "min": min(deltas), "max": max(deltas),
+                            "requests_per_h": _mean(rates_seen)})
     if args.json:
+        memory = {n: capacity_of(factories[n]()) / GIB for n in names}
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "row": names[0],
-                                               "baseline": names[1], "summary": summary},
-                                              indent=1) + "\n")
+                                               "baseline": names[1], "memory_gib": memory,
+                                               "summary": summary}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

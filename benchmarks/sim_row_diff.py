@@ -40,6 +40,7 @@ from sim_eviction import GIB, run_point
 
 from lmcache_histate.sim.baselines import LRU_ROWS
 from lmcache_histate.sim.config import SimSetup, load_setup
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.policy import Policy
 from lmcache_histate.sim.report import OFFLOAD, REFERENCE, percentile, reuse_sensitive
 from lmcache_histate.sim.rewrite_stats import rewriting_requests
@@ -162,6 +163,7 @@ def main() -> None:
     setup = base.with_(cpu_bytes=int(base.cpu_bytes * args.factor),
                        disk_bytes=int(base.disk_bytes * args.factor))
     trace = load_sim_trace(args.trace, base, None)
+    setup, _ = with_target_load(trace, setup)  # the config's load rule (sim/load.py)
     if args.fixed_interval_chunks is None:
         runs = run_point(trace, setup, list(dict.fromkeys([a, b, REFERENCE, OFFLOAD])))
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from lmcache_histate.sim.config import SimSetup, load_setup
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.report import percentile
 from lmcache_histate.sim.runner import load_sim_trace, policy_factories
 from lmcache_histate.sim.server import RequestResult, simulate
@@ -74,6 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     setup = load_setup(args.config) if args.config else SimSetup.paper()
     trace = load_sim_trace(args.trace, setup, args.max_input_tokens)
+    setup, _ = with_target_load(trace, setup)  # the config's load rule (sim/load.py)
     factories = policy_factories(setup)
     names = [args.reference, *(r.strip() for r in args.rows.split(",") if r.strip())]
     runs = {n: {r.key: r for r in simulate(trace, factories[n](), setup).results}

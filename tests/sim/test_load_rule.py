@@ -3,14 +3,17 @@
 * ``halves.in_half``: the two halves are disjoint and cover every session; a half of a
   Weka folder is staggered as densely as a whole one;
 * ``report.bulk_rate`` and ``report.reuse_sensitive_neutral`` on hand-made numbers;
-* ``load.calibrate``: the derived cap meets a reachable target and says when one is not.
+* ``load.calibrate``: the derived cap meets a reachable target and says when one is not;
+  a config's ``target_rate_per_h`` is validated at load.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from lmcache_histate.sim.config import SimSetup
+from lmcache_histate.sim.config import ConfigError, SimSetup, load_setup
 from lmcache_histate.sim.halves import in_half
 from lmcache_histate.sim.load import LOW_S, calibrate
 from lmcache_histate.sim.report import bulk_rate, reuse_sensitive_neutral
@@ -76,3 +79,13 @@ def test_the_derived_cap_meets_a_reachable_target_and_flags_one_that_is_not() ->
     cal = calibrate(trace, setup, fast.bulk_rate / 2)
     assert cal.reached and cal.bulk_rate <= fast.bulk_rate / 2
     assert cal.max_think_s > LOW_S
+
+
+def test_a_bad_target_rate_is_refused_naming_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("target_rate_per_h: -5\n")
+    with pytest.raises(ConfigError, match="target_rate_per_h must be > 0 requests per hour"):
+        load_setup(cfg)
+    cfg.write_text("target_rate_per_h: fast\n")
+    with pytest.raises(ConfigError, match="target_rate_per_h: expected a number"):
+        load_setup(cfg)

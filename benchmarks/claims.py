@@ -1,0 +1,322 @@
+"""The simulator's claims, checked against the result files they come from.
+
+The simulator sections of ``README.md`` and ``benchmarks/README.md`` hold no hand-copied
+number and no hand-written comparison: each is a block between ``<!-- claims:NAME -->``
+and ``<!-- /claims -->`` that this script renders from a recorded result file
+(``SOURCES``). ``python benchmarks/claims.py`` re-renders every block and fails, naming
+the block and the first line that differs, if a page does not say what its file says;
+``--write`` rewrites the blocks from the files (after a re-run of the benchmarks).
+
+The rule a comparative sentence follows (``compare``): a row is "lower" (or "ahead")
+than another on a metric only where, over the repeats, its max is below the other's min
+(``repeats.verdict``) on ALL the sessions and on EACH of the two disjoint halves of them
+(``sim/halves.py``: CRC-32 of the session id even / odd); "higher" the same the other
+way; anything else is a "tie". A table without halves (the pressure matrix, the rewrite
+test) claims nothing beyond its spread on the set it ran: its sentences say "on all
+sessions (halves not run)" where they rank rows.
+
+Outside the blocks, the simulator sections may carry no comparative word (``RANKING``):
+``check`` flags one, so a sentence that ranks rows cannot be added by hand.
+
+Usage: ``python benchmarks/claims.py [--write]`` (from the repository root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmcache_histate.sim.repeats import Spread, verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+SOURCES = {
+    "paper-load": BENCH / "sim_weka" / "paper_load_r5.json",
+    "paper-load-a": BENCH / "sim_weka" / "paper_load_half_a.json",
+    "paper-load-b": BENCH / "sim_weka" / "paper_load_half_b.json",
+    "pressure": BENCH / "sim_pressure" / "matrix.json",
+    "pressure-a": BENCH / "sim_pressure" / "matrix_half_a.json",
+    "pressure-b": BENCH / "sim_pressure" / "matrix_half_b.json",
+    "rewrite": BENCH / "sim_weka" / "rewrite.json",
+    "rewrite-retention": BENCH / "sim_weka" / "rewrite_retention.json",
+}
+PAGES = (ROOT / "README.md", BENCH / "README.md")
+# Headings of the simulator sections (a section runs to the next heading of its level).
+SIM_HEADINGS = ("### Simulator at the paper's load", "### Try the simulator",
+                "### Under memory pressure", "### At the paper's load",
+                "### The whole shared Weka folder", "### The eviction rule across capacities",
+                "### Rewrite test")
+RANKING = re.compile(r"\b(ahead|beats?|outperforms?|wins?|faster|slower|lower|higher|lowest|"
+                     r"highest)\b", re.I)
+BLOCK = re.compile(r"<!-- claims:([a-z0-9-]+) -->\n(.*?)<!-- /claims -->", re.S)
+
+# The rows the paper-load blocks show, and the comparisons they state.
+PAPER_ROWS = ("histate", "histate-small-steps", "sglang-hicache-l3", "vllm-cpu-disk-offload",
+              "vllm-retention", "marconi")
+LABELS = {
+    "histate": "HiState",
+    "histate-small-steps": "HiState, one-chunk steps (ablation)",
+    "sglang-hicache-l3": "SGLang HiCache + L3",
+    "vllm-cpu-disk-offload": "vLLM CPU + disk offload",
+    "vllm-retention": "vLLM CPU + disk, retention interval 4,224",
+    "marconi": "Marconi",
+    "lru": "LRU", "file-lru": "file-LRU",
+}
+METRICS = {"ttft_mean": "TTFT mean", "ttft_p99": "p99", "sensitive_mean": "reuse-sensitive mean",
+           "neutral_mean": "neutral-set mean"}
+PRESSURE_VS = ("lru", "file-lru", "vllm-cpu-disk-offload", "vllm-retention", "sglang-hicache-l3")
+
+
+def spread(d: Mapping[str, Any]) -> Spread:
+    nan = math.nan
+    return Spread(*(nan if d[k] is None else d[k] for k in ("mean", "min", "max")), d["n"])
+
+
+def rows_of(doc: Mapping[str, Any]) -> dict[str, dict[str, Spread]]:
+    """``write_repeats_report``'s JSON → row → metric → spread."""
+    return {p["name"]: {k: spread(v) for k, v in p["metrics"].items()} for p in doc["policies"]}
+
+
+def compare(sets: list[dict[str, dict[str, Spread]]], row: str, other: str, metric: str) -> str:
+    """"lower", "higher" or "tie" for ``row`` against ``other`` (module doc): the same
+    verdict beyond the spread on every set in ``sets`` (all sessions, then the halves).
+    Example: all sessions 4.8 [4.6–5.0] vs 5.3 [5.1–5.6] (lower), half a lower, half b
+    4.9 [4.5–5.2] vs 5.0 [4.8–5.4] (overlap): a tie."""
+    marks = {verdict(s[other][metric], s[row][metric]) for s in sets}
+    if marks == {"+"}:
+        return "lower"
+    if marks == {"−"}:
+        return "higher"
+    return "tie"
+
+
+def _cap_line(doc: Mapping[str, Any], rows: dict[str, dict[str, Spread]]) -> str:
+    meta = doc["meta"]
+    bulk, rate = rows["histate"]["bulk_rate"], rows["histate"]["request_rate"]
+    return (f"{meta['sessions']} sessions, {meta['requests']:,} requests; think gaps capped at "
+            f"{meta['max_think_s']:.0f} s, derived from the target of "
+            f"{meta['target_rate_per_h']:,.0f} requests/h over the bulk of the run; achieved "
+            f"{bulk.fmt(0)}/h over the bulk, {rate.fmt(0)}/h over the whole run (HiState's "
+            f"runs), {doc['repeats']} jittered repeats, mean [min–max]")
+
+
+def _ratio(rows: dict[str, dict[str, Spread]], a: str, b: str, metric: str) -> str:
+    """``a``'s mean ÷ ``b``'s, and the mark of ``b`` against ``a`` on this set alone."""
+    row, base = rows[a][metric], rows[b][metric]
+    return f"×{row.mean / base.mean:.2f} {verdict(row, base)}"
+
+
+def render_paper_load(docs: Mapping[str, Any]) -> str:
+    doc = docs["paper-load"]
+    rows = rows_of(doc)
+    halves = [rows_of(docs["paper-load-a"]), rows_of(docs["paper-load-b"])]
+    lines = [_cap_line(doc, rows) + ":", "",
+             "| row | memory (GiB) | full at end % | TTFT mean (s) | p99 (s) "
+             "| reuse-sensitive mean (s) | neutral-set mean (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in PAPER_ROWS:
+        r = rows[name]
+        cap = next(p["capacity_bytes"] for p in doc["policies"] if p["name"] == name)
+        lines.append(f"| {LABELS[name]} | {cap / (1 << 30):.0f} | {r['fill'].fmt(0, 100)} | "
+                     f"{r['ttft_mean'].fmt()} | {r['ttft_p99'].fmt(2)} | "
+                     f"{r['sensitive_mean'].fmt(2)} | {r['neutral_mean'].fmt(2)} |")
+    sets = [rows, *halves]
+    lines += ["", "Halves (CRC-32 of the session id even / odd): "
+              + "; ".join(f"{d['meta']['sessions']} sessions, think cap "
+                          f"{d['meta']['max_think_s']:.0f} s"
+                          for d in (docs["paper-load-a"], docs["paper-load-b"])) + ".", ""]
+    for other in PAPER_ROWS[1:]:
+        parts = []
+        for metric, label in METRICS.items():
+            ratios = " / ".join(_ratio(s, other, "histate", metric) for s in sets)
+            parts.append(f"{label} {compare(sets, 'histate', other, metric)} ({ratios})")
+        lines.append(f"* HiState against {LABELS[other]}: " + "; ".join(parts) + ".")
+    lines += ["", "(Each verdict: HiState lower / higher beyond the spread on all sessions and "
+              "on both halves, else tie; in brackets the row's mean ÷ HiState's on all / "
+              "half a / half b, each with its own mark: + HiState lower beyond the spread on "
+              "that set, − higher, = the ranges overlap.)"]
+    runs = {p["name"]: p["runs"] for p in doc["policies"]}
+    cap_h, cap_s = (sum(r["capture_s"] for r in runs[n]) / len(runs[n])
+                    for n in ("histate", "histate-small-steps"))
+    lines += ["", f"* State capture costs HiState {cap_h:.1f} s per run with step ends only where "
+              f"a state pays; the one-chunk-step ablation pays {cap_s:.1f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def _cell_rows(cell: Mapping[str, Any]) -> dict[str, dict[str, Spread]]:
+    return {n: {k: spread(v) for k, v in m.items()} for n, m in cell["rows"].items()}
+
+
+def render_pressure(docs: Mapping[str, Any]) -> str:
+    doc = docs["pressure"]
+    halves = [{c["name"]: _cell_rows(c) for c in docs[k]["cells"]}
+              for k in ("pressure-a", "pressure-b") if k in docs]
+    with_halves = 0
+    lines = ["| cell | think cap (s) | achieved requests/h (bulk) | HiState full at end % "
+             "| HiState reuse-sensitive / neutral mean (s) | HiState p99 (s) "
+             "| reuse-sensitive mean vs " + " / ".join(LABELS.get(n, n) for n in PRESSURE_VS)
+             + " | rows lower than HiState beyond the spread (p99; reuse-sensitive; neutral) "
+             "| rows higher than HiState beyond the spread (the same) |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|"]
+    for c in doc["cells"]:
+        rows = _cell_rows(c)
+        sets = [rows]
+        if len(halves) == 2 and all(c["name"] in half for half in halves):
+            sets += [half[c["name"]] for half in halves]
+            with_halves += 1
+        h = rows["histate"]
+        hs = h["sensitive_mean"].mean
+        pct = " / ".join(f"{100 * (hs / rows[n]['sensitive_mean'].mean - 1):+.1f}"
+                         for n in PRESSURE_VS if n in rows) + " %"
+        ahead: dict[str, list[str]] = {"lower": [], "higher": []}
+        for metric in ("ttft_p99", "sensitive_mean", "neutral_mean"):
+            for word, names in ahead.items():
+                names.append(", ".join(n for n in rows if n not in ("histate", "unlimited")
+                                       and compare(sets, n, "histate", metric) == word)
+                             or "none")
+        lines.append(
+            f"| {c['sessions']} × {c['factor']:g}{'' if len(sets) == 3 else ' (all only)'} | "
+            f"{c['max_think_s']:.0f} | "
+            f"{h['bulk_rate'].mean:,.0f} | {h['fill'].fmt(0, 100)} | "
+            f"{h['sensitive_mean'].mean:.2f} / {h['neutral_mean'].mean:.2f} | "
+            f"{h['ttft_p99'].mean:.2f} | {pct} | {'; '.join(ahead['lower'])} | "
+            f"{'; '.join(ahead['higher'])} |")
+    if with_halves == len(doc["cells"]):
+        lines += ["", f"({doc['repeats']} jittered repeats a cell; a row is listed as lower or "
+                  "higher only where it is so beyond the spread on all sessions and on both "
+                  "halves, CRC-32 of the session id even / odd; the other columns: all "
+                  "sessions.)"]
+    else:
+        lines += ["", f"({doc['repeats']} jittered repeats a cell; in the cells marked \"all "
+                  "only\" the halves were not run and a row listed as lower or higher is so "
+                  "beyond the spread on all sessions only; elsewhere on all sessions and on "
+                  "both halves.)"]
+    return "\n".join(lines) + "\n"
+
+
+def render_rewrite(docs: Mapping[str, Any], key: str = "rewrite") -> str:
+    doc = docs[key]
+    memory = " / ".join(f"{doc['memory_gib'][n]:.0f}" for n in (doc["row"], doc["baseline"]))
+    lines = [f"Memory {doc['row']} / {doc['baseline']}: {memory} GiB.", "",
+             f"| scope | rewriting share | achieved requests/h | Δ rewriting requests' mean "
+             f"TTFT, {doc['row']} vs {doc['baseline']}: mean [min … max] over seeds | verdict |",
+             "|---|---:|---:|---|---|"]
+    for s in doc["summary"]:
+        word = ("lower on every seed" if s["max"] < 0 else
+                "higher on every seed" if s["min"] > 0 else "tie (the range spans 0)")
+        lines.append(f"| {s['scope']} | {s['share']:.0%} | {s['requests_per_h']:,.0f} | "
+                     f"{s['mean']:+.1%} [{s['min']:+.1%} … {s['max']:+.1%}] over "
+                     f"{s['seeds']} seeds | {word} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "paper-load": render_paper_load,
+    "pressure": render_pressure,
+    "rewrite": render_rewrite,
+    "rewrite-retention": lambda docs: render_rewrite(docs, "rewrite-retention"),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    page: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.page}: {self.what}"
+
+
+# Sources a page can do without: the pressure matrix on the halves (its block then says
+# that its marks hold on all sessions only).
+OPTIONAL = ("pressure-a", "pressure-b")
+
+
+def load_docs(sources: Mapping[str, Path] = SOURCES) -> dict[str, Any]:
+    return {k: json.loads(p.read_text()) for k, p in sources.items()
+            if k not in OPTIONAL or p.is_file()}
+
+
+def _sim_sections(text: str) -> list[str]:
+    """The text of every simulator section of a page (``SIM_HEADINGS``)."""
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if any(line.startswith(h) for h in SIM_HEADINGS):
+            level = len(line) - len(line.lstrip("#"))
+            body = []
+            for nxt in lines[i + 1:]:
+                if nxt.startswith("#") and len(nxt) - len(nxt.lstrip("#")) <= level:
+                    break
+                body.append(nxt)
+            out.append("\n".join(body))
+    return out
+
+
+def check_page(name: str, text: str, docs: Mapping[str, Any]) -> list[Problem]:
+    """Every block of ``text`` as its file renders it; no ranking word outside blocks."""
+    problems = []
+    for block, body in BLOCK.findall(text):
+        if block not in RENDER:
+            problems.append(Problem(name, f"unknown claims block {block!r}"))
+            continue
+        want = RENDER[block](docs)
+        if body != want:
+            got_lines, want_lines = body.splitlines(), want.splitlines()
+            diff = next((f"line {i + 1}: page {g!r}, file {w!r}" for i, (g, w)
+                         in enumerate(zip(got_lines, want_lines, strict=False)) if g != w),
+                        f"{len(got_lines)} lines on the page, {len(want_lines)} from the file")
+            problems.append(Problem(name, f"block {block!r} differs from its file: {diff}"))
+    for section in _sim_sections(BLOCK.sub("", text)):
+        for line in section.splitlines():
+            if line.startswith(("`", "|", "!")):
+                continue  # commands, tables (rendered from files), images
+            m = RANKING.search(line)
+            if m:
+                problems.append(Problem(name, f"ranking word {m.group(0)!r} outside a claims "
+                                              f"block: {line.strip()[:80]!r}"))
+    return problems
+
+
+def check(pages: tuple[Path, ...] = PAGES, docs: Mapping[str, Any] | None = None) -> list[Problem]:
+    docs = load_docs() if docs is None else docs
+    problems = []
+    for page in pages:
+        problems += check_page(page.name if page.parent == ROOT else str(page.relative_to(ROOT)),
+                               page.read_text(), docs)
+    return problems
+
+
+def write(pages: tuple[Path, ...] = PAGES) -> None:
+    docs = load_docs()
+    for page in pages:
+        text = page.read_text()
+        new = BLOCK.sub(lambda m: f"<!-- claims:{m.group(1)} -->\n{RENDER[m.group(1)](docs)}"
+                                  "<!-- /claims -->", text)
+        if new != text:
+            page.write_text(new)
+            print(f"rewrote the claims blocks of {page.relative_to(ROOT)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the blocks from the files")
+    args = ap.parse_args()
+    if args.write:
+        write()
+    problems = check()
+    for p in problems:
+        print(p)
+    print(f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
