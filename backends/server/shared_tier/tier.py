@@ -384,14 +384,16 @@ class HiStateSharedAdapter(L2AdapterInterface):
                     self.index.heartbeat(ALIVE_S)
                 if self._reconcile_due.is_set() and not self.conn.degraded:
                     self._reconcile_due.clear()
-                    self.reconcile()
+                    if self.reconcile() is None:  # incomplete: again at the next step
+                        self._reconcile_due.set()
             except Exception:
                 logger.exception("HiState shared tier: background step failed")
 
     def reconcile(self) -> dict[str, int] | None:
         """Entries whose value is gone are forgotten (their bytes freed); reservations and
         claims past their deadline expire (a claim taken over: its value deleted, its entry
-        dropped). None when the cluster is unreachable."""
+        dropped). None, changing nothing, when any master did not answer (a value on it is
+        unknown, not gone). Scans every entry: run after an outage, not per request."""
         keys = self.index.keys
         ids = self.conn.call(lambda c: list(c.zrange(keys.rank, 0, -1)), None)
         every = self.conn.call(lambda c: [keys.id_of(k) for k in c.scan_iter(
@@ -406,9 +408,9 @@ class HiStateSharedAdapter(L2AdapterInterface):
                 return p.execute(raise_on_error=False)
 
         present = self.conn.call(exists, None) if ids else []
-        if present is None:
-            return None
-        gone = [i for i, e in zip(ids, present, strict=True) if e != 1]
+        if present is None or any(isinstance(e, Exception) for e in present):
+            return None  # a master did not answer: its values are unknown, not gone
+        gone = [i for i, e in zip(ids, present, strict=True) if e == 0]
         report: Counter[str] = Counter()
         report["values_gone"] = self.index.forget_stored(gone) if gone else 0
         stored = set(ids)
@@ -419,6 +421,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
         report["expired"] = len(taken)
         self.last_reconcile = dict(report)
         self.stats["reconciles"] += 1
+        self.stats["values_gone"] += report["values_gone"]
         logger.info("HiState shared tier reconciled: %s", dict(report))
         return dict(report)
 
