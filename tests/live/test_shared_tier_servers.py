@@ -32,9 +32,12 @@ from support.redis_cluster import RedisClusterNodes
 from test_backend_server import CHUNK, GEOMETRY, histate, hs, settle, wait_until
 
 
-def tier_section(cluster: RedisClusterNodes, instance: str) -> dict[str, Any]:
+def tier_section(cluster: RedisClusterNodes, instance: str,
+                 budget_gib: float = 0.01) -> dict[str, Any]:
+    """The ``shared_tier`` section of node ``instance`` (deployment ``t``)."""
     return {"nodes": cluster.nodes, "deployment": "t", "instance": instance,
-            "budget_gib": 0.01, "connect_timeout_s": 0.3, "op_timeout_s": 1.0, "retry_s": 0.3}
+            "budget_gib": budget_gib, "connect_timeout_s": 0.3, "op_timeout_s": 1.0,
+            "retry_s": 0.3}
 
 
 def shared(server: LMCacheServer) -> dict[str, Any]:
