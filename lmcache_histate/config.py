@@ -662,25 +662,35 @@ def _shared_index(
                 f"got {raw!r}"
             )
         out[key] = raw
+    tls = isinstance(out["url"], str) and out["url"].startswith("rediss://")
+    _redis_access(SHARED_INDEX, value, base_dir, tls, "a rediss:// (TLS) url", out, errors)
+    if len(errors) > n0:
+        return None
+    return SharedIndexConfig(**out)
+
+
+def _redis_access(
+    section: str, value: Mapping[str, Any], base_dir: Path | None, tls: bool, tls_how: str,
+    out: dict[str, Any], errors: list[str],
+) -> None:
+    """The timeouts, ``password_file`` and ``tls_ca_file`` of a Redis section
+    (``shared_index``, ``shared_tier``) into ``out``; ``tls``: whether the section asks
+    for TLS (``tls_how`` says how, for the message)."""
     for key in _SHARED_INDEX_TIMES:
         if key in value:
-            out[key] = _positive_number(f"{SHARED_INDEX}.{key}", value[key], errors, " (seconds)")
+            out[key] = _positive_number(f"{section}.{key}", value[key], errors, " (seconds)")
     if value.get("password_file") is not None:
         out["password_file"] = _secret_file(
-            f"{SHARED_INDEX}.password_file", value["password_file"], base_dir, errors,
-            min_length=1,
+            f"{section}.password_file", value["password_file"], base_dir, errors, min_length=1,
         )
     ca = value.get("tls_ca_file")
     if ca is not None:
         path = _resolve(str(ca), base_dir)
         if not isinstance(ca, str) or not path.is_file():
-            errors.append(f"{SHARED_INDEX}.tls_ca_file: must be a readable file, got {ca!r}")
-        elif isinstance(out["url"], str) and not out["url"].startswith("rediss://"):
-            errors.append(f"{SHARED_INDEX}.tls_ca_file: only used with a rediss:// (TLS) url")
+            errors.append(f"{section}.tls_ca_file: must be a readable file, got {ca!r}")
+        elif not tls:
+            errors.append(f"{section}.tls_ca_file: only used with {tls_how}")
         out["tls_ca_file"] = str(path)
-    if len(errors) > n0:
-        return None
-    return SharedIndexConfig(**out)
 
 
 # ---------------------------------------------------------------- shared_tier (NOTE 6)
@@ -720,24 +730,9 @@ def parse_shared_tier(
                           f"got {raw!r}")
         out[key] = raw
     out["budget_gib"] = _gib(f"{SHARED_TIER}.budget_gib", value.get("budget_gib"), errors)
-    for key in _SHARED_INDEX_TIMES:
-        if key in value:
-            out[key] = _positive_number(f"{SHARED_TIER}.{key}", value[key], errors, " (seconds)")
     if "tls" in value:
         out["tls"] = _boolean(f"{SHARED_TIER}.tls", value["tls"], errors)
-    if value.get("password_file") is not None:
-        out["password_file"] = _secret_file(
-            f"{SHARED_TIER}.password_file", value["password_file"], base_dir, errors,
-            min_length=1,
-        )
-    ca = value.get("tls_ca_file")
-    if ca is not None:
-        path = _resolve(str(ca), base_dir)
-        if not isinstance(ca, str) or not path.is_file():
-            errors.append(f"{SHARED_TIER}.tls_ca_file: must be a readable file, got {ca!r}")
-        elif not out.get("tls"):
-            errors.append(f"{SHARED_TIER}.tls_ca_file: only used with tls: true")
-        out["tls_ca_file"] = str(path)
+    _redis_access(SHARED_TIER, value, base_dir, bool(out.get("tls")), "tls: true", out, errors)
     if len(errors) > n0:
         return None
     return SharedTierConfig(**{k: v for k, v in out.items() if v is not None})

@@ -137,6 +137,20 @@ SERIES_HELP = {
 """HELP text of each counter of ``_series`` (NOTE 1 for the two token counters)."""
 
 
+def _connected(part: dict) -> list[tuple[float, dict]]:
+    """1 / 0: a Redis-backed part's connection (shared index, shared tier) is up."""
+    return [(float(part["mode"] == "connected"), {})]
+
+
+def _calls(part: dict) -> list[tuple[float, dict]]:
+    return [(float(v), {"what": k}) for k, v in part["connection"].items()]
+
+
+def _usage(part: dict) -> list[tuple[float, dict]]:
+    return [(float(part[f"{k}_bytes"]), {"what": k})
+            for k in ("used", "budget", "evicting") if f"{k}_bytes" in part]
+
+
 def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
     def status_value(key: str) -> Callable:
         def read() -> list[tuple[float, dict]]:
@@ -180,28 +194,25 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
         ),
         "histate_shared_tier_connected": (
             "1 while the shared tier's cluster answers, 0 while degraded (own tiers only)",
-            shared_tier(lambda p: [(float(p["mode"] == "connected"), {})]),
+            shared_tier(_connected),
         ),
         "histate_shared_tier_calls": (
             "Shared tier connection counters (calls, failures, skipped while degraded, "
             "outages, recoveries, probes)",
-            shared_tier(lambda p: [(float(v), {"what": k}) for k, v in p["connection"].items()]),
+            shared_tier(_calls),
         ),
         "histate_shared_tier_bytes": (
             "The deployment's shared tier: used, budget and being-evicted bytes",
-            shared_tier(lambda p: [
-                (float(p[f"{k}_bytes"]), {"what": k})
-                for k in ("used", "budget", "evicting") if f"{k}_bytes" in p
-            ]),
+            shared_tier(_usage),
         ),
         "histate_shared_index_connected": (
             "1 while the shared index's Redis answers, 0 while degraded (local view)",
-            shared(lambda p: [(float(p["mode"] == "connected"), {})]),
+            shared(_connected),
         ),
         "histate_shared_index_calls": (
             "Shared index connection counters (calls, failures, skipped while degraded, "
             "outages, recoveries, probes)",
-            shared(lambda p: [(float(v), {"what": k}) for k, v in p["connection"].items()]),
+            shared(_calls),
         ),
         "histate_shared_index_reregistered": (
             "Objects this server registered again after Redis returned",
@@ -209,10 +220,7 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
         ),
         "histate_shared_index_disk_bytes": (
             "The deployment's shared disk tier: used, budget and being-evicted bytes",
-            shared(lambda p: [
-                (float(p[f"{k}_bytes"]), {"what": k})
-                for k in ("used", "budget", "evicting") if f"{k}_bytes" in p
-            ]),
+            shared(_usage),
         ),
         "histate_snapshot_interval_tokens": (
             "Snapshot interval (tokens) chosen for the latest segment", status_value(

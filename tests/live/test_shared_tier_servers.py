@@ -32,9 +32,12 @@ from support.redis_cluster import RedisClusterNodes
 from test_backend_server import CHUNK, GEOMETRY, histate, hs, settle, wait_until
 
 
-def tier_section(cluster: RedisClusterNodes, instance: str) -> dict[str, Any]:
+def tier_section(cluster: RedisClusterNodes, instance: str,
+                 budget_gib: float = 0.01) -> dict[str, Any]:
+    """The ``shared_tier`` section of node ``instance`` (deployment ``t``)."""
     return {"nodes": cluster.nodes, "deployment": "t", "instance": instance,
-            "budget_gib": 0.01, "connect_timeout_s": 0.3, "op_timeout_s": 1.0, "retry_s": 0.3}
+            "budget_gib": budget_gib, "connect_timeout_s": 0.3, "op_timeout_s": 1.0,
+            "retry_s": 0.3}
 
 
 def shared(server: LMCacheServer) -> dict[str, Any]:
@@ -49,6 +52,21 @@ def shared_loads(server: LMCacheServer) -> tuple[int, int]:
 def metrics(server: LMCacheServer) -> str:
     with urllib.request.urlopen(server.endpoints.http_url + "/metrics", timeout=10) as r:
         return r.read().decode()
+
+
+def entries(cluster: RedisClusterNodes) -> list[dict[str, str]]:
+    """Every entry of the shared tier's namespace, read straight from the cluster."""
+    from lmcache_histate.backends.server.shared_index.layout import KeySpace
+    from redis.cluster import ClusterNode, RedisCluster
+
+    keys = KeySpace("t", "tiny-qwen3-next")
+    client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", s.port)
+                                         for s in cluster.servers], decode_responses=True)
+    try:
+        names = list(client.scan_iter(match=keys.object_pattern, count=1000))
+        return [client.hgetall(n) for n in names]
+    finally:
+        client.close()
 
 
 def resume(server: LMCacheServer, prompt: list[int]) -> dict[str, Any]:
@@ -146,6 +164,14 @@ def test_node_a_killed_then_a_master_killed_mid_run_serves_no_wrong_byte(
             expected = [engine_a.stored_bytes(sp, 4) for sp in stored]
             # Each session's 4 KV chunks (kept by A's core) and its final snapshot.
             assert shared(a)["stats"]["objects_stored"] == 5 * len(sessions)
+            # Ranked by A's core, not by value size: each KV object leaves A's CPU tier
+            # with its session's bundle, M = 4 x 2,048 + 8,192 = 16,384 payload bytes; the
+            # final snapshot's durable copy on disk frees only itself, M = 8,192.
+            rows = entries(redis_cluster)
+            assert len(rows) == 5 * len(sessions)
+            assert {(e["kind"], float(e["freed"])) for e in rows} == {("0", 16384.0),
+                                                                        ("1", 8192.0)}
+            assert all(0 < float(e["cost"]) != float(e["size"]) for e in rows)
             a.kill()
         with HybridEngineClient(b.endpoints.zmq_url, GEOMETRY, seed=1) as engine_b:
             for i, s in enumerate(sessions):  # node A is gone
@@ -175,7 +201,7 @@ def test_node_a_killed_then_a_master_killed_mid_run_serves_no_wrong_byte(
         status = shared(b)
         assert status["mode"] == "connected"
         assert status["stats"].get("corrupt_values", 0) == 0
-        lost = status["last_reconcile"]["values_gone"]
+        lost = status["stats"]["values_gone"]
         assert lost > 0  # a master holds about a third of the 30 values
         assert status["used_bytes"] <= status["budget_bytes"]
         print(f"\nsessions resumable after the kill: {sum(survived)} of {len(sessions)}; "

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from support.redis_cluster import RedisClusterNodes
+from test_shared_tier_servers import tier_section
 from test_vllm_cpu_roundtrip import (
     LAUNCHER,
     MAX_TOKENS,
@@ -36,11 +37,6 @@ from test_vllm_cpu_roundtrip import (
     server_module_arg,
     settle,
 )
-
-
-def tier_section(cluster: RedisClusterNodes, instance: str) -> dict[str, Any]:
-    return {"nodes": cluster.nodes, "deployment": "vllm-fleet", "instance": instance,
-            "budget_gib": 0.2}
 
 
 def loads(status: dict[str, Any], tier: str) -> int:
@@ -65,7 +61,7 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
     for name in ("a", "b"):
         cfg = histate_config(tmp_path / f"histate-{name}.yaml", tiny_model,
                              tmp_path / f"disk-{name}",
-                             shared_tier=tier_section(redis_cluster, name))
+                             shared_tier=tier_section(redis_cluster, name, budget_gib=0.2))
         commands[name] = [sys.executable, "-m", LAUNCHER, "--config", str(cfg)]
     ask = {"histate_saves": True, "cached_token_stats": True}
 

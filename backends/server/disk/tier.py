@@ -39,7 +39,7 @@ depth and parent; it hands them to ``expect_headers`` before the write is submit
 (LMCache's ``submit_store_task`` carries keys and buffers only), and the write takes them.
 An I/O thread so never reads the runtime's state, which it could only do without its lock.
 Headers of writes that never come (an object LMCache could not read back from L1) are
-bounded (``HEADERS_MAX``, oldest dropped).
+bounded (``l2_tasks.HEADERS_MAX``, oldest dropped).
 
 NOTE 3 (reports are queued, not called). What an I/O thread learns (a write failed, a file
 is corrupt, the capacity fell) matters to the runtime's core, which only its lock guards.
@@ -85,7 +85,7 @@ import contextlib
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,9 +97,9 @@ from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.platform import create_event_notifier
 from lmcache_histate.backends.upstream.lmcache_symbols import l2_memory_tags
 
+from ..l2_tasks import ExpectedHeaders, TaskBoard
 from . import file_format as df
 from .config import HiStateDiskAdapterConfig
 from .entries import DiskEntry, ObjectMeta, recover_entries
@@ -114,10 +114,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 __all__ = ["CapacityChanged", "DiskReport", "FilesLost", "HiStateDiskAdapter", "WriteDone"]
-
-HEADERS_MAX = 1 << 16
-"""Expected headers kept for writes not yet submitted (NOTE 2); the oldest go first."""
-
 
 @dataclass(frozen=True, slots=True)
 class WriteDone:
@@ -173,13 +169,10 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._delete_on_unlock: set[ObjectKey] = set()
         self._doomed: Counter[ObjectKey] = Counter()  # deletes decided, not run (NOTE 4)
         self._spared: Counter[ObjectKey] = Counter()  # of those, voided by a later write
-        self._next_task = 0
-        self._store_done: dict[L2TaskId, L2StoreResult] = {}
-        self._lookup_done: dict[L2TaskId, Bitmap] = {}
-        self._load_done: dict[L2TaskId, Bitmap] = {}
+        self.tasks = TaskBoard()
         self.stats: Counter[str] = Counter()
         self._reports: deque[DiskReport] | None = None  # NOTE 3: None until started
-        self._headers: OrderedDict[ObjectKey, ObjectMeta] = OrderedDict()
+        self._headers = ExpectedHeaders(self.stats)
         self._closed = False
         self.shared: SharedIndexLink | None = None
         self.writer = DiskWriter(config, self.root, self.stats, TierAccess(
@@ -191,8 +184,6 @@ class HiStateDiskAdapter(L2AdapterInterface):
         ))
         if config.shared_index is None:
             self._recover_index(claimed)
-        self._store_efd, self._lookup_efd, self._load_efd = (
-            create_event_notifier(), create_event_notifier(), create_event_notifier())
         self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
         if config.shared_index is not None:
             # NOTE 1: no start-up scan; the deployment's index, reconciled.
@@ -227,19 +218,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
 
     def expect_headers(self, metas: Mapping[ObjectKey, ObjectMeta]) -> None:
         """The headers of writes about to be submitted (NOTE 2)."""
-        if not metas:
-            return
-        with self._lock:
-            self._headers.update(metas)
-            for key in metas:
-                self._headers.move_to_end(key)
-            while len(self._headers) > HEADERS_MAX:
-                self._headers.popitem(last=False)
-                self.stats["headers_dropped"] += 1
-
-    def _take_headers(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, ObjectMeta]:
-        with self._lock:
-            return {k: m for k in keys if (m := self._headers.pop(k, None)) is not None}
+        self._headers.expect(metas)
 
     def _recover_index(self, claimed: str) -> None:
         """Index the files of an own folder (one server); leftovers removed."""
@@ -264,23 +243,17 @@ class HiStateDiskAdapter(L2AdapterInterface):
 
     # ---------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
-        return self._store_efd.fileno()
+        return self.tasks.store_efd.fileno()
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_efd.fileno()
+        return self.tasks.lookup_efd.fileno()
 
     def get_load_event_fd(self) -> int:
-        return self._load_efd.fileno()
-
-    def _task_id(self) -> L2TaskId:
-        with self._lock:
-            tid = self._next_task
-            self._next_task += 1
-            return tid
+        return self.tasks.load_efd.fileno()
 
     # -------------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        tid = self._task_id()
+        tid = self.tasks.new_id()
         self._submit_write(keys, self._store_task, tid, list(keys), list(objects))
         return tid
 
@@ -293,23 +266,19 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._pool.submit(task, *args)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._store_done = self._store_done, {}
-        return done
+        return self.tasks.pop_stores()
 
     def _store_task(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         result = L2StoreResult(False, 0)
         try:
             ok, failed, _stored, written = self.writer.write_batch(
-                keys, [o.byte_array for o in objects], self._take_headers(keys))
+                keys, [o.byte_array for o in objects], self._headers.take(keys))
             result = L2StoreResult(not failed, written)
             self._report(WriteDone(ok, failed, store_task=True))
         except BaseException as exc:  # the task must complete whatever happened
             self.writer.not_persisted_all(keys, exc)
         finally:
-            with self._lock:
-                self._store_done[tid] = result
-            self._store_efd.notify()
+            self.tasks.store_done(tid, result)
 
     def write_objects(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Any], release: Callable[[], None]
@@ -326,7 +295,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
             failed = list(keys)
             try:
                 ok, failed, _stored, _ = self.writer.write_batch(
-                    list(keys), list(buffers), self._take_headers(keys))
+                    list(keys), list(buffers), self._headers.take(keys))
             except BaseException as exc:
                 self.writer.not_persisted_all(keys, exc)
             finally:
@@ -344,7 +313,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        tid = self._task_id()
+        tid = self.tasks.new_id()
         bitmap = Bitmap(len(keys))
         # Shared: the deployment's entries decide, leased (one round trip); None = degraded.
         found = None if self.shared is None else self.shared.lookup(keys)
@@ -358,13 +327,11 @@ class HiStateDiskAdapter(L2AdapterInterface):
                         key not in self.writer.leaving):
                     self._locks[key] += 1
                     bitmap.set(i)
-            self._lookup_done[tid] = bitmap
-        self._lookup_efd.notify()
+        self.tasks.lookup_done(tid, bitmap)
         return tid
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._lookup_done.pop(task_id, None)
+        return self.tasks.pop_lookup(task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         doomed: list[ObjectKey] = []
@@ -386,13 +353,12 @@ class HiStateDiskAdapter(L2AdapterInterface):
 
     # --------------------------------------------------------------------- load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        tid = self._task_id()
+        tid = self.tasks.new_id()
         self._pool.submit(self._load_task, tid, list(keys), [o.byte_array for o in objects])
         return tid
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._load_done.pop(task_id, None)
+        return self.tasks.pop_load(task_id)
 
     def _load_task(self, tid: L2TaskId, keys: list[ObjectKey], buffers: list[Any]) -> None:
         bitmap = Bitmap(len(keys))
@@ -424,9 +390,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
         if loaded:
             self.stats["objects_loaded"] += len(loaded)
             self._notify_keys_accessed(loaded)
-        with self._lock:
-            self._load_done[tid] = bitmap
-        self._load_efd.notify()
+        self.tasks.load_done(tid, bitmap)
 
     # ------------------------------------------------------------------- delete
     def mark_decisions(
@@ -579,9 +543,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
         self._pool.shutdown(wait=True, cancel_futures=False)
         if self.shared is not None:
             self.shared.close()
-        self._store_efd.close()
-        self._lookup_efd.close()
-        self._load_efd.close()
+        self.tasks.close()
         fd, self._folder_fd = self._folder_fd, None
         if fd is not None:
             os.close(fd)  # releases the folder for the next server

@@ -397,10 +397,26 @@ class HiStateRuntime:
                     continue
                 if key in route or (self.model.part(key) == KV and self.objects.key_tiers(key)):
                     out.append(key)
-                    metas[key] = ObjectMeta(*self.objects.object_meta(key))
+                    metas[key] = ObjectMeta(*self.objects.object_meta(key),
+                                            score=self._unit_score(key))
         shared.expect_headers(metas)
         self.stats["shared_tier.routed"] += len(out)
         return out
+
+    def _unit_score(self, key: ObjectKey) -> tuple[float, float] | None:
+        """The core's ``(C, M)`` of the unit ``key`` leaves its lowest tier with (under the
+        lock): what the shared tier's ranking in the cluster prices it by, as a shared
+        disk folder's does (``shared_link`` NOTE 2). None when the core holds it nowhere."""
+        core, where = self.model.core, self.objects.where(key)
+        if core is None or where is None:
+            return None
+        nk, part = where
+        tiers = core.tiers_of(nk, part)
+        if not tiers:
+            return None
+        tier = ServerTier.DISK if (tiers >> ServerTier.DISK) & 1 else ServerTier.CPU
+        found = core.eviction_inputs(nk, part, tier)
+        return None if found is None else (found[1], found[2])
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier

@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -59,11 +59,11 @@ from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.platform import create_event_notifier
 
 from ..disk import file_format as df
 from ..disk.entries import UNKNOWN_META, ObjectMeta
 from ..disk.shared_link import key_id
+from ..l2_tasks import ExpectedHeaders, TaskBoard
 from ..shared_index.budget import reserve_with_eviction
 from ..shared_index.connection import IndexConnection, Unavailable
 from ..shared_index.index import BudgetMismatch, Location, SharedIndex, Victim
@@ -85,7 +85,6 @@ SHARED_TIER_NUMBER = 2
 POLL_S = 0.5
 HEARTBEAT_S = 5.0
 ALIVE_S = 30.0
-HEADERS_MAX = 1 << 16
 
 
 class HiStateSharedAdapter(L2AdapterInterface):
@@ -126,18 +125,13 @@ class HiStateSharedAdapter(L2AdapterInterface):
         self._lock = threading.Lock()
         self._locks: Counter[ObjectKey] = Counter()
         self._where: dict[ObjectKey, Location] = {}
-        self._headers: OrderedDict[ObjectKey, ObjectMeta] = OrderedDict()
-        self._next_task = 0
-        self._store_done: dict[L2TaskId, L2StoreResult] = {}
-        self._lookup_done: dict[L2TaskId, Bitmap] = {}
-        self._load_done: dict[L2TaskId, Bitmap] = {}
         self._releases: list[str] = []
         self.stats: Counter[str] = Counter()
+        self._headers = ExpectedHeaders(self.stats)
+        self.tasks = TaskBoard()
         self.last_reconcile: dict[str, int] = {}
         self._reconcile_due = threading.Event()
         self._closed = False
-        self._store_efd, self._lookup_efd, self._load_efd = (
-            create_event_notifier(), create_event_notifier(), create_event_notifier())
         self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-shared")
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -156,40 +150,28 @@ class HiStateSharedAdapter(L2AdapterInterface):
 
     def expect_headers(self, metas: Mapping[ObjectKey, ObjectMeta]) -> None:
         """Headers of writes about to be submitted (as the disk tier's, its NOTE 2)."""
-        with self._lock:
-            for key, meta in metas.items():
-                self._headers[key] = meta
-                self._headers.move_to_end(key)
-            while len(self._headers) > HEADERS_MAX:
-                self._headers.popitem(last=False)
+        self._headers.expect(metas)
 
     def value_key(self, oid: str) -> str:
         return self.prefix + oid
 
     def get_store_event_fd(self) -> int:
-        return self._store_efd.fileno()
+        return self.tasks.store_efd.fileno()
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_efd.fileno()
+        return self.tasks.lookup_efd.fileno()
 
     def get_load_event_fd(self) -> int:
-        return self._load_efd.fileno()
-
-    def _task_id(self) -> L2TaskId:
-        with self._lock:
-            self._next_task += 1
-            return self._next_task
+        return self.tasks.load_efd.fileno()
 
     # ----------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        tid = self._task_id()
+        tid = self.tasks.new_id()
         self._pool.submit(self._store_task, tid, list(keys), [o.byte_array for o in objects])
         return tid
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._store_done = self._store_done, {}
-        return done
+        return self.tasks.pop_stores()
 
     def _store_task(self, tid: L2TaskId, keys: list[ObjectKey], buffers: list[Any]) -> None:
         result = L2StoreResult(False, 0)
@@ -199,9 +181,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
             logger.exception("HiState shared tier: a write of %d objects failed", len(keys))
             self.stats["write_errors"] += len(keys)
         finally:
-            with self._lock:
-                self._store_done[tid] = result
-            self._store_efd.notify()
+            self.tasks.store_done(tid, result)
 
     def _write(self, keys: list[ObjectKey], buffers: list[Any]) -> L2StoreResult:
         """Reserve under the deployment budget (evicting by ``H``), set the reserved values
@@ -209,8 +189,8 @@ class HiStateSharedAdapter(L2AdapterInterface):
         if self.conn.degraded:
             self.stats["not_stored_degraded"] += len(keys)
             return L2StoreResult(False, 0)
-        with self._lock:
-            metas = [self._headers.pop(k, UNKNOWN_META) for k in keys]
+        expected = self._headers.take(keys)
+        metas = [expected.get(k, UNKNOWN_META) for k in keys]
         items = []
         for key, buf, meta in zip(keys, buffers, metas, strict=True):
             oid = df.ObjectId.of(key)
@@ -270,7 +250,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        tid = self._task_id()
+        tid = self.tasks.new_id()
         bitmap = Bitmap(len(keys))
         ids = [key_id(k) for k in keys]
         found = self.index.lookup(ids) if keys else {}  # NOTE 2: None at once when degraded
@@ -284,13 +264,11 @@ class HiStateSharedAdapter(L2AdapterInterface):
                         bitmap.set(n)
             self.stats["lookups" if found is not None else "lookups_skipped"] += 1
             self.stats["lookup_hits"] += len(found or ())
-            self._lookup_done[tid] = bitmap
-        self._lookup_efd.notify()
+        self.tasks.lookup_done(tid, bitmap)
         return tid
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._lookup_done.pop(task_id, None)
+        return self.tasks.pop_lookup(task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         with self._lock:
@@ -305,13 +283,12 @@ class HiStateSharedAdapter(L2AdapterInterface):
 
     # ------------------------------------------------------------------ load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        tid = self._task_id()
+        tid = self.tasks.new_id()
         self._pool.submit(self._load_task, tid, list(keys), [o.byte_array for o in objects])
         return tid
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._load_done.pop(task_id, None)
+        return self.tasks.pop_load(task_id)
 
     def _load_task(self, tid: L2TaskId, keys: list[ObjectKey], buffers: list[Any]) -> None:
         bitmap = Bitmap(len(keys))
@@ -320,9 +297,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
         except Exception:
             logger.exception("HiState shared tier: a load of %d objects failed", len(keys))
         finally:
-            with self._lock:
-                self._load_done[tid] = bitmap
-            self._load_efd.notify()
+            self.tasks.load_done(tid, bitmap)
 
     def _load(self, keys: list[ObjectKey], buffers: list[Any], bitmap: Bitmap) -> None:
         ids = [key_id(k) for k in keys]
@@ -384,14 +359,16 @@ class HiStateSharedAdapter(L2AdapterInterface):
                     self.index.heartbeat(ALIVE_S)
                 if self._reconcile_due.is_set() and not self.conn.degraded:
                     self._reconcile_due.clear()
-                    self.reconcile()
+                    if self.reconcile() is None:  # incomplete: again at the next step
+                        self._reconcile_due.set()
             except Exception:
                 logger.exception("HiState shared tier: background step failed")
 
     def reconcile(self) -> dict[str, int] | None:
         """Entries whose value is gone are forgotten (their bytes freed); reservations and
         claims past their deadline expire (a claim taken over: its value deleted, its entry
-        dropped). None when the cluster is unreachable."""
+        dropped). None, changing nothing, when any master did not answer (a value on it is
+        unknown, not gone). Scans every entry: run after an outage, not per request."""
         keys = self.index.keys
         ids = self.conn.call(lambda c: list(c.zrange(keys.rank, 0, -1)), None)
         every = self.conn.call(lambda c: [keys.id_of(k) for k in c.scan_iter(
@@ -406,9 +383,9 @@ class HiStateSharedAdapter(L2AdapterInterface):
                 return p.execute(raise_on_error=False)
 
         present = self.conn.call(exists, None) if ids else []
-        if present is None:
-            return None
-        gone = [i for i, e in zip(ids, present, strict=True) if e != 1]
+        if present is None or any(isinstance(e, Exception) for e in present):
+            return None  # a master did not answer: its values are unknown, not gone
+        gone = [i for i, e in zip(ids, present, strict=True) if e == 0]
         report: Counter[str] = Counter()
         report["values_gone"] = self.index.forget_stored(gone) if gone else 0
         stored = set(ids)
@@ -419,6 +396,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
         report["expired"] = len(taken)
         self.last_reconcile = dict(report)
         self.stats["reconciles"] += 1
+        self.stats["values_gone"] += report["values_gone"]
         logger.info("HiState shared tier reconciled: %s", dict(report))
         return dict(report)
 
@@ -451,6 +429,4 @@ class HiStateSharedAdapter(L2AdapterInterface):
         self._pool.shutdown(wait=True, cancel_futures=False)
         self.conn.close()
         self.data.close()
-        self._store_efd.close()
-        self._lookup_efd.close()
-        self._load_efd.close()
+        self.tasks.close()
