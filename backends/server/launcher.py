@@ -174,6 +174,8 @@ def shared_adapter_spec(cfg: HiStateConfig) -> dict[str, Any] | None:
     tiers lack (docs/multi-node.md)."""
     if cfg.shared_tier is None:
         return None
+    from .shared_index.layout import index_model_name  # imports redis (see above)
+
     return {
         "type": "plugin",
         "module_path": SHARED_ADAPTER_MODULE,
