@@ -165,9 +165,13 @@ def test_an_abstract_method_the_tier_lacks_is_named(uses: dict, tmp_path: Path) 
     planted(tmp_path, API, OBJECT_KEY, TAGS + OBJECT_KEY)
     tree = planted(tmp_path, BASE, UNLOCK, "    @abstractmethod\n    def submit_prune(self):\n"
                    "        pass\n\n" + UNLOCK)
+    # Each L2 adapter of ours is named: the disk tier and the shared tier.
     assert cell(uses, "lmcache", "0.5.7rc2", tree, scope="l2-adapter") == [
         "lmcache.v1.distributed.l2_adapters.base:L2AdapterInterface.submit_prune: abstract, "
-        "not implemented by HiStateDiskAdapter (backends/server/disk/tier.py:HiStateDiskAdapter)"]
+        "not implemented by HiStateDiskAdapter (backends/server/disk/tier.py:HiStateDiskAdapter)",
+        "lmcache.v1.distributed.l2_adapters.base:L2AdapterInterface.submit_prune: abstract, "
+        "not implemented by HiStateSharedAdapter "
+        "(backends/server/shared_tier/tier.py:HiStateSharedAdapter)"]
 
 
 def test_a_call_that_no_longer_fits_is_named() -> None:

@@ -59,6 +59,7 @@ from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache_histate.backends.upstream.lmcache_symbols import l2_memory_tags
 
 from ..disk import file_format as df
 from ..disk.entries import UNKNOWN_META, ObjectMeta
@@ -334,6 +335,18 @@ class HiStateSharedAdapter(L2AdapterInterface):
                 [Victim(i, self.value_key(i), 0) for i in bad]), None)
 
     # ---------------------------------------------------------------- delete
+    # ------------------------------------------- LMCache 0.5.7's adapter interface
+    def get_memory_tags(self) -> Any:
+        """``REMOTE`` storage: every node of the fleet reads it. Abstract from LMCache 0.5.7,
+        which filters prefetch targets by it; 0.5.6 never calls it
+        (``upstream.lmcache_symbols``)."""
+        return l2_memory_tags(shared=True)
+
+    def submit_touch(self, keys: list[ObjectKey]) -> None:
+        """Nothing to do: LMCache 0.5.7 calls it on a hit served from L1, a use of the
+        node's copy, not of the shared one. The shared tier's ranking lives in the index and
+        moves with the lookups that read it (the ``lookup`` script refreshes ``t``)."""
+
     def delete(self, keys: list[ObjectKey]) -> None:
         """LMCache's own L2 eviction is not configured for this tier: the deployment's
         ranking deletes (module docstring). Counted, nothing done."""
