@@ -70,6 +70,24 @@ on it (``backends/server/disk/config.py``). Its ``adapter_params`` are the serve
 ``DISK_TIER_KEYS`` under the same names, plus ``index_model`` (the shared index's model
 namespace), and ``parse_disk_tier`` validates them with the checks ``parse_config`` uses:
 one rule per key, one message for a bad value wherever it is given.
+
+NOTE 6 (every number has an upper bound, each with its reason): a value beyond it is a
+typo or a unit mistake that would start a server which misbehaves later (``chunk_size:
+1000000000000`` started, and no chunk could ever complete). Token counts are bounded by
+``max_model_tokens`` (the longest prompt the engine accepts): ``chunk_size``, every entry
+of ``supported_intervals`` and ``max_interval_chunks × chunk_size``, since a chunk or an
+interval longer than any prompt is never reached. ``max_model_tokens``, the times and
+``tau`` have fixed bounds in ``UPPER_BOUNDS``, the reason written beside each; the
+fractions and ``initial_pressure_factor`` their ranges; ``port`` 65535;
+``disk_io_workers`` 64 (NOTE 2). ``cpu_gib`` and ``disk_gib`` are bounded at start by
+what the machine has (``backends/server/preflight.py``: the memory this process may use,
+the filesystem of ``disk_path``), since only the machine knows.
+
+NOTE 7 (``host`` is IPv4): LMCache 0.5.6 binds its ZMQ socket as ``tcp://{host}:{port}``
+without ZMQ's IPV6 option (``transport/zmq_impl/server.py``), which cannot bind an IPv6
+address (``::1`` ended LMCache's start-up after 26 s with ``ZMQError: No such device``).
+``host`` must be an IPv4 address or a name with one (``preflight`` resolves it as ZMQ
+will); ``http_host`` (uvicorn) takes IPv6 too.
 """
 
 from __future__ import annotations
@@ -116,6 +134,31 @@ SCHEMES = ("redis", "rediss", "unix")
 MIN_SECRET = 16
 """Shortest accepted shared secret in ``auth_token_file``, in characters (NOTE 4)."""
 SHARED_INDEX = "shared_index"
+DAY = 86_400.0
+UPPER_BOUNDS: Mapping[str, tuple[float, str]] = {
+    "max_model_tokens": (
+        1 << 24, "16 times the default; above the longest context any engine serves, and "
+        "histate.plan's work and the hooks' chain work grow with it"),
+    "session_ttl_s": (
+        30 * DAY, "30 days: an idle session's chain stays in the core until then; a larger "
+        "value is taken for a unit mistake"),
+    "request_ttl_s": (DAY, "a day: a request not ended by then is a leak, not a request"),
+    "tau": (
+        1e9, "10^9 s: beyond it recency no longer changes any eviction score; a larger "
+        "value is taken for a unit mistake"),
+    f"{SHARED_INDEX}.connect_timeout_s": (
+        60.0, "a Redis call blocks the request it serves; the server degrades instead"),
+    f"{SHARED_INDEX}.op_timeout_s": (
+        60.0, "a Redis call blocks the request it serves; the server degrades instead"),
+    f"{SHARED_INDEX}.lease_ttl_s": (DAY, "a dead server's leases block eviction this long"),
+    f"{SHARED_INDEX}.claim_ttl_s": (DAY, "a dead server's claims block eviction this long"),
+    f"{SHARED_INDEX}.write_ttl_s": (
+        DAY, "a dead server's reservations hold budget this long"),
+    f"{SHARED_INDEX}.retry_s": (3600.0, "an hour between probes of an unreachable Redis"),
+}
+"""NOTE 6: the fixed upper bound of each key, with the reason the message gives."""
+SHOWN = 80
+"""Characters of a bad value quoted in a message (a YAML value may be megabytes)."""
 _NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 
 
@@ -281,7 +324,17 @@ ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # ---------------------------------------------------------------- validators
 def _show(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
+def _at_most(key: str, value: float | None, errors: list[str]) -> float | None:
+    """``value`` unless above ``UPPER_BOUNDS[key]`` (NOTE 6); None passes through."""
+    bound, why = UPPER_BOUNDS[key]
+    if value is not None and value > bound:
+        errors.append(f"{key}: must be at most {bound:g} ({why}), got {_show(value)}")
+        return None
+    return value
 
 
 def _is_number(value: Any) -> bool:
@@ -397,13 +450,13 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         )
     for key in ("session_ttl_s", "request_ttl_s"):
         if key in data:
-            values[key] = _positive_number(key, get(key), errors)
+            values[key] = _at_most(key, _positive_number(key, get(key), errors), errors)
     if "tau" in data and get("tau") not in ("auto", None):
         tau = get("tau")
         if not _is_number(tau) or tau < 0:
             errors.append(f"tau: must be 'auto' or a number ≥ 0 (seconds), got {_show(tau)}")
         else:
-            values["tau"] = float(tau)
+            values["tau"] = _at_most("tau", float(tau), errors)
     if "cpu_fill" in data:
         fill = get("cpu_fill")
         if not _is_number(fill) or not 0 < fill <= 1:
@@ -421,12 +474,23 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     for key in ("max_interval_chunks", "max_model_tokens"):
         if key in data:
             values[key] = _positive_int(key, get(key), errors)
+    if values.get("max_model_tokens") is not None:
+        values["max_model_tokens"] = _at_most(
+            "max_model_tokens", values["max_model_tokens"], errors
+        )
+    _check_token_bounds(values, errors)
     for key in ("port", "http_port"):
         if key in data:
             values[key] = _port(key, get(key), errors)
     for key in ("host", "http_host", "kv_connector"):
         if key in data:
             values[key] = _text(key, get(key), errors)
+    if values.get("host") is not None and ":" in values["host"]:  # NOTE 7
+        errors.append(
+            f"host: {_show(values['host'])} is an IPv6 address; LMCache binds its ZMQ "
+            "port over IPv4 only: use 127.0.0.1 (http_host may be IPv6)"
+        )
+        values["host"] = None
     for key in ("refresh_all", "exposed_ends", "allow_remote"):
         if key in data:
             values[key] = _boolean(key, get(key), errors)
@@ -447,6 +511,13 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         values["supported_intervals"] = _intervals(
             get("supported_intervals"), values.get("chunk_size"), errors
         )
+        longest = max(values["supported_intervals"] or (0,))
+        limit = values.get("max_model_tokens") or HiStateConfig.max_model_tokens
+        if longest > limit:
+            errors.append(
+                f"supported_intervals: every entry must be at most max_model_tokens "
+                f"({limit}): a longer interval is never reached; got {longest}"
+            )
     _check_disk_tier(data, values, values.get("port"), base_dir, errors)
     _check_exposure(data, values, base_dir, errors)
     port, http_port = values.get("port", 5555), values.get("http_port", 8080)
@@ -455,6 +526,26 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     _raise_if_any(errors)
     clean = {k: v for k, v in values.items() if v is not None}
     return HiStateConfig(**clean)
+
+
+def _check_token_bounds(values: dict[str, Any], errors: list[str]) -> None:
+    """``chunk_size`` and the longest default interval within ``max_model_tokens`` (NOTE 6)."""
+    limit = values.get("max_model_tokens") or HiStateConfig.max_model_tokens
+    chunk = values.get("chunk_size")
+    if isinstance(chunk, int) and chunk > limit:
+        errors.append(
+            f"chunk_size: must be at most max_model_tokens ({limit}): a chunk longer than "
+            f"the longest prompt never completes, so nothing would be stored; got {chunk}"
+        )
+        values["chunk_size"] = None
+        return
+    chunks = values.get("max_interval_chunks")
+    if isinstance(chunk, int) and chunks is not None and chunks * chunk > limit:
+        errors.append(
+            f"max_interval_chunks: times chunk_size ({chunk}) must be at most "
+            f"max_model_tokens ({limit}): a longer interval is never reached; got {chunks}"
+        )
+        values["max_interval_chunks"] = None
 
 
 def parse_disk_tier(data: Any) -> dict[str, Any]:
@@ -588,7 +679,9 @@ def _shared_index(
         out[key] = raw
     for key in _SHARED_INDEX_TIMES:
         if key in value:
-            out[key] = _positive_number(f"{SHARED_INDEX}.{key}", value[key], errors, " (seconds)")
+            name = f"{SHARED_INDEX}.{key}"
+            out[key] = _at_most(name, _positive_number(name, value[key], errors, " (seconds)"),
+                                errors)
     if value.get("password_file") is not None:
         out["password_file"] = _secret_file(
             f"{SHARED_INDEX}.password_file", value["password_file"], base_dir, errors,

@@ -17,7 +17,9 @@ handlers (``v1/multiprocess/ext_server_module.py``). It:
   and counted, never propagated into the request;
 * reports the runtime's state in ``GET /status`` (key ``histate``) and as Prometheus
   metrics on ``GET /metrics`` (``histate_*``);
-* answers two extension RPCs (``server_module_call``): ``histate.status`` (JSON) and
+* answers two extension RPCs (``server_module_call``), also on a ``policy: lru`` server
+  (loaded inactive there, so a caller gets ``{"active": false}`` and a plan error at once
+  instead of waiting out its timeout): ``histate.status`` (JSON) and
   ``histate.plan`` (JSON ``{"start_tokens": s, "input_tokens": n}``, optionally with the
   engine's ``step_tokens`` and measured ``step_price`` → the token positions whose
   recurrent states HiState's interval controller wants saved). Every
@@ -154,7 +156,10 @@ class HiStateServerModule:
     def plan_rpc(self, payload: bytes) -> bytes:
         request = self._checked(payload, PLAN_METHOD)
         if self.runtime is None:
-            return json.dumps({"boundaries": []}).encode()
+            raise RpcRefused(
+                f"{PLAN_METHOD}: this server runs without HiState (policy lru): no plan; "
+                "save states as stock LMCache does"
+            )
         start, end, step, price = parse_plan_request(
             request, self.runtime.cfg.max_model_tokens, self.runtime.model.chunk
         )
@@ -231,7 +236,12 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
     ctx = build.server_context
     runtime = runtime_of(ctx)
     if runtime is None or runtime.cfg.policy != "histate":
-        logger.warning("HiState server module loaded without the HiState launcher: inactive")
+        if (build.config or {}).get("policy") == "lru":
+            logger.info("HiState server module: policy lru, HiState off; %s answers "
+                        "active=false, %s an error", STATUS_METHOD, PLAN_METHOD)
+        else:
+            logger.warning("HiState server module loaded without the HiState launcher: "
+                           "inactive")
         return HiStateServerModule(ctx, None)
     runtime.attach_server(ctx)
     runtime.start_janitor()
