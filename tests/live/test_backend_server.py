@@ -545,6 +545,8 @@ def test_lru_baseline_writes_everything_through(tmp_path: Path, tokens: TokenSou
         assert on_disk(disk, engine, p, ATTN_GROUP) == [0, 1, 2]
         assert on_disk(disk, engine, p, REC_GROUP) == [0, 2]
         assert server.status()["histate"] == {"active": False}  # stock policies
+        metrics = server.http("GET", "/metrics")
+        assert "histate_disk_write_lag_seconds" in metrics  # for every policy
         server.clear_l1()
         got = engine.lookup_and_retrieve(p)
         assert got.hit_chunks == 3 and engine.matches(sp, got)
