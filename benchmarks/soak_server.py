@@ -8,12 +8,15 @@ Scenarios (each prints one JSON line of figures):
   of the launcher (upstream's behaviour, for comparison).
 * ``clients``: ``--clients`` engines store and retrieve random prefixes concurrently for
   ``--seconds``; every hit is compared byte for byte with what was stored.
-* ``kill9``: ``--clients`` writers store prefixes (policy ``lru``: every object written
-  through to the disk tier) until the server is killed with SIGKILL mid-write; a restarted
-  server on the same folder is then asked for every prefix: a hit must be byte-identical.
+* ``kill9``: ``--clients`` writers store prefixes (``--policy``, default ``lru``: every
+  object written through to the disk tier; ``--fsync``: ``disk_fsync: true``) until the
+  server is killed with SIGKILL mid-write; a restarted server on the same folder is then
+  asked for every prefix: a hit must be byte-identical. Misses are split by how long
+  before the kill the STORE was acknowledged, and the disk tier's write-behind lag
+  (``/status``) is sampled every 0.5 s until the kill.
 
 Usage: .venv/bin/python benchmarks/soak_server.py {reconnects,clients,kill9}
-       [--seconds 60] [--clients 6] [--stock]
+       [--seconds 60] [--clients 6] [--stock] [--policy lru|histate] [--fsync]
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ GEOMETRY = EngineGeometry(num_blocks=2048)
 LAUNCHER = [sys.executable, "-m", "lmcache_histate.backends.server.launcher"]
 
 
-def server_for(work: Path, *, policy: str = "histate", stock: bool = False) -> Any:
+def server_for(work: Path, *, policy: str = "histate", stock: bool = False,
+               fsync: bool = False) -> Any:
     """A context manager running the launcher (or stock ``lmcache server``) in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
     if stock:
@@ -53,7 +57,7 @@ def server_for(work: Path, *, policy: str = "histate", stock: bool = False) -> A
     config = work / "histate.yaml"
     config.write_text(yaml.safe_dump({
         "model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 0.5, "policy": policy,
-        "disk_path": str(work / "disk"), "disk_gib": 1, "disk_fsync": False,
+        "disk_path": str(work / "disk"), "disk_gib": 1, "disk_fsync": fsync,
     }))
     return lmcache_server(workdir=work / "srv", chunk_size=CHUNK, l1_size_gb=0.5,
                           command=[*LAUNCHER, "--config", str(config)])
@@ -134,9 +138,12 @@ def clients(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def kill9(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    expected: list[tuple[list[int], dict[int, tuple[bytes, bytes]]]] = []
+    # (prefix, bytes by hit length, monotonic time the STORE was acknowledged)
+    expected: list[tuple[list[int], dict[int, tuple[bytes, bytes]], float]] = []
     lock = threading.Lock()
-    with server_for(work, policy="lru") as server:
+    lags: list[float] = []
+    refused, killed_at = [0], [0.0]
+    with server_for(work, policy=args.policy, fsync=args.fsync) as server:
         url = server.endpoints.zmq_url
 
         def body(i: int, stop: threading.Event, counts: Counter[str]) -> None:
@@ -150,33 +157,51 @@ def kill9(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         except Exception:
                             counts["store_errors"] += 1  # the server is gone
                             return
+                        acked = time.monotonic()
                         by_hit = {n: engine.stored_bytes(sp, n) for n in (2, 4)}
                         with lock:
-                            expected.append((prefix, by_hit))
+                            expected.append((prefix, by_hit, acked))
                         counts["stores"] += 1
 
         def killer() -> None:
-            time.sleep(args.seconds)
+            deadline = time.monotonic() + args.seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.5)
+                try:
+                    adapters = server.status()["storage_manager"].get("l2_adapters") or []
+                    for a in adapters:
+                        lags.append(float(a.get("write_lag_s", 0)))
+                        refused[0] = int(a.get("stats", {}).get("not_persisted_backlog", 0))
+                except Exception:
+                    pass
+            killed_at[0] = time.monotonic()
             server.kill()
 
         threading.Thread(target=killer).start()
         counts = run_threads(args.clients, args.seconds + 30, body)
     outcome: Counter[str] = Counter()
     per_engine = (GEOMETRY.num_blocks - 64) // 5  # a retrieve takes 4 + 1 blocks
-    with server_for(work, policy="lru") as server:
+    with server_for(work, policy=args.policy, fsync=args.fsync) as server:
         for start in range(0, len(expected), per_engine):
             with HybridEngineClient(server.endpoints.zmq_url, GEOMETRY) as engine:
-                for prefix, by_hit in expected[start : start + per_engine]:
+                for prefix, by_hit, acked in expected[start : start + per_engine]:
                     got = engine.lookup_and_retrieve(prefix)
+                    age = killed_at[0] - acked
                     if got.hit_chunks == 0:
                         outcome["missing"] += 1
+                        for s in (2, 12):
+                            outcome[f"missing_acked_over_{s}s_before_kill"] += age > s
                     elif engine.retrieved_bytes(got) != by_hit.get(got.hit_chunks):
                         outcome["wrong_bytes"] += 1
                     else:
                         outcome["complete" if got.hit_chunks == 4 else "partial"] += 1
+                    outcome["acked_over_12s_before_kill"] += age > 12
         disk = server.status()["storage_manager"]
-    return {"scenario": "kill9", "clients": args.clients, "seconds_before_kill": args.seconds,
+    return {"scenario": "kill9", "policy": args.policy, "fsync": args.fsync,
+            "clients": args.clients, "seconds_before_kill": args.seconds,
             **counts, "prefixes": len(expected), "wrong_bytes": 0, **outcome,
+            "max_write_lag_s": round(max(lags, default=0.0), 2),
+            "objects_refused_by_lag_bound": refused[0],
             "l2_after_restart": json.dumps(disk.get("l2_adapters", disk))[:200]}
 
 
@@ -186,6 +211,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--stock", action="store_true", help="reconnects: plain lmcache server")
+    p.add_argument("--policy", choices=["lru", "histate"], default="lru", help="kill9")
+    p.add_argument("--fsync", action="store_true", help="kill9: disk_fsync: true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="histate-soak-") as tmp:
         result = {"reconnects": reconnects, "clients": clients, "kill9": kill9}[args.scenario](

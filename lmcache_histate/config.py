@@ -71,7 +71,25 @@ on it (``backends/server/disk/config.py``). Its ``adapter_params`` are the serve
 namespace), and ``parse_disk_tier`` validates them with the checks ``parse_config`` uses:
 one rule per key, one message for a bad value wherever it is given.
 
-NOTE 6 (``shared_tier``: a tier on a Redis/Valkey Cluster, docs/multi-node.md): absent (the
+NOTE 6 (every number has an upper bound, each with its reason): a value beyond it is a
+typo or a unit mistake that would start a server which misbehaves later (``chunk_size:
+1000000000000`` started, and no chunk could ever complete). Token counts are bounded by
+``max_model_tokens`` (the longest prompt the engine accepts): ``chunk_size`` and every
+entry of ``supported_intervals``, since a chunk or an interval longer than any prompt is
+never reached. ``max_model_tokens``, ``max_interval_chunks``, the times and ``tau`` have
+fixed bounds in ``UPPER_BOUNDS``, the reason written beside each; the
+fractions and ``initial_pressure_factor`` their ranges; ``port`` 65535;
+``disk_io_workers`` 64 (NOTE 2). ``cpu_gib`` and ``disk_gib`` are bounded at start by
+what the machine has (``backends/server/preflight.py``: the memory this process may use,
+the filesystem of ``disk_path``), since only the machine knows.
+
+NOTE 7 (``host`` is IPv4): LMCache 0.5.6 binds its ZMQ socket as ``tcp://{host}:{port}``
+without ZMQ's IPV6 option (``transport/zmq_impl/server.py``), which cannot bind an IPv6
+address (``::1`` ended LMCache's start-up after 26 s with ``ZMQError: No such device``).
+``host`` must be an IPv4 address or a name with one (``preflight`` resolves it as ZMQ
+will); ``http_host`` (uvicorn) takes IPv6 too.
+
+NOTE 8 (``shared_tier``: a tier on a Redis/Valkey Cluster, docs/multi-node.md): absent (the
 default), every tier is the node's own. Present, the server adds a third tier beside the
 CPU and disk tiers: objects stored as values in a Redis Cluster that every node of the
 ``deployment`` reads, under one budget for the whole deployment kept in the cluster
@@ -140,6 +158,35 @@ MIN_SECRET = 16
 """Shortest accepted shared secret in ``auth_token_file``, in characters (NOTE 4)."""
 SHARED_INDEX = "shared_index"
 SHARED_TIER = "shared_tier"
+DAY = 86_400.0
+UPPER_BOUNDS: Mapping[str, tuple[float, str]] = {
+    "max_model_tokens": (
+        1 << 24, "16 times the default; above the longest context any engine serves, and "
+        "histate.plan's work and the hooks' chain work grow with it"),
+    "max_interval_chunks": (
+        1 << 16, "the plan weighs one interval per multiple of chunk_size up to it: 65,536 "
+        "chunks pass 10^6 tokens even at 16-token chunks"),
+    "session_ttl_s": (
+        30 * DAY, "30 days: an idle session's chain stays in the core until then; a larger "
+        "value is taken for a unit mistake"),
+    "request_ttl_s": (DAY, "a day: a request not ended by then is a leak, not a request"),
+    "tau": (
+        1e9, "10^9 s: beyond it recency no longer changes any eviction score; a larger "
+        "value is taken for a unit mistake"),
+    **{f"{section}.{key}": bound for section in (SHARED_INDEX, SHARED_TIER) for key, bound in {
+        "connect_timeout_s": (
+            60.0, "a Redis call blocks the request it serves; the server degrades instead"),
+        "op_timeout_s": (
+            60.0, "a Redis call blocks the request it serves; the server degrades instead"),
+        "lease_ttl_s": (DAY, "a dead server's leases block eviction this long"),
+        "claim_ttl_s": (DAY, "a dead server's claims block eviction this long"),
+        "write_ttl_s": (DAY, "a dead server's reservations hold budget this long"),
+        "retry_s": (3600.0, "an hour between probes of an unreachable Redis"),
+    }.items()},
+}
+"""NOTE 6: the fixed upper bound of each key, with the reason the message gives."""
+SHOWN = 80
+"""Characters of a bad value quoted in a message (a YAML value may be megabytes)."""
 _NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 
 
@@ -192,7 +239,7 @@ SHARED_INDEX_ALLOWED = tuple(f.name for f in fields(SharedIndexConfig))
 
 @dataclass(frozen=True)
 class SharedTierConfig:
-    """A validated ``shared_tier`` section (NOTE 6)."""
+    """A validated ``shared_tier`` section (NOTE 8)."""
 
     nodes: tuple[str, ...]
     deployment: str
@@ -354,7 +401,17 @@ ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # ---------------------------------------------------------------- validators
 def _show(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
+def _at_most(key: str, value: float | None, errors: list[str]) -> float | None:
+    """``value`` unless above ``UPPER_BOUNDS[key]`` (NOTE 6); None passes through."""
+    bound, why = UPPER_BOUNDS[key]
+    if value is not None and value > bound:
+        errors.append(f"{key}: must be at most {bound:g} ({why}), got {_show(value)}")
+        return None
+    return value
 
 
 def _is_number(value: Any) -> bool:
@@ -470,13 +527,13 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         )
     for key in ("session_ttl_s", "request_ttl_s"):
         if key in data:
-            values[key] = _positive_number(key, get(key), errors)
+            values[key] = _at_most(key, _positive_number(key, get(key), errors), errors)
     if "tau" in data and get("tau") not in ("auto", None):
         tau = get("tau")
         if not _is_number(tau) or tau < 0:
             errors.append(f"tau: must be 'auto' or a number ≥ 0 (seconds), got {_show(tau)}")
         else:
-            values["tau"] = float(tau)
+            values["tau"] = _at_most("tau", float(tau), errors)
     if "cpu_fill" in data:
         fill = get("cpu_fill")
         if not _is_number(fill) or not 0 < fill <= 1:
@@ -493,13 +550,20 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
             values[key] = _number_in(key, get(key), lo, hi, errors)
     for key in ("max_interval_chunks", "max_model_tokens"):
         if key in data:
-            values[key] = _positive_int(key, get(key), errors)
+            values[key] = _at_most(key, _positive_int(key, get(key), errors), errors)
+    _check_token_bounds(values, errors)
     for key in ("port", "http_port"):
         if key in data:
             values[key] = _port(key, get(key), errors)
     for key in ("host", "http_host", "kv_connector"):
         if key in data:
             values[key] = _text(key, get(key), errors)
+    if values.get("host") is not None and ":" in values["host"]:  # NOTE 7
+        errors.append(
+            f"host: {_show(values['host'])} is an IPv6 address; LMCache binds its ZMQ "
+            "port over IPv4 only: use 127.0.0.1 (http_host may be IPv6)"
+        )
+        values["host"] = None
     for key in ("refresh_all", "exposed_ends", "allow_remote"):
         if key in data:
             values[key] = _boolean(key, get(key), errors)
@@ -520,6 +584,13 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
         values["supported_intervals"] = _intervals(
             get("supported_intervals"), values.get("chunk_size"), errors
         )
+        longest = max(values["supported_intervals"] or (0,))
+        limit = values.get("max_model_tokens") or HiStateConfig.max_model_tokens
+        if longest > limit:
+            errors.append(
+                f"supported_intervals: every entry must be at most max_model_tokens "
+                f"({limit}): a longer interval is never reached; got {longest}"
+            )
     _check_disk_tier(data, values, values.get("port"), base_dir, errors)
     _check_exposure(data, values, base_dir, errors)
     if get(SHARED_TIER) is not None:
@@ -531,6 +602,18 @@ def parse_config(data: Any, base_dir: Path | None = None) -> HiStateConfig:
     _raise_if_any(errors)
     clean = {k: v for k, v in values.items() if v is not None}
     return HiStateConfig(**clean)
+
+
+def _check_token_bounds(values: dict[str, Any], errors: list[str]) -> None:
+    """``chunk_size`` within ``max_model_tokens`` (NOTE 6)."""
+    limit = values.get("max_model_tokens") or HiStateConfig.max_model_tokens
+    chunk = values.get("chunk_size")
+    if isinstance(chunk, int) and chunk > limit:
+        errors.append(
+            f"chunk_size: must be at most max_model_tokens ({limit}): a chunk longer than "
+            f"the longest prompt never completes, so nothing would be stored; got {chunk}"
+        )
+        values["chunk_size"] = None
 
 
 def parse_disk_tier(data: Any) -> dict[str, Any]:
@@ -678,7 +761,9 @@ def _redis_access(
     for TLS (``tls_how`` says how, for the message)."""
     for key in _SHARED_INDEX_TIMES:
         if key in value:
-            out[key] = _positive_number(f"{section}.{key}", value[key], errors, " (seconds)")
+            name = f"{section}.{key}"
+            out[key] = _at_most(name, _positive_number(name, value[key], errors, " (seconds)"),
+                                errors)
     if value.get("password_file") is not None:
         out["password_file"] = _secret_file(
             f"{section}.password_file", value["password_file"], base_dir, errors, min_length=1,
@@ -693,7 +778,7 @@ def _redis_access(
         out["tls_ca_file"] = str(path)
 
 
-# ---------------------------------------------------------------- shared_tier (NOTE 6)
+# ---------------------------------------------------------------- shared_tier (NOTE 8)
 def parse_shared_tier(
     value: Any, port: int | None, base_dir: Path | None, errors: list[str]
 ) -> SharedTierConfig | None:

@@ -8,8 +8,13 @@ LMCache's own parser, and that its parser does resolve abbreviations (why they a
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from lmcache_histate.backends.server.access_flags import (
     CODE_FLAGS,
     NEVER,
@@ -113,3 +118,38 @@ def test_lmcache_parser_knows_every_flag_and_resolves_abbreviations() -> None:
         confirm_with_lmcache(["server", "--host", "::1"], {"host": "127.0.0.1"})
     with pytest.raises(ConfigError, match=r"^lmcache server flags: unrecognized arguments: --ho"):
         confirm_with_lmcache(["server", "--ho", "::1"], {})
+
+
+def test_the_flag_snapshot_is_lmcaches_parser() -> None:
+    """``lmcache_flags.FLAGS`` is what LMCache's own parser holds for the installed version
+    (regenerate the table when this fails after an LMCache upgrade)."""
+    from lmcache_histate.backends.server.lmcache_flags import (
+        FLAGS,
+        LMCACHE_VERSION,
+        live_flags,
+    )
+
+    assert importlib.metadata.version("lmcache") == LMCACHE_VERSION
+    assert live_flags() == FLAGS
+    assert {"--host", "--max-cpu-workers", "--l2-adapter"} <= {f for e in FLAGS for f in e[0]}
+
+
+def test_extra_server_args_are_checked_before_lmcache_is_imported(tmp_path: Path) -> None:
+    """An unknown flag or a bad value in extra_server_args: one line, exit 2, and LMCache
+    never imported (its parser's import alone took 15-20 s on a loaded machine)."""
+    config = tmp_path / "histate.yaml"
+    script = ("import sys; from lmcache_histate.backends.server.launcher import main; "
+              "rc = main(['--config', sys.argv[1]]); print(rc, 'lmcache' in sys.modules)")
+    for extra, line in (
+        (["--no-such-flag"], "extra_server_args: unrecognized arguments: --no-such-flag"),
+        (["--transport", "udp"], "extra_server_args: argument --transport: invalid choice: "
+                                 "'udp' (choose from 'zmq', 'grpc')"),
+    ):
+        config.write_text(yaml.safe_dump({
+            "model": "tiny-qwen3-next", "chunk_size": 16, "cpu_gib": 0.05,
+            "disk_path": str(tmp_path / "disk"), "disk_gib": 0.01, "platform": "cpu",
+            "extra_server_args": extra}))
+        result = subprocess.run([sys.executable, "-c", script, str(config)],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
+        assert result.stderr.strip() == f"histate-server: {line}"

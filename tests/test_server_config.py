@@ -163,9 +163,95 @@ def test_with_overrides_revalidates() -> None:
         cfg.with_overrides(cpu_gib="lots")
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost"])
 def test_loopback_hosts_need_no_opt_in(host: str) -> None:
     assert parse_config({**VALID, "host": host, "http_host": host}).host == host
+
+
+def test_host_is_what_zmq_binds_and_http_host_may_be_ipv6() -> None:
+    """LMCache binds ZMQ over IPv4 only (config NOTE 7): ``host: ::1`` is refused at load;
+    ``http_host: ::1`` is accepted, and the start-up check binds it as uvicorn will."""
+    from lmcache_histate.backends.demo.servers import free_ports
+    from lmcache_histate.backends.server.preflight import check_listen
+
+    with pytest.raises(ConfigError, match=r"host: '::1' is an IPv6 address; LMCache binds "
+                                          r"its ZMQ port over IPv4 only: use 127\.0\.0\.1"):
+        parse_config({**VALID, "host": "::1"})
+    port, http_port = free_ports(2)
+    cfg = parse_config({**VALID, "http_host": "::1", "port": port, "http_port": http_port})
+    check_listen(cfg)  # binds 127.0.0.1:port and [::1]:http_port, or raises
+
+
+UPPER = {
+    "max_model_tokens": (16_777_216, "16 times the default"),
+    "max_interval_chunks": (65_536, "the plan weighs one interval per multiple"),
+    "session_ttl_s": (2_592_000, "30 days"),
+    "request_ttl_s": (86_400, "a day"),
+    "tau": (1e9, "10^9 s"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(UPPER))
+def test_every_number_has_an_upper_bound_with_its_reason(key: str) -> None:
+    bound, reason = UPPER[key]
+    assert parse_config({**VALID, key: bound}).to_dict()[key] == bound
+    with pytest.raises(ConfigError) as info:
+        parse_config({**VALID, key: bound * 2})
+    assert f"{key}: must be at most {bound:g} ({reason}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "bound"),
+    [("connect_timeout_s", 60), ("op_timeout_s", 60), ("lease_ttl_s", 86_400),
+     ("claim_ttl_s", 86_400), ("write_ttl_s", 86_400), ("retry_s", 3600)],
+)
+def test_shared_index_times_have_upper_bounds(key: str, bound: int) -> None:
+    section = {"url": "redis://127.0.0.1:6379/0", "deployment": "d", "instance": "a"}
+    assert getattr(parse_config({**VALID, "shared_index": {**section, key: bound}})
+                   .shared_index, key) == bound
+    with pytest.raises(ConfigError, match=rf"shared_index\.{key}: must be at most {bound:g} \("):
+        parse_config({**VALID, "shared_index": {**section, key: bound + 1}})
+
+
+def test_token_counts_are_bounded_by_max_model_tokens() -> None:
+    """chunk_size and supported_intervals: at most max_model_tokens (a chunk or an
+    interval longer than any prompt is never reached)."""
+    with pytest.raises(ConfigError, match=r"chunk_size: must be at most max_model_tokens "
+                                          r"\(1048576\): a chunk longer than the longest"):
+        parse_config({**VALID, "chunk_size": 10**12})
+    assert parse_config({**VALID, "chunk_size": 64, "max_model_tokens": 64}).chunk_size == 64
+    with pytest.raises(ConfigError, match=r"chunk_size: must be at most max_model_tokens \(32\)"):
+        parse_config({**VALID, "chunk_size": 64, "max_model_tokens": 32})
+    # The default max_interval_chunks (64 x 16 tokens) past a short max_model_tokens is
+    # harmless (never reached): accepted, also when the launcher revalidates.
+    cfg = parse_config({**VALID, "max_model_tokens": 64})
+    assert cfg.with_overrides(chunk_size=16).max_model_tokens == 64
+    with pytest.raises(ConfigError, match=r"supported_intervals: every entry must be at most "
+                                          r"max_model_tokens \(160\)"):
+        parse_config({**VALID, "max_model_tokens": 160, "supported_intervals": [16, 176]})
+
+
+def test_a_huge_value_is_quoted_short() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({**VALID, "cpu_gib": ["x" * 100] * 10_000})
+    text = str(info.value)
+    assert len(text) < 300 and "... (1040000 characters)" in text
+
+
+def test_yaml_aliases_are_refused_in_one_line(tmp_path: Path) -> None:
+    """Nine nested aliases in 222 bytes expand to 9^6 = 531,441 strings; refused at the
+    first alias, naming its line."""
+    levels = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcde", "bcdef", strict=True):
+        levels.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    levels[-1] = levels[-1].replace("f: &f", "cpu_gib:")
+    path = tmp_path / "aliases.yaml"
+    path.write_text("\n".join(levels) + "\n")
+    assert len(path.read_bytes()) < 260
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: line 2: YAML aliases (*a) are not accepted in a "
+                               "configuration; write the value out")
 
 
 def _token(tmp_path: Path, text: str, mode: int) -> Path:

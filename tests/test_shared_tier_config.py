@@ -1,5 +1,5 @@
 """The ``shared_tier`` section of the server YAML: validated at load, every message naming
-``shared_tier.<key>`` (``lmcache_histate/config.py`` NOTE 6); the example config loads."""
+``shared_tier.<key>`` (``lmcache_histate/config.py`` NOTE 8); the example config loads."""
 
 from __future__ import annotations
 

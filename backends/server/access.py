@@ -50,7 +50,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .quiet_log import RateLimitedLine
+from .quiet_log import RateLimitedLine, install_filter
 
 __all__ = ["MAX_BODY", "OPEN_ROUTES", "AuthError", "BearerGuard", "BodyLimit", "RefusalLog",
            "RpcRefused", "check_rpc_token", "install_http_guard", "install_refusal_log"]
@@ -194,13 +194,7 @@ class RefusalLog(logging.Filter):
 
 def install_refusal_log(window_s: float = 60.0) -> RefusalLog:
     """Put a ``RefusalLog`` on LMCache's RPC logger (idempotent per process)."""
-    target = logging.getLogger(RPC_LOGGER)
-    for existing in target.filters:
-        if isinstance(existing, RefusalLog):
-            return existing
-    quiet = RefusalLog(window_s)
-    target.addFilter(quiet)
-    return quiet
+    return install_filter(RPC_LOGGER, RefusalLog, window_s)
 
 
 def check_rpc_token(request: dict[str, Any], secret: str | None) -> None:

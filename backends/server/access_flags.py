@@ -27,7 +27,7 @@ a token ``t`` to a flag ``f`` only when ``f`` starts with ``t``, so refusing eve
 that is a proper prefix of a guarded flag leaves no spelling of a guarded flag unchecked,
 without a copy of LMCache's flag list here.
 
-Pure (no lmcache import) except ``confirm_with_lmcache``.
+Pure (no lmcache import) except ``check_extra_with_lmcache`` and ``confirm_with_lmcache``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "CODE_FLAGS",
     "NEVER",
     "YAML_FLAGS",
+    "check_extra_with_lmcache",
     "confirm_with_lmcache",
     "decide_bindings",
     "screen_command_line",
@@ -182,6 +183,35 @@ class _StrictParser(argparse.ArgumentParser):
         raise ConfigError(f"lmcache server flags: {message}")
 
 
+def _lmcache_parser() -> argparse.ArgumentParser:
+    from lmcache.cli.commands.server import ServerCommand
+
+    parser = _StrictParser(prog="lmcache server", allow_abbrev=False, add_help=False)
+    ServerCommand().add_arguments(parser)
+    return parser
+
+
+def check_extra_with_lmcache(tokens: Sequence[str]) -> None:
+    """Parse ``extra_server_args`` alone with LMCache's server flags, before anything
+    starts: with the checked snapshot of LMCache's parser (``lmcache_flags``, milliseconds)
+    when it is the installed version's, else with LMCache's own (which imports LMCache).
+
+    Raises:
+        ConfigError: a flag LMCache does not know or a bad value for one (one line).
+    """
+    if not tokens:
+        return
+    from .lmcache_flags import snapshot_parser
+
+    parser = snapshot_parser(_StrictParser) or _lmcache_parser()
+    try:
+        parser.parse_args(list(tokens))
+    except ConfigError as exc:
+        raise ConfigError(
+            "extra_server_args: " + str(exc).removeprefix("lmcache server flags: ")
+        ) from None
+
+
 def confirm_with_lmcache(argv: Sequence[str], decided: Mapping[str, str]) -> None:
     """Parse ``argv`` (starting with ``server``) with LMCache's own server flags, without
     abbreviations, and check it binds where ``decide_bindings`` decided and keeps
@@ -190,11 +220,7 @@ def confirm_with_lmcache(argv: Sequence[str], decided: Mapping[str, str]) -> Non
     Raises:
         ConfigError: a flag LMCache does not know, or a disagreement (one line).
     """
-    from lmcache.cli.commands.server import ServerCommand
-
-    parser = _StrictParser(prog="lmcache server", allow_abbrev=False, add_help=False)
-    ServerCommand().add_arguments(parser)
-    args = parser.parse_args(list(argv[1:]))
+    args = _lmcache_parser().parse_args(list(argv[1:]))
     for flag, key in ADDRESS_FLAGS.items():
         dest = flag.lstrip("-").replace("-", "_")
         if key in decided and getattr(args, dest) != decided[key]:

@@ -51,6 +51,7 @@ from lmcache_histate.config import DISK_TIER_KEYS, ConfigError, HiStateConfig, l
 
 from . import preflight
 from .access_flags import (
+    check_extra_with_lmcache,
     confirm_with_lmcache,
     decide_bindings,
     screen_command_line,
@@ -205,12 +206,13 @@ def server_argv(cfg: HiStateConfig, passthrough: Sequence[str] = ()) -> list[str
     if shared is not None:
         argv += ["--l2-adapter", json.dumps(shared, separators=(",", ":"))]
     if cfg.policy == "histate":
-        argv += [
-            "--l2-store-policy", "histate",
-            "--server-module", json.dumps({"module_path": HISTATE_SERVER_MODULE,
-                                           "factory_name": "build_server_modules",
-                                           "config": {}}, separators=(",", ":")),
-        ]
+        argv += ["--l2-store-policy", "histate"]
+    # With policy lru too: its HiState RPCs then answer at once that HiState is off
+    # (without a handler LMCache never answers, and the client waits out its timeout).
+    argv += ["--server-module", json.dumps({"module_path": HISTATE_SERVER_MODULE,
+                                            "factory_name": "build_server_modules",
+                                            "config": {"policy": cfg.policy}},
+                                           separators=(",", ":"))]
     if _platform_is_cpu(cfg):
         if _module_available(CPU_SERVER_MODULE):
             argv += ["--server-module", json.dumps({"module_path": CPU_SERVER_MODULE,
@@ -313,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         screen_extra_server_args(cfg.extra_server_args)
+        check_extra_with_lmcache(cfg.extra_server_args)
         screen_command_line(passthrough)
         cfg, rest = apply_overrides(cfg, passthrough)
         cfg = resolve_engine_layout(cfg)

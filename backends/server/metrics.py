@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .runtime.runtime import HiStateRuntime
 
@@ -286,3 +287,35 @@ def register_metrics(runtime: HiStateRuntime) -> None:
     for name, (description, read) in _gauges(runtime).items():
         meter.create_observable_gauge(name, callbacks=[callback(read)], description=description)
     _registered = True
+
+
+def register_disk_metrics(disk: Any) -> None:
+    """The disk tier's write-behind gauges (``disk/backlog.py``), for every policy; call
+    once per process (from the server module's factory):
+
+    * ``histate_disk_write_lag_seconds``: age of the oldest accepted, unfinished write,
+      i.e. how long an acknowledged object has waited in memory for the disk; new writes
+      are refused (``not_persisted_backlog``) while it is over
+      ``histate_disk_write_lag_bound_seconds``;
+    * ``histate_disk_writes_pending``: accepted write tasks not finished.
+    """
+    try:
+        from opentelemetry import metrics as otel
+    except ImportError:
+        return
+    meter = otel.get_meter("lmcache_histate.disk")
+    gauges: dict[str, tuple[str, Callable[[], float]]] = {
+        "histate_disk_write_lag_seconds": (
+            "Age of the oldest accepted, unfinished disk write (acknowledged objects wait "
+            "this long in memory)", disk.backlog.lag_s),
+        "histate_disk_write_lag_bound_seconds": (
+            "No new disk write is accepted while the lag is over this bound",
+            lambda: disk.backlog.max_lag_s),
+        "histate_disk_writes_pending": (
+            "Disk write tasks accepted and not finished", lambda: disk.backlog.pending),
+    }
+    for name, (description, read) in gauges.items():
+        meter.create_observable_gauge(
+            name, description=description,
+            callbacks=[lambda _o, read=read: [otel.Observation(float(read()), {})]],
+        )

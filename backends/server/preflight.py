@@ -129,13 +129,20 @@ def check_shared_index(cfg: HiStateConfig) -> None:
 
 # --------------------------------------------------------------------------- ports
 def check_listen(cfg: HiStateConfig) -> None:
-    """``host:port`` (ZMQ) and ``http_host:http_port`` (HTTP) can be bound right now."""
-    for host_key, port_key in (("host", "port"), ("http_host", "http_port")):
+    """``host:port`` (ZMQ) and ``http_host:http_port`` (HTTP) can be bound right now, as
+    the servers bind them: ZMQ over IPv4 only (``config`` NOTE 7), uvicorn either."""
+    for host_key, port_key, family in (("host", "port", socket.AF_INET),
+                                       ("http_host", "http_port", socket.AF_UNSPEC)):
         host, port = getattr(cfg, host_key), getattr(cfg, port_key)
         try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+            infos = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
         except (socket.gaierror, UnicodeError) as exc:
+            if family == socket.AF_INET and _resolves(host):
+                raise ConfigError(
+                    f"{host_key}: {host!r} has no IPv4 address; LMCache binds its ZMQ port "
+                    "over IPv4 only: use 127.0.0.1"
+                ) from None
             raise ConfigError(f"{host_key}: {host!r} is not a valid address ({exc})") from None
         family, kind, proto, _canon, address = infos[0]
         with socket.socket(family, kind, proto) as sock:
@@ -153,3 +160,10 @@ def check_listen(cfg: HiStateConfig) -> None:
                         f"{host_key}: {host!r} is not an address of this machine"
                     ) from None
                 raise ConfigError(f"{port_key}: cannot bind {host}:{port}: {exc}") from None
+
+
+def _resolves(host: str) -> bool:
+    try:
+        return bool(socket.getaddrinfo(host, None))
+    except (socket.gaierror, UnicodeError):
+        return False

@@ -19,8 +19,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["MQ_LOGGER", "MalformedRequestLog", "RateLimitedLine", "install_malformed_request_log"]
+__all__ = ["MQ_LOGGER", "MalformedRequestLog", "RateLimitedLine", "install_filter",
+           "install_malformed_request_log"]
 
 MQ_LOGGER = "lmcache.v1.multiprocess.transport.zmq_impl.mq"
 """LMCache 0.5.6's logger of the ZMQ request server (``init_logger(__name__)``)."""
@@ -87,12 +89,20 @@ class MalformedRequestLog(logging.Filter):
         return record.msg != _UNKNOWN_OPERATION[1]
 
 
-def install_malformed_request_log(window_s: float = 60.0) -> MalformedRequestLog:
-    """Put a :class:`MalformedRequestLog` on LMCache's request-server logger (idempotent)."""
-    target = logging.getLogger(MQ_LOGGER)
-    for existing in target.filters:
-        if isinstance(existing, MalformedRequestLog):
-            return existing
-    quiet = MalformedRequestLog(window_s)
+F = TypeVar("F", bound=logging.Filter)
+
+
+def install_filter(logger_name: str, kind: type[F], window_s: float = 60.0) -> F:
+    """The ``kind`` filter on ``logger_name``: the one already there, or a new one."""
+    target = logging.getLogger(logger_name)
+    existing = next((f for f in target.filters if isinstance(f, kind)), None)
+    if existing is not None:
+        return existing
+    quiet = kind(window_s)  # type: ignore[call-arg]
     target.addFilter(quiet)
     return quiet
+
+
+def install_malformed_request_log(window_s: float = 60.0) -> MalformedRequestLog:
+    """Put a :class:`MalformedRequestLog` on LMCache's request-server logger (idempotent)."""
+    return install_filter(MQ_LOGGER, MalformedRequestLog, window_s)

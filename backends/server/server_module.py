@@ -16,8 +16,11 @@ handlers (``v1/multiprocess/ext_server_module.py``). It:
   counters) and ``LookupModule.end_session`` (unpin). A failure inside HiState is logged
   and counted, never propagated into the request;
 * reports the runtime's state in ``GET /status`` (key ``histate``) and as Prometheus
-  metrics on ``GET /metrics`` (``histate_*``);
-* answers two extension RPCs (``server_module_call``): ``histate.status`` (JSON) and
+  metrics on ``GET /metrics`` (``histate_*``; the disk tier's write-behind lag for every
+  policy, ``metrics.register_disk_metrics``);
+* answers two extension RPCs (``server_module_call``), also on a ``policy: lru`` server
+  (loaded inactive there, so a caller gets ``{"active": false}`` and a plan error at once
+  instead of waiting out its timeout): ``histate.status`` (JSON) and
   ``histate.plan`` (JSON ``{"start_tokens": s, "input_tokens": n}``, optionally with the
   engine's ``step_tokens`` and measured ``step_price`` → the token positions whose
   recurrent states HiState's interval controller wants saved). Every
@@ -48,7 +51,7 @@ from lmcache_histate.exposure import read_secret
 from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 
 from .access import RpcRefused, check_rpc_token
-from .metrics import register_metrics
+from .metrics import register_disk_metrics, register_metrics
 from .policies import runtime_of
 from .runtime.runtime import HiStateRuntime
 
@@ -154,7 +157,10 @@ class HiStateServerModule:
     def plan_rpc(self, payload: bytes) -> bytes:
         request = self._checked(payload, PLAN_METHOD)
         if self.runtime is None:
-            return json.dumps({"boundaries": []}).encode()
+            raise RpcRefused(
+                f"{PLAN_METHOD}: this server runs without HiState (policy lru): no plan; "
+                "save states as stock LMCache does"
+            )
         start, end, step, price = parse_plan_request(
             request, self.runtime.cfg.max_model_tokens, self.runtime.model.chunk
         )
@@ -210,6 +216,14 @@ class LoadCounter:
         self._stats["loaded_tokens_resumed" if resumed else "loaded_tokens"] += tokens
 
 
+def find_disk_tier(ctx: Any) -> Any:
+    """The HiState disk tier among the server's L2 adapters (``runtime`` NOTE 2), or None."""
+    from .disk.tier import HiStateDiskAdapter
+
+    adapters = dict(getattr(ctx.storage_manager, "_l2_adapters", None) or {}).values()
+    return next((a for a in adapters if isinstance(a, HiStateDiskAdapter)), None)
+
+
 def _wrap(module: Any, name: str, before: Any) -> None:
     original = getattr(module, name)
 
@@ -230,8 +244,16 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> HiStateServerMod
 
     ctx = build.server_context
     runtime = runtime_of(ctx)
+    disk = find_disk_tier(ctx)
+    if disk is not None:
+        register_disk_metrics(disk)
     if runtime is None or runtime.cfg.policy != "histate":
-        logger.warning("HiState server module loaded without the HiState launcher: inactive")
+        if (build.config or {}).get("policy") == "lru":
+            logger.info("HiState server module: policy lru, HiState off; %s answers "
+                        "active=false, %s an error", STATUS_METHOD, PLAN_METHOD)
+        else:
+            logger.warning("HiState server module loaded without the HiState launcher: "
+                           "inactive")
         return HiStateServerModule(ctx, None)
     runtime.attach_server(ctx)
     runtime.start_janitor()

@@ -139,6 +139,45 @@ def test_a_delete_before_its_write_starts_cancels_it(tmp_path: Path) -> None:
         a.close()
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_write_behind_lag_is_reported_and_bounded(tmp_path: Path) -> None:
+    """backlog: with the one I/O thread held, an accepted write waits and its age is the
+    reported lag; once it has waited over the bound (10 s, an injected clock) a new write
+    is refused at once: its store task completes failed, its keys counted
+    not_persisted_backlog; the held write, released, is written."""
+    from lmcache_histate.backends.server.disk.backlog import WriteBacklog
+
+    a = adapter(tmp_path, disk_io_workers=1)
+    clock = Clock()
+    a.backlog = WriteBacklog(10.0, clock)
+    try:
+        gate = threading.Event()
+        a._pool.submit(gate.wait)  # the only I/O thread is busy until the gate opens
+        held = a.submit_store_task([key(1)], [Obj(b"a" * 3000)])
+        clock.now += 4.0
+        assert a.report_status()["write_lag_s"] == 4.0
+        assert a.backlog.pending == 1
+        clock.now += 6.5  # 10.5 s
+        refused = a.submit_store_task([key(2), key(3)], [Obj(b"b" * 10), Obj(b"c" * 10)])
+        done = a.pop_completed_store_tasks()
+        assert list(done) == [refused] and not done[refused].is_successful()
+        assert a.report_status()["stats"]["not_persisted_backlog"] == 2
+        gate.set()
+        assert finished(a, held)
+        assert a.backlog.pending == 0 and a.report_status()["write_lag_s"] == 0.0
+        assert store(a, [key(2)], [b"b" * 10])  # under the bound again: written
+        assert lookup(a, [key(1), key(2), key(3)]) == [0, 1]
+    finally:
+        a.close()
+
+
 def test_a_decided_delete_makes_room_before_it_runs(tmp_path: Path) -> None:
     """writes NOTE 5: room for two 3,000-byte objects (each file 3,087 bytes with its
     87-byte header; 7,000 bytes hold two, not three). A reader holds key 1 when its

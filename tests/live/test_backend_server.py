@@ -551,10 +551,26 @@ def test_lru_baseline_writes_everything_through(tmp_path: Path, tokens: TokenSou
         server.wait_l2_flushed()
         assert on_disk(disk, engine, p, ATTN_GROUP) == [0, 1, 2]
         assert on_disk(disk, engine, p, REC_GROUP) == [0, 2]
-        assert "histate" not in server.status()  # no HiState module: stock policies
+        assert server.status()["histate"] == {"active": False}  # stock policies
+        metrics = server.http("GET", "/metrics")
+        assert "histate_disk_write_lag_seconds" in metrics  # for every policy
         server.clear_l1()
         got = engine.lookup_and_retrieve(p)
         assert got.hit_chunks == 3 and engine.matches(sp, got)
+        # HiState's RPCs answer at once that HiState is off (with no module loaded they
+        # waited out the client's whole timeout, 30 s; < 2 s leaves room for a busy host).
+        def timed(method: str) -> tuple[Any, float]:
+            t0 = time.monotonic()
+            request = ServerModuleCallRequest(method=method, payload=b'{"input_tokens": 64}')
+            response = engine.client.server_module_call(request).result(timeout=30)
+            return response, time.monotonic() - t0
+
+        status, seconds = timed("histate.status")
+        assert status.success and json.loads(status.payload) == {"active": False}
+        assert seconds < 2
+        plan, seconds = timed("histate.plan")
+        assert not plan.success and "runs without HiState (policy lru)" in plan.error
+        assert seconds < 2
 
 
 def test_l1_watermark_eviction_follows_h(tmp_path: Path, tokens: TokenSource) -> None:

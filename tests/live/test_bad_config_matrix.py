@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from lmcache_histate.backends.demo.servers import free_port, free_ports
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, self_signed
 
 LAUNCHER = "lmcache_histate.backends.server.launcher"
 PASSWORD = "matrix-redis-password-0123"
@@ -43,8 +43,10 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def redis_acl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     lines = [f"user {name} on >{PASSWORD} {rights}" for name, rights in USERS.items()]
-    server = RedisServer(tmp_path_factory.mktemp("redis"),
-                         config="\n".join([*lines, "user default off", ""]))
+    folder = tmp_path_factory.mktemp("redis")
+    self_signed(folder, "other")  # a CA that signed nothing of this server
+    server = RedisServer(folder, config="\n".join([*lines, "user default off", ""]),
+                         tls=self_signed(folder, "server"))
     server.start()
     try:
         yield server
@@ -68,6 +70,8 @@ def index(url: str, tmp: Path, password: str | None = PASSWORD) -> dict[str, Any
 
 
 Case = Callable[[Path, RedisServer], dict[str, Any]]
+SHARED = ["x", "x"]
+"""One list used three times: ``yaml.safe_dump`` writes it once and aliases it after."""
 R = "redis://{user}@127.0.0.1:{port}/0"
 
 
@@ -139,6 +143,18 @@ CASES: list[tuple[str, Case, str]] = [
      "extra_server_args: --server-module imports a Python module into the server"),
     ("extra-abbreviated", lambda t, r: {"extra_server_args": ["--ho", "0.0.0.0"]},
      "extra_server_args: '--ho' abbreviates --host"),
+    ("extra-unknown-flag", lambda t, r: {"extra_server_args": ["--no-such-flag"]},
+     "extra_server_args: unrecognized arguments: --no-such-flag"),
+    ("extra-bad-value", lambda t, r: {"extra_server_args": ["--max-cpu-workers", "many"]},
+     "extra_server_args: argument --max-cpu-workers: invalid int value: 'many'"),
+    ("chunk-huge", lambda t, r: {"chunk_size": 10**12},
+     "chunk_size: must be at most max_model_tokens (1048576)"),
+    ("max-tokens-huge", lambda t, r: {"max_model_tokens": 10**9},
+     "max_model_tokens: must be at most 1.67772e+07 (16 times the default"),
+    ("host-ipv6", lambda t, r: {"host": "::1"},
+     "host: '::1' is an IPv6 address; LMCache binds its ZMQ port over IPv4 only"),
+    ("yaml-aliases", lambda t, r: {"cpu_gib": [SHARED, SHARED, SHARED]},
+     "YAML aliases (*id001) are not accepted in a configuration; write the value out"),
     ("redis-url-password", lambda t, r: {"shared_index": {
         "url": "redis://u:hunter2hunter2@127.0.0.1:1/0", "deployment": "d", "instance": "a"}},
      "shared_index.url: must not hold a password"),
@@ -171,6 +187,17 @@ CASES: list[tuple[str, Case, str]] = [
     denied("noexists", "run SCRIPT EXISTS"),
     ("redis-no-ping", user("noping"),
      "shared_index: Redis at redis://noping@127.0.0.1:{redis}/0 refused PING"),
+    ("redis-tls-to-plain-port",
+     lambda t, r: index(f"rediss://histate@127.0.0.1:{r.port}/0", t),
+     "; TLS handshake failed: is the url's port Redis's TLS port (tls-port)?"),
+    ("redis-plain-to-tls-port",
+     lambda t, r: index(f"redis://histate@127.0.0.1:{r.tls_port}/0", t),
+     "; the server reset the connection: if its port speaks TLS, use rediss://"),
+    ("redis-tls-wrong-ca", lambda t, r: {"shared_index": {
+        **index(f"rediss://histate@127.0.0.1:{r.tls_port}/0", t)["shared_index"],
+        "tls_ca_file": str(r.workdir / "other.pem")}},
+     "; TLS: the server's certificate is not trusted by shared_index.tls_ca_file "
+     "'{redis_dir}/other.pem'"),
 ]
 CLI_CASES: list[tuple[str, list[str], str]] = [
     ("cli-abbreviated-host", ["--ho", "0.0.0.0"], "command line: '--ho' abbreviates --host"),
@@ -208,7 +235,8 @@ def test_bad_config_is_one_line(
     status, stderr = run(tmp_path, make(tmp_path, redis_acl))
     line = only_line(stderr)
     assert status == 2, stderr
-    assert expected.format(t=tmp_path, redis=redis_acl.port) in line, line
+    assert expected.format(t=tmp_path, redis=redis_acl.port,
+                           redis_dir=redis_acl.workdir) in line, line
     assert PASSWORD not in stderr
 
 

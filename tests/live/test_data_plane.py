@@ -109,6 +109,9 @@ def test_a_stopped_request_thread_fails_health(tmp_path: Path) -> None:
                  test_module=("request_loop_fault", {"flag": str(flag)})) as server:
         for path in ("/healthcheck", "/status", "/metrics"):
             assert get(server, path)[0] == 200, path
+        metrics = get(server, "/metrics")[1]
+        assert "histate_disk_write_lag_seconds " in metrics  # idle: a lag of 0
+        assert "histate_disk_write_lag_bound_seconds 10.0" in metrics
         flag.touch()
         # While the thread ends, a ping sent just before may be the first to fail
         # ("no answer to a ping RPC"); once it has ended, the check names the thread.

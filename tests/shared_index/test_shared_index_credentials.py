@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 from lmcache_histate.backends.server.shared_index import open_index
 from lmcache_histate.backends.server.shared_index.connection import Unavailable
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, self_signed
 
 from lmcache_histate.config import parse_config
 
@@ -62,21 +61,9 @@ def test_acl_user_authenticates_and_the_password_never_shows(
     assert not [line for line in seen if PASSWORD in line]
 
 
-def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made with openssl (installed with Debian)."""
-    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-         "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )
-    return cert, key
-
-
 def test_rediss_verifies_the_server_against_tls_ca_file(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path, "server")
-    other, _ = _self_signed(tmp_path, "other")  # a CA that did not sign the server's cert
+    cert, key = self_signed(tmp_path, "server")
+    other, _ = self_signed(tmp_path, "other")  # a CA that did not sign the server's cert
     server = RedisServer(tmp_path / "redis", tls=(cert, key))
     server.start()
     try:
@@ -89,7 +76,8 @@ def test_rediss_verifies_the_server_against_tls_ca_file(tmp_path: Path) -> None:
         assert index.usage() == (0, cfg.disk_bytes, 0)
 
         untrusted = parse_config({**BASE, "shared_index": {**section, "tls_ca_file": str(other)}})
-        with pytest.raises(Unavailable, match="is unreachable"):
+        with pytest.raises(Unavailable, match=r"TLS: the server's certificate is not trusted by "
+                           r"shared_index\.tls_ca_file"):
             open_index(untrusted.shared_index, "tiny-qwen3-next").join(cfg.disk_bytes)
     finally:
         server.stop()

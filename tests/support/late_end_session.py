@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LATE_PREFIX", "build_server_modules"]
@@ -48,15 +49,11 @@ def _late(original: Any, after_s: float) -> Any:
     return end_session
 
 
+@dataclass
 class LateEndSession:
     """Server module object: shows itself under ``GET /status``."""
 
-    def __init__(self, ctx: Any) -> None:
-        self._ctx = ctx
-
-    @property
-    def context(self) -> Any:
-        return self._ctx
+    context: Any
 
     def report_status(self) -> dict[str, Any]:
         return {"TEST_late_end_session": {"prefix": LATE_PREFIX}}

@@ -19,7 +19,19 @@ from pathlib import Path
 import pytest
 from lmcache_histate.backends.demo.servers import free_ports
 
-__all__ = ["RedisServer"]
+__all__ = ["RedisServer", "self_signed"]
+
+
+def self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with openssl (installed with Debian)."""
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
 
 
 class RedisServer:

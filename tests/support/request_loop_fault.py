@@ -17,6 +17,7 @@ import gc
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["build_server_modules"]
@@ -37,16 +38,12 @@ def _break_when_flagged(flag: str) -> None:
             obj.poller = _BrokenPoller()
 
 
+@dataclass
 class RequestLoopFault:
     """Server module object: shows the fault's flag under ``GET /status``."""
 
-    def __init__(self, ctx: Any, flag: str) -> None:
-        self._ctx = ctx
-        self.flag = flag
-
-    @property
-    def context(self) -> Any:
-        return self._ctx
+    context: Any
+    flag: str
 
     def report_status(self) -> dict[str, Any]:
         return {"TEST_request_loop_fault": {"flag": self.flag}}

@@ -101,6 +101,7 @@ from lmcache_histate.backends.upstream.lmcache_symbols import l2_memory_tags
 
 from ..l2_tasks import ExpectedHeaders, TaskBoard
 from . import file_format as df
+from .backlog import WriteBacklog, WriteBacklogFull
 from .config import HiStateDiskAdapterConfig
 from .entries import DiskEntry, ObjectMeta, recover_entries
 from .folder import FolderError, claim, hold
@@ -185,6 +186,7 @@ class HiStateDiskAdapter(L2AdapterInterface):
         if config.shared_index is None:
             self._recover_index(claimed)
         self._pool = ThreadPoolExecutor(config.io_workers, thread_name_prefix="histate-disk")
+        self.backlog = WriteBacklog()
         if config.shared_index is not None:
             # NOTE 1: no start-up scan; the deployment's index, reconciled.
             self.shared = SharedIndexLink(
@@ -254,16 +256,34 @@ class HiStateDiskAdapter(L2AdapterInterface):
     # -------------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self.tasks.new_id()
-        self._submit_write(keys, self._store_task, tid, list(keys), list(objects))
+        if not self._submit_write(keys, self._store_task, tid, list(keys), list(objects)):
+            self._report(WriteDone([], list(keys), store_task=True))
+            self.tasks.store_done(tid, L2StoreResult(False, 0))
         return tid
 
     def _submit_write(self, keys: Sequence[ObjectKey], task: Callable[..., None],
-                      *args: Any) -> None:
+                      *args: Any) -> bool:
         """Queue a write of ``keys`` on an I/O thread, counted first so that a delete
-        before it starts cancels it (``writes`` NOTE 4)."""
+        before it starts cancels it (``writes`` NOTE 4); False, with every key counted
+        not persisted, when the write-behind backlog refuses it (``backlog``)."""
+        token = self.backlog.admit()
+        if token is None:
+            exc = WriteBacklogFull(
+                f"the oldest accepted write has waited over {self.backlog.max_lag_s:g} s")
+            for key in keys:
+                self.writer.not_persisted(key, exc)
+            return False
         with self._lock:
             self.writer.enqueue(keys)
-        self._pool.submit(task, *args)
+
+        def run() -> None:
+            try:
+                task(*args)
+            finally:
+                self.backlog.done(token)
+
+        self._pool.submit(run)
+        return True
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         return self.tasks.pop_stores()
@@ -302,7 +322,9 @@ class HiStateDiskAdapter(L2AdapterInterface):
                 self._report(WriteDone(ok, failed, store_task=False))
                 release()
 
-        self._submit_write(keys, run)
+        if not self._submit_write(keys, run):
+            self._report(WriteDone([], list(keys), store_task=False))
+            release()
 
     def capacity_bytes(self) -> int:
         """The effective capacity: configured, or less when the filesystem is smaller."""
@@ -531,6 +553,8 @@ class HiStateDiskAdapter(L2AdapterInterface):
             "locked_keys": locked,
             "writes_in_flight": writing,
             "writes_queued": queued,
+            "write_lag_s": round(self.backlog.lag_s(), 3),
+            "write_lag_bound_s": self.backlog.max_lag_s,
             "stats": dict(self.stats),
             **({} if self.shared is None else {"shared_index": self.shared.status()}),
         }

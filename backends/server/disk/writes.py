@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache.logging import init_logger
 
 from . import file_format as df
+from .backlog import WriteBacklogFull
 from .config import HiStateDiskAdapterConfig
 from .entries import UNKNOWN_META, DiskEntry, ObjectMeta
 from .folder import capacity_limit
@@ -115,6 +116,8 @@ class TierAccess:
 
 def failure_cause(exc: BaseException) -> str:
     """Short cause name of a failed write (the suffix of its ``not_persisted_*`` counter)."""
+    if isinstance(exc, WriteBacklogFull):
+        return "backlog"  # refused: the write-behind lag is over its bound
     if isinstance(exc, OSError):
         return "no_space" if exc.errno in _NO_SPACE else "io_error"
     if isinstance(exc, ValueError | struct.error | OverflowError):

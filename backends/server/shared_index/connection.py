@@ -43,6 +43,7 @@ degraded), ``outages`` (entries into degraded mode), ``recoveries``, ``probes``,
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections import Counter
@@ -58,7 +59,7 @@ from redis.retry import Retry
 from lmcache_histate.config import SharedIndexConfig, redacted_url
 from lmcache_histate.exposure import read_secret
 
-__all__ = ["IndexConnection", "Unavailable"]
+__all__ = ["IndexConnection", "Unavailable", "tls_hint"]
 
 logger = logging.getLogger("lmcache_histate.shared_index")
 
@@ -86,6 +87,40 @@ def classify(exc: BaseException) -> str:
 def _detail(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in out:
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
+def tls_hint(exc: BaseException, cfg: SharedIndexConfig) -> str:
+    """What a failed connection says about TLS, as a clause naming the keys ("" if nothing).
+
+    The three faults an operator meets (measured with redis-py against redis-server 7.0):
+    a certificate the CA file does not trust (``SSLCertVerificationError``), ``rediss://``
+    to a plain port (the TLS handshake times out: the server waits for a command), and
+    ``redis://`` to a TLS port (the server resets the connection)."""
+    chain = _chain(exc)
+    text = " ".join(str(e) for e in chain)
+    if any(isinstance(e, ssl.SSLCertVerificationError) for e in chain) or (
+        "CERTIFICATE_VERIFY_FAILED" in text
+    ):
+        why = next((str(e.verify_message) for e in chain
+                    if isinstance(e, ssl.SSLCertVerificationError)), "not trusted")
+        trusted = (f"shared_index.tls_ca_file {cfg.tls_ca_file!r}" if cfg.tls_ca_file
+                   else "the system's CAs (set shared_index.tls_ca_file)")
+        return f"; TLS: the server's certificate is not trusted by {trusted}: {why}"
+    if cfg.tls and ("handshake" in text or any(isinstance(e, ssl.SSLError) for e in chain)):
+        return ("; TLS handshake failed: is the url's port Redis's TLS port (tls-port)? "
+                "A plain port needs redis://")
+    if not cfg.tls and any(isinstance(e, ConnectionResetError) for e in chain):
+        return "; the server reset the connection: if its port speaks TLS, use rediss://"
+    return ""
 
 
 class Unavailable(RuntimeError):
@@ -193,6 +228,7 @@ class IndexConnection:
         except _FAULTS as exc:
             raise Unavailable(
                 f"shared_index: Redis at {self.where} is unreachable: {type(exc).__name__}"
+                + tls_hint(exc, self.cfg)
             ) from None
 
     def poll(self) -> bool:
@@ -257,9 +293,9 @@ class IndexConnection:
                 self._probe_wait = self.cfg.retry_s  # NOTE 2: a new outage
             self._stats["outages"] += 1
         logger.warning(
-            "%s: Redis at %s %s (%s); serving from the local view until it "
+            "%s: Redis at %s %s (%s%s); serving from the local view until it "
             "serves again (probed every %.1fs%s)", self.label, self.where, self.fault,
-            _detail(exc),
+            _detail(exc), tls_hint(exc, self.cfg),
             self.cfg.retry_s, "" if self.fault == "unreachable"
             else f", backing off to {MAX_BACKOFF * self.cfg.retry_s:.1f}s",
         )

@@ -29,7 +29,7 @@ import redis
 
 from lmcache_histate.config import SharedIndexConfig
 
-from .connection import Unavailable, make_client
+from .connection import Unavailable, make_client, tls_hint
 from .layout import KeySpace
 from .scripts import SCRIPTS
 
@@ -96,7 +96,7 @@ def probe_rights(client: redis.Redis, keys: KeySpace, instance: str) -> None:
         raise RightsRefused("user " + "; ".join(parts))
 
 
-def _login(client: redis.Redis, where: str) -> None:
+def _login(client: redis.Redis, where: str, cfg: SharedIndexConfig) -> None:
     try:
         client.ping()
     except redis.AuthenticationError:
@@ -115,7 +115,7 @@ def _login(client: redis.Redis, where: str) -> None:
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         raise Unavailable(
             f"shared_index: Redis at {where} is unreachable ({type(exc).__name__}); "
-            "check shared_index.url and that Redis runs"
+            "check shared_index.url and that Redis runs" + tls_hint(exc, cfg)
         ) from None
 
 
@@ -127,7 +127,7 @@ def check_rights(cfg: SharedIndexConfig, keys: KeySpace) -> None:
     where = redacted_url(cfg.url)
     client = make_client(cfg)
     try:
-        _login(client, where)
+        _login(client, where, cfg)
         user = cfg.url.partition("://")[2].partition("@")[0] if "@" in cfg.url else "default"
         grant = f"(grant the user {user!r} the rights in docs/deployment.md, Security)"
         try:
@@ -150,7 +150,7 @@ def check_rights(cfg: SharedIndexConfig, keys: KeySpace) -> None:
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         raise Unavailable(
             f"shared_index: Redis at {where} is unreachable ({type(exc).__name__}); "
-            "check shared_index.url and that Redis runs"
+            "check shared_index.url and that Redis runs" + tls_hint(exc, cfg)
         ) from None
     finally:
         client.close()
