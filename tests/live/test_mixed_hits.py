@@ -44,7 +44,6 @@ combination here is exact, so the connector refuses none (docs/vllm-cpu.md, "Mix
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
@@ -62,13 +61,9 @@ from test_vllm_cpu_roundtrip import (
     connector_config,
     histate_config,
     layout_of,
+    needs_live,
     server_module_arg,
     settle,
-)
-
-needs_live = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("vllm", "lmcache")),
-    reason="needs the live extra (vllm-cpu, lmcache)",
 )
 
 UNIT = 128
@@ -81,6 +76,10 @@ ASK = {"histate_saves": True, "cached_token_stats": True}
 
 @dataclass
 class Mixed:
+    """The module's stack and prompt X. Invariant between tests: X's snapshots ``[kC, 10C]``
+    are on the server; what vLLM's own cache holds is whatever the last test left (each
+    test makes its local prefix itself, :meth:`local_prefix`)."""
+
     server: Any
     engine: Any
     reference: Any
@@ -232,10 +231,10 @@ def test_a_local_prefix_longer_than_the_snapshot_is_served_by_vllm(mixed: Mixed)
 
 @needs_live
 def test_a_preempted_request_resumes_exactly_from_both_caches(mixed: Mixed) -> None:
-    """Two fresh prompts (10 chunks + 50, then 9 chunks) at once on a pool that holds one:
+    """Two new prompts (10 chunks + 50, then 9 chunks) at once on a pool that holds one:
     vLLM preempts the later when the earlier grows and resumes it from the blocks of its
-    own that survived in vLLM's cache and the snapshots the server stored before the
-    preemption (its plan keeps kC-ish boundaries below its 9C end)."""
+    own that survived in vLLM's cache and the snapshot the server stored before the
+    preemption (measured: both at 6C, AVX-512; 6C, AVX2)."""
     c = mixed.chunk
     mixed.engine.reset()
     before = mixed.counters()
