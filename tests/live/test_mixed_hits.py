@@ -33,6 +33,8 @@ and the answer (greedy tokens, top-5 logprobs of 4 steps) must equal the referen
   preempted by the first's growth and resumed with its prefix in both caches;
 * (d) ``L = 9C + UNIT`` longer than HiState's ``9C``: nothing is loaded, vLLM's own hit
   serves;
+* (e) an LMCache chunk of two blocks (its own stock server and engine): vLLM's ``3C`` is
+  off the chunk grid, the load covers ``[2C, 8C)`` and skips the local ``[2C, 3C)``;
 * negative control: (a) again with the server zeroing the restored recurrent state; the
   logprobs must differ from the reference.
 
@@ -270,3 +272,38 @@ def test_a_zeroed_restored_state_changes_the_mixed_answer(mixed: Mixed) -> None:
     assert hits(out) == (k * c, 3 * c, k * c)
     assert out["logprobs"] != mixed.recompute(prompt)["logprobs"], (
         "zeroed recurrent state left the mixed hit's outputs unchanged")
+
+
+@needs_live
+def test_a_local_prefix_off_a_two_block_chunk_grid_joins_a_deeper_state(
+    mixed: Mixed, tmp_path: Path, tiny_model: Path
+) -> None:
+    """(e) An LMCache chunk of two blocks (stock ``lmcache server``, ``--chunk-size 2C``,
+    a state at every chunk: ``histate.interval_saves`` false, steps of one chunk): vLLM's
+    own 3C is off the chunk grid, so the load starts at 2C and skips ``[2C, 3C)``
+    (``skip_first_n_tokens``), then writes the state at 8C."""
+    from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
+    from support.lmcache_mp import lmcache_server
+    from test_vllm_cpu_roundtrip import CPU_MODULE
+
+    c = mixed.chunk
+    transfer = connector_config(0)
+    with lmcache_server(server_module_arg(CPU_MODULE), workdir=tmp_path / "server",
+                        chunk_size=2 * c, l1_size_gb=0.1) as server:
+        transfer["kv_connector_extra_config"].update(
+            {"lmcache.mp.port": server.endpoints.zmq_port, "histate.interval_saves": False})
+        with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=c, kv_transfer_config=transfer,
+                                         max_num_batched_tokens=2 * c),
+                           workdir=tmp_path, name="engine", block_size=c) as engine:
+            engine.generate(mixed.x, kv_transfer_params=ASK, reset=True)
+            engine.generate(mixed.x[:3 * c + 10], kv_transfer_params=ASK)
+            prompt = mixed.diverging(8 * c + c // 2)
+            out = engine.generate(prompt, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
+                                  kv_transfer_params=ASK)
+            counters = engine.stats()["histate"]
+    # States at every 2C (one chunk per step); the local prefix X[:3C + 10] loaded 2C and
+    # left vLLM the state at 3C; the mixed request loads [3C, 8C) of the range [2C, 8C).
+    assert hits(out) == (8 * c, 3 * c, 8 * c)
+    assert counters.get("mixed_hits") == 1  # the local prefix's own load joined nothing
+    assert counters.get("external_hit_tokens") == 2 * c + 5 * c
+    assert_exact(out, mixed.recompute(prompt))
