@@ -3,12 +3,14 @@
 
 # The vLLM tests whose outcome depends on the engine's layout (block size, state dtypes):
 # restores bit for bit, the interval saves' boundaries, the production geometry, preemption
-# on a small pool. The end-to-end runs (the demo, the OpenAI example) exercise the same
-# code at whatever layout the main run has, so the AVX2 re-run leaves them out (CI time).
+# on a small pool, hits that join vLLM's own prefix with a load. The end-to-end runs (the
+# demo, the OpenAI example) exercise the same code at whatever layout the main run has, so
+# the AVX2 re-run leaves them out (CI time).
 # Preemption runs for HiState's connector only there: stock LMCache's run is the main run's
 # control, and its outcome does not depend on our code.
 VLLM_TESTS = tests/live/test_vllm_cpu_roundtrip.py tests/live/test_vllm_interval_saves.py \
-             tests/live/test_model_sizes.py tests/live/test_preemption.py
+             tests/live/test_model_sizes.py tests/live/test_preemption.py \
+             tests/live/test_mixed_hits.py
 AVX2_DESELECT = --deselect "tests/live/test_preemption.py::test_preempted_requests_finish_on_a_pool_smaller_than_the_working_set[lmcache]"
 
 setup:

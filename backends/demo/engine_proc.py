@@ -16,6 +16,10 @@ pipe (vLLM logs to stdout/stderr, which go to a log file). Commands:
   ``kv_transfer_params``, ``seconds`` (wall time of ``LLM.generate``; with ``max_tokens=1``
   this is the time to first token) and, with ``reset``, the engine steps it took to reset
   vLLM's own prefix cache afterwards;
+* ``{"op": "generate_batch", "prompts": [[ids], ...], "priorities": [int] | null, ...}`` →
+  ``{"outputs": [...]}``, one
+  ``generate`` answer per prompt, all submitted to one ``LLM.generate`` call so that vLLM
+  schedules them together (a pool smaller than their sum preempts one);
 * ``{"op": "reset"}`` → run engine steps until ``LLM.reset_prefix_cache()`` succeeds (the
   LMCache connector frees a finished request's blocks one step after it ends);
 * ``{"op": "info"}`` → block size, scheduler settings and KV cache groups as vLLM made them,
@@ -214,6 +218,27 @@ class EngineProcess:
             reset=reset,
         )
 
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int = 1,
+        logprobs: int | None = None,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+        reset: bool = False,
+        priorities: list[int] | None = None,
+        timeout: float = 300.0,
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`generate`, for ``prompts`` scheduled together in one call;
+        ``priorities`` need an engine with ``scheduling_policy="priority"`` (the larger
+        value is served later and preempted first)."""
+        return list(self.call(
+            "generate_batch", timeout, prompts=[list(p) for p in prompts],
+            max_tokens=max_tokens, logprobs=logprobs,
+            kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+            reset=reset, priorities=priorities,
+        )["outputs"])
+
     def reset(self) -> int:
         return int(self.call("reset")["steps"])
 
@@ -286,6 +311,7 @@ def _reset(llm: Any, tries: int = 50) -> int:
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """One ``generate`` answer, or with ``prompts`` a ``generate_batch`` answer."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -296,21 +322,26 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         logprobs=cmd.get("logprobs"),
         extra_args={"kv_transfer_params": kv_params} if kv_params else None,
     )
+    prompts = cmd["prompts"] if "prompts" in cmd else [cmd["prompt"]]
     started = time.monotonic()
-    [out] = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False, priority=cmd.get("priorities"))
     seconds = time.monotonic() - started
-    completion = out.outputs[0]
-    result: dict[str, Any] = {
-        "seconds": seconds,
-        "num_prompt_tokens": len(cmd["prompt"]),
-        "num_cached_tokens": out.num_cached_tokens,
-        "token_ids": list(completion.token_ids),
-        "logprobs": (
-            [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs]
-            if completion.logprobs is not None else None
-        ),
-        "kv_transfer_params": getattr(out, "kv_transfer_params", None),
-    }
+    results = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        completion = out.outputs[0]
+        results.append({
+            "seconds": seconds,
+            "num_prompt_tokens": len(prompt),
+            "num_cached_tokens": out.num_cached_tokens,
+            "token_ids": list(completion.token_ids),
+            "logprobs": (
+                [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+                if completion.logprobs is not None else None
+            ),
+            "kv_transfer_params": getattr(out, "kv_transfer_params", None),
+        })
+    result: dict[str, Any] = {"outputs": results} if "prompts" in cmd else results[0]
     if cmd.get("reset"):
         result["reset_steps"] = _reset(llm)
     return result
@@ -361,7 +392,7 @@ def child_main(argv: list[str] | None = None) -> int:
         cmd = json.loads(line)
         op = cmd.get("op")
         try:
-            if op == "generate":
+            if op in ("generate", "generate_batch"):
                 reply(_generate(llm, cmd))
             elif op == "reset":
                 reply({"steps": _reset(llm)})

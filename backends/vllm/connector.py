@@ -98,6 +98,20 @@ agent workload, behind the short later turns of sessions that had started. So th
 for a segment is kept (``_pending_plans``) until the request is released, and the same
 segment is planned again from it (``plans_reused``) without a round trip.
 
+NOTE 8 (mixed hits): a request often finds a prefix ``L`` in vLLM's own prefix cache and a
+deeper snapshot ``H`` on the server. vLLM keeps its local blocks for ``[0, L)`` and asks for
+the tokens beyond its block-aligned ``L`` (``vllm/v1/core/sched/scheduler.py`` 970-1027;
+a sub-block local tail is dropped when the load is longer, 1007-1027); LMCache loads the
+attention KV of ``[L, H)`` and the recurrent state at ``H`` only, so the recurrent state
+vLLM holds at ``L`` is never joined with anything: the model restarts from the loaded state.
+vLLM presents a local hit whose attention runs deeper than its recurrent state only to a
+connector that sets ``supports_divergent_local_hybrid_hits`` (``kv_cache_manager.py``
+323-369, ``scheduler.py`` 558-567); LMCache's and this one do not, so that combination
+(LMCache #4247's on vLLM 0.26) never reaches here. tests/live/test_mixed_hits.py proves the
+others bit-exact on both CPU layouts; nothing needs refusing. ``mixed_hits`` counts the
+admissions that join a local prefix with a load (``mixed_hits_resumed``: of a preempted
+request).
+
 A request that passes ``kv_transfer_params={"histate_saves": true}`` gets its prefill step
 ends (``step_ends``: where each prefill step ended, in token positions), and with interval
 saves on its plan and saves, back in ``RequestOutput.kv_transfer_params["histate_saves"]``
@@ -596,6 +610,11 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._watchdog.progressed(request.request_id)
         self._count("external_hit_tokens", int(num_external_tokens))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        tracker = self.request_trackers.get(request.request_id)
+        if num_external_tokens > 0 and tracker is not None and tracker.num_vllm_hit_tokens:
+            # vLLM's own prefix joined with a deeper load (NOTE 8).
+            self._count("mixed_hits")
+            self._count("mixed_hits_resumed", int(request.num_preemptions > 0))
         if request.num_preemptions > 0 and num_external_tokens > 0:
             # The server counts this request's loads apart, as vLLM does (protocol.py).
             tracker = self.request_trackers.get(request.request_id)
