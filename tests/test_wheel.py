@@ -21,6 +21,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,10 @@ def run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[st
                           check=False)
 
 
+# Live: it builds, installs a venv and starts the installed histate-server (only --help,
+# but a real console script of ours), which the fast tier leaves out (tests/support/
+# live_marker.py).
+@pytest.mark.live
 def test_the_wheel_installs_and_runs_without_the_repository(tmp_path: Path) -> None:
     src, dist, venv, work = (tmp_path / n for n in ("src", "dist", "venv", "work"))
     for name in PACKAGED:
