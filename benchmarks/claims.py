@@ -46,13 +46,14 @@ SOURCES = {
     "pressure-b": BENCH / "sim_pressure" / "matrix_half_b.json",
     "rewrite": BENCH / "sim_weka" / "rewrite.json",
     "rewrite-retention": BENCH / "sim_weka" / "rewrite_retention.json",
+    "fleet": BENCH / "sim_fleet" / "fleet.json",
 }
 PAGES = (ROOT / "README.md", BENCH / "README.md")
 # Headings of the simulator sections (a section runs to the next heading of its level).
 SIM_HEADINGS = ("### Simulator at the paper's load", "### Try the simulator",
                 "### Under memory pressure", "### At the paper's load",
                 "### The whole shared Weka folder", "### The eviction rule across capacities",
-                "### Rewrite test")
+                "### Rewrite test", "### Several nodes")
 RANKING = re.compile(r"\b(ahead|beats?|outperforms?|wins?|faster|slower|lower|higher|lowest|"
                      r"highest)\b", re.I)
 BLOCK = re.compile(r"<!-- claims:([a-z0-9-]+) -->\n(.*?)<!-- /claims -->", re.S)
@@ -217,11 +218,54 @@ def render_rewrite(docs: Mapping[str, Any], key: str = "rewrite") -> str:
     return "\n".join(lines) + "\n"
 
 
+# The fleet block: least-loaded routing, every row against HiState + shared tier.
+FLEET_ROUTER = "least-loaded"
+FLEET_BASE = "histate+shared"
+FLEET_LABELS = {
+    "histate": "HiState, each node's own tiers",
+    "histate+shared": "HiState + shared tier",
+    "vllm-cpu-disk-offload": "vLLM CPU + disk offload (local)",
+    "sglang-hicache+l3": "SGLang HiCache + shared L3",
+    "lmcache-lru+l2": "stock LMCache + shared L2 (LRU)",
+}
+FLEET_METRICS = {"ttft_p99": "p99", "sensitive_mean": "reuse-sensitive mean"}
+
+
+def render_fleet(docs: Mapping[str, Any]) -> str:
+    """``benchmarks/sim_fleet.py``'s cells (one per router and row, each metric's values over
+    the repeats on all requests and on the page's halves A / B) → the README's block: the
+    least-loaded table and each row's verdict against HiState + shared tier (``compare``)."""
+    cells = {c["row"]: c for c in docs["fleet"] if c["router"] == FLEET_ROUTER}
+    sets = [{row: {m: Spread.of(c["values"][f"{part}:{m}"]) for m in FLEET_METRICS}
+             for row, c in cells.items()} for part in ("all", "A", "B")]
+    lines = ["| row | memory (GiB) | p99 (s) | reuse-sensitive mean (s) |", "|---|---:|---:|---:|"]
+    for row, label in FLEET_LABELS.items():
+        c, m = cells[row], sets[0][row]
+        gib = (c["node_bytes"] + c["shared_bytes"]) / 2**30
+        lines.append(f"| {label} | {gib:,.0f} | {m['ttft_p99'].fmt(2)} | "
+                     f"{m['sensitive_mean'].fmt(3)} |")
+    lines.append("")
+    for row, label in FLEET_LABELS.items():
+        if row == FLEET_BASE:
+            continue
+        said = "; ".join(
+            f"{name} {compare(sets, FLEET_BASE, row, metric)} "
+            f"(×{sets[0][row][metric].mean / sets[0][FLEET_BASE][metric].mean:.2f})"
+            for metric, name in FLEET_METRICS.items())
+        lines.append(f"* HiState + shared tier against {label}: {said}.")
+    lines += ["", "(Each verdict: HiState + shared tier lower / higher beyond the spread on all "
+              "requests and on both halves of the sessions, the fleet page's halves: sorted "
+              "session ids, first half and second; else tie. In brackets: the row's mean ÷ "
+              "HiState + shared tier's, all requests.)"]
+    return "\n".join(lines) + "\n"
+
+
 RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "paper-load": render_paper_load,
     "pressure": render_pressure,
     "rewrite": render_rewrite,
     "rewrite-retention": lambda docs: render_rewrite(docs, "rewrite-retention"),
+    "fleet": render_fleet,
 }
 
 
