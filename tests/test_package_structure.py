@@ -180,3 +180,30 @@ def test_every_import_of_the_package_names_a_module_that_exists() -> None:
             missing += [f"{path.relative_to(ROOT)}: {t}" for t in targets
                         if t.startswith("lmcache_histate") and t not in modules]
     assert missing == []
+
+
+def test_the_runtime_lock_is_taken_in_one_place() -> None:
+    """``runtime`` module doc: one context, ``HiStateRuntime.step``, takes the runtime's
+    lock; the only other locks the runtime package takes are ``TierActions``' own two
+    (the expected removals, the refused deletes), never held while calling anything. No
+    module (or test support) reads a lock off a runtime."""
+    runtime_dir = ROOT / "backends" / "server" / "runtime"
+    taken = []
+    for path in sorted(runtime_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                taken += [f"{path.name}: {ast.unparse(item.context_expr)}" for item in node.items
+                          if ast.unparse(item.context_expr).endswith("lock")]
+    assert sorted(taken) == ["runtime.py: self._lock", "tier_actions.py: self._expected_lock",
+                             "tier_actions.py: self._expected_lock",
+                             "tier_actions.py: self._expected_lock",
+                             "tier_actions.py: self._retry_lock",
+                             "tier_actions.py: self._retry_lock"]
+    offending = []
+    files = [path for path, _is_pkg in package_modules().values()]
+    for path in [*files, *sorted((ROOT / "tests" / "support").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ("lock", "_lock")
+                    and "runtime" in ast.unparse(node.value)):
+                offending.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
+    assert offending == []

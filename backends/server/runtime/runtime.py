@@ -45,23 +45,26 @@ The runtime is composed of parts, each owning its state, built here with what it
   (``shared_index/deployment``): the core's score inputs, residence samples and session
   starts published, and the deployment's EMAs read back, once per janitor tick.
 
-Locking: ``self.lock`` guards the core and every part. It is never held while calling
-into LMCache's L1 manager or waiting on disk I/O: each entry point that changes the core
-runs inside ``TierActions.step`` (lock → drain the queued L1 removals and disk reports →
-the parts → take the collected ``Actions`` → release → run them), the one place that
-sequence is written. Callbacks that LMCache makes while holding its own L1 lock
+Locking: one lock guards the core and every part, and one context takes it: ``step``
+(lock → drain the queued L1 removals and disk reports → read the clock (NOTE 1) → the
+caller's reads and changes → take the collected ``Actions`` → release → run them). Every
+entry point that reads or changes the core goes through it, readers too (``plan``,
+``status``, ``resumable``, ``shared_route``, ``check``, the L1 eviction policy's questions),
+so no reader sees the core before the queued losses are applied. The lock is never held
+while calling into LMCache's L1 manager or waiting on disk I/O: the actions run after it
+is released. Callbacks that LMCache makes while holding its own L1 lock
 (``on_l1_removed``) only append to a queue, as the disk tier's I/O threads do with their
 reports; the janitor's tick drains both too, so none waits longer than a tick. The runtime
-calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with
-``self.lock`` released, and no disk I/O thread ever takes it.
+calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with the lock
+released, and no disk I/O thread ever takes it.
 
 NOTE 1 (events are stamped under the lock). The core assumes its clock never runs back
 (a session's re-access gap is ``now − last access``; a negative one is clamped to 0). An
 entry point that read the clock before taking the lock could apply its event after a
 later-stamped one from another thread (LMCache serves stores and lookups on different
 threads), and a session's re-access gap would come out negative: a lone negative gap
-calibrates ``τ`` to exactly 0. So every ``now`` is read once the lock is held, and events
-reach the core in the order of their stamps.
+calibrates ``τ`` to exactly 0. So ``step`` reads ``now`` once the lock is held and hands it
+to the caller, and events reach the core in the order of their stamps.
 
 NOTE 2 (finding the disk tier). LMCache builds the disk tier from ``--l2-adapter`` with
 its config only, before any server module exists, and exposes no public list of a storage
@@ -95,7 +98,8 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lmcache.v1.distributed.internal_api import L1ManagerListener
@@ -135,12 +139,12 @@ class HiStateRuntime:
     def __init__(self, cfg: HiStateConfig, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()  # taken only by ``step``
         self.stats: Counter[str] = Counter()
         self.model = ModelCore(cfg, self.stats)
         self.objects = ObjectMap(self.model, self.stats)
         self.deployment = DeploymentSync(self.objects.keys, key_id, clock)
-        self.actions = TierActions(self.lock, self.model, self.objects, self.deployment,
+        self.actions = TierActions(self.model, self.objects, self.deployment,
                                    self.stats, clock)
         self.sessions = SessionTracker(cfg, self.model, self.objects, self.stats)
         self.evictor = CpuEvictor(cfg.end_probability_prior, self.stats)
@@ -163,6 +167,18 @@ class HiStateRuntime:
     def core(self) -> HiStateCache | None:
         """The policy core, once the model's layout is known (None before)."""
         return self.model.core
+
+    # ================================================================ the step
+    @contextmanager
+    def step(self) -> Iterator[float]:
+        """The one way in to the core: lock → drain → ``now`` (NOTE 1), yielded → the
+        caller's reads and changes → take the actions; they run once the lock is released.
+        A caller that raises runs nothing: what it collected waits for the next step."""
+        with self._lock:
+            self.actions.drain()
+            yield self.clock()
+            actions = self.actions.take()
+        self.actions.run(actions)
 
     # ================================================================ wiring
     def _drive_disk_tier(self, disk: HiStateDiskAdapter) -> None:
@@ -249,7 +265,7 @@ class HiStateRuntime:
         session = self.ctx.session_manager.get_or_create(key.request_id)
         session.set_tokens(list(key.token_ids))
         hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
-        with self.lock:
+        with self.step():
             self.sessions.record_store(key, hashes)
 
     def on_lookup(self, key: Any) -> None:
@@ -261,8 +277,7 @@ class HiStateRuntime:
         end = min(key.end, len(key.token_ids))
         end -= end % chunk
         hashes = _chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
-        with self.actions.step():
-            now = self.clock()  # under the lock: NOTE 1
+        with self.step() as now:
             core = self._core_for(key.model_name, key.world_size)
             if core is not None:
                 self._place_commits(core, now)
@@ -274,7 +289,7 @@ class HiStateRuntime:
                 self.deployment.began(self.sessions.requests[key.request_id].sid or "", chain)
 
     def on_end_session(self, request_id: str) -> None:
-        with self.actions.step():
+        with self.step():
             self.sessions.end_request(self.model.core, request_id)
 
     def plan(
@@ -284,7 +299,7 @@ class HiStateRuntime:
         """Token positions whose states HiState wants saved for a new segment, on the step
         grid the engine reports (``step_tokens``; None keeps the grid it has) at the step
         price it measured (``step_price``; None keeps the price it has)."""
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return []
@@ -294,7 +309,7 @@ class HiStateRuntime:
             return core.snapshot_plan(start_tokens, input_tokens)
 
     def status(self) -> dict[str, Any]:
-        with self.lock:
+        with self.step():
             out = self.report.status()
             if self._shared() is not None:  # the janitor's exchange with the deployment
                 out["deployment_sync"] = self.deployment.status()
@@ -310,8 +325,7 @@ class HiStateRuntime:
             return set()
         deadline = time.monotonic() + COMMIT_WAIT_S
         while True:
-            with self.actions.step():  # the routed writes' headers go down as it ends
-                now = self.clock()  # under the lock: NOTE 1
+            with self.step() as now:  # the routed writes' headers go down as it ends
                 core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
                 own = self.model.core
                 if own is not None:
@@ -372,7 +386,7 @@ class HiStateRuntime:
             return out
         hashes = _chain_hashes(self.ctx, token_ids, end)
         keys = [node_key(h, cache_salt) for h in hashes]
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return out
@@ -391,7 +405,7 @@ class HiStateRuntime:
             return []
         out: list[ObjectKey] = []
         metas: dict[ObjectKey, ObjectMeta] = {}
-        with self.lock:
+        with self.step():
             for key in keys:
                 if not self.model.ours(key):
                     continue
@@ -420,8 +434,9 @@ class HiStateRuntime:
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
-        leave L1 now (``TierActions.on_persisted``)."""
-        return self.actions.on_persisted(keys)
+        leave L1 now (``TierActions.leave_l1``); returns the keys deleted or retried."""
+        with self.step():
+            return self.actions.leave_l1(keys)
 
     # ======================================================= L1 eviction policy
     def on_l1_removed(self, keys: list[ObjectKey]) -> None:
@@ -429,16 +444,17 @@ class HiStateRuntime:
         self.actions.on_l1_removed(keys)
 
     def is_cpu_tracked(self, key: ObjectKey) -> bool:
-        return self.objects.is_cpu_tracked(key)
+        with self.step():
+            return self.objects.is_cpu_tracked(key)
 
     def cpu_used_bytes(self) -> int:
-        core = self.model.core
-        return 0 if core is None else core.stats().used_bytes[ServerTier.CPU]
+        with self.step():
+            core = self.model.core
+            return 0 if core is None else core.stats().used_bytes[ServerTier.CPU]
 
     def evict_cpu(self, need_bytes: int) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
-        with self.actions.step():
-            now = self.clock()  # under the lock: NOTE 1
+        with self.step() as now:
             core = self.model.core
             if core is None:
                 return 0
@@ -448,7 +464,7 @@ class HiStateRuntime:
         """The janitor's exchange with the deployment (``DeploymentSync``): collected under
         the lock, sent outside it, the EMAs applied under it."""
         recoveries = link.index.conn.counters().get("recoveries", 0)
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return
@@ -456,14 +472,14 @@ class HiStateRuntime:
                                             self.model.chunk, recoveries)
         emas = self.deployment.sync(link.index, batch)
         if emas is not None:
-            with self.lock:
+            with self.step():
                 if self.model.core is not None:
                     self.deployment.apply(self.model.core, emas)
 
     # ================================================================ checks
     def check(self) -> None:
         """Assert the core's invariants and the object bookkeeping's (O(n))."""
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return
@@ -479,13 +495,12 @@ class HiStateRuntime:
                 logger.exception("HiState janitor failed")
 
     def tick(self) -> None:
-        with self.actions.step():
-            now = self.clock()  # under the lock: NOTE 1
+        with self.step() as now:
             core = self.model.core
             if core is not None:
                 self.evictor.rerank_step(core, RERANK_BUDGET)
                 self.sessions.expire(core, now)
-        self.actions.retry_refused()
+            self.actions.leave_l1(self.actions.take_refused())  # a reader's lock refused them
         link = self._shared()
         if link is not None:
             self._sync_deployment(link)
