@@ -3,9 +3,10 @@
 Static, from the sources (``ast``; nothing is imported, so it runs without the live extra):
 the package is ``lmcache_histate/`` plus ``backends/`` (installed as
 ``lmcache_histate.backends``). An edge ``a -> b`` is any ``import`` / ``from ... import`` in
-``a`` naming package module ``b`` (also ``from pkg import submodule``), at module level or
-inside a function (a lazy import still ties the two modules together); imports under ``if
-TYPE_CHECKING:`` are not edges (they never run).
+``a`` naming package module ``b`` (also ``from pkg import submodule``), at module level,
+inside a function (a lazy import still ties the two modules together) or under ``if
+TYPE_CHECKING:`` (it never runs, but a module that needs another's types for its
+signatures depends on it as much: a cycle hidden there is still a cycle).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ def imported_names(name: str, path: Path, is_pkg: bool) -> Iterator[str]:
 
     def walk(node: ast.AST) -> Iterator[str]:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.Import):
                 yield from (alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -108,6 +107,14 @@ def test_cycle_finder_finds_a_planted_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_under_type_checking_are_edges(tmp_path: Path) -> None:
+    """An import only type checkers run still ties the two modules together."""
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    "    from .peer import Thing\n")
+    assert "pkg.peer" in set(imported_names("pkg.m", path, False))
 
 
 def test_the_package_has_no_import_cycle() -> None:

@@ -23,7 +23,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk.tier import WriteDone
-from lmcache_histate.backends.server.runtime.object_map import node_key
+from lmcache_histate.backends.server.runtime.objects import node_key
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 from lmcache_histate.backends.server.runtime.tier_actions import take_one
 
@@ -409,11 +409,11 @@ def _swap_record_chain(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
     (_orphan_link, "invariant 4"),
     (_swap_record_chain, "invariant 4"),
 ])
-def test_object_map_check_names_each_broken_invariant(
+def test_objects_check_names_each_broken_invariant(
     rt: Any, breaks: Callable[[Any, IPCCacheServerKey, list[int]], None], invariant: str
 ) -> None:
     """A store of two chunks (KV of both, the snapshot after chunk 1) leaves a map that
-    passes ``check``; each mutation breaks one numbered invariant of ``object_map``'s
+    passes ``check``; each mutation breaks one numbered invariant of ``objects``'
     docstring, and ``check`` fails naming it."""
     t = toks(2, 1)
     key = ipc(t, 0, len(t), "r1")

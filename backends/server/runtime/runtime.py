@@ -32,18 +32,39 @@ Its verbs, named by who calls them: ``on_<event>`` for what LMCache saw (``on_st
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
-* ``ModelCore`` (``model_core``): the one ``HiStateCache`` (tier 0 = CPU = LMCache L1,
-  tier 1 = disk), created for the first hybrid model seen, and its object identity;
-* ``ObjectMap`` (``object_map``): node part <-> ``ObjectKey``, chunk positions and STORE
-  records along request chains, and committed objects placed by the core;
-* ``SessionTracker`` (``sessions``): requests in flight and sessions;
+* ``ModelCore`` and ``ObjectMap`` (``objects``): the one ``HiStateCache`` (tier 0 = CPU =
+  LMCache L1, tier 1 = disk), created for the first hybrid model seen, its object
+  identity (group kinds, part sizes), and node part <-> ``ObjectKey`` with chunk positions
+  and STORE records along request chains;
 * ``TierActions`` (``tier_actions``): the core's placement events turned into L1 / disk
   actions, and L1 / disk losses reported back;
+* ``Stats`` (``stats``): the counters, under declared keys;
 * ``CpuEvictor`` (``cpu_eviction``): L1 victims by lowest ``H``, re-rank sweeps;
 * ``recover_from_disk`` (``recovery``) and ``StatusReport`` (``reporting``);
+* the runtime itself: the step, commit placement (``_place``, below) and sessions
+  (requests in flight, each session's last activity; ``_lookup``, ``_expire``);
 * with a shared disk tier (``shared_index``), ``DeploymentSync``
   (``shared_index/deployment``): the core's score inputs, residence samples and session
   starts published, and the deployment's EMAs read back, once per janitor tick.
+
+Calls go one way, down: the runtime drives its parts (and the core through them), the tier
+actions read the object map, the object map reads the core; no part calls back up.
+
+Sessions: LMCache has no session ids. A request continues the session whose end lies on
+its chain (``HiStateCache.session_for``); otherwise it starts a new one (an explicit id
+can be passed as ``request_configs["histate.session_id"]``). A lookup that matches cached
+KV but passes no session end is an access inside a context (an internal hit position) and
+is counted as such by the hit model. The runtime keeps the requests in flight (their
+session and the core's handle, whose pins hold what the lookup matched until the store
+lands), each session's last activity (idle ones and forgotten requests expire at the
+janitor's tick) and the length of the last stored segment (for ``/status``).
+
+Placing a commit batch (``_place``, within a step): a batch may mix several STOREs; each
+record's objects are placed together (``HiStateCache.attach`` + ``complete``) along the
+record's chain, from the first stored chunk up to the first one whose KV neither the batch
+nor the core holds. Objects the core does not accept leave L1; the ones the core puts on
+the disk tier are routed there by the store policy (their headers go with the step's
+actions).
 
 Locking: one lock guards the core and every part, and one context takes it: ``step``
 (lock → drain the queued L1 removals and disk reports → read the clock (NOTE 1) → the
@@ -94,19 +115,21 @@ our hook ran (a window of one copy, where the store controller's was unbounded).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmcache.v1.distributed.internal_api import L1ManagerListener
 
 from lmcache_histate.config import HiStateConfig
-from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.tiers import KV, ServerTier
+from lmcache_histate.core.cache import HiStateCache, RequestHandle
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 from ..disk.entries import ObjectMeta
 from ..disk.shared_link import SharedIndexLink, key_id
@@ -114,11 +137,10 @@ from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
 from ..shared_tier.tier import HiStateSharedAdapter
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
-from .model_core import ModelCore
-from .object_map import ObjectMap, node_key
+from .objects import ModelCore, ObjectMap, StoreRecord, node_key
 from .recovery import recover_from_disk
 from .reporting import StatusReport
-from .sessions import SessionTracker
+from .stats import Stats
 from .tier_actions import TierActions, take_one
 
 if TYPE_CHECKING:
@@ -126,11 +148,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
-__all__ = ["CommitListener", "HiStateRuntime"]
+__all__ = ["SESSION_HINT", "CommitListener", "HiStateRuntime", "RequestState"]
 
 # How long a hand-off waits for ``CommitListener`` to queue its keys (NOTE 3): the callback
 # is one call away under the same L1 lock, so it is microseconds unless the host stalls.
 COMMIT_WAIT_S = 0.05
+SESSION_HINT = "histate.session_id"
+_CPU_BIT, _DISK_BIT = 1 << ServerTier.CPU, 1 << ServerTier.DISK
+# node key's depth -> part -> the objects of that part committed in this batch
+ByDepth = dict[int, dict[str, list["ObjectKey"]]]
+
+
+@dataclass(slots=True)
+class RequestState:
+    """A request in flight: its session and the core's handle (the lookup's pins)."""
+
+    sid: str | None
+    handle: RequestHandle | None
+    seen: float
+
+
+def session_hint(key: Any) -> str | None:
+    """The explicit session id a request carries, if any."""
+    configs = key.request_configs or {}
+    hint = configs.get(SESSION_HINT) if isinstance(configs, dict) else None
+    return str(hint) if hint else None
 
 
 class HiStateRuntime:
@@ -140,17 +182,19 @@ class HiStateRuntime:
         self.cfg = cfg
         self.clock = clock
         self._lock = threading.RLock()  # taken only by ``step``
-        self.stats: Counter[str] = Counter()
+        self.stats = Stats()
         self.model = ModelCore(cfg, self.stats)
-        self.objects = ObjectMap(self.model, self.stats)
+        self.objects = ObjectMap(self.model)
         self.deployment = DeploymentSync(self.objects.keys, key_id, clock)
         self.actions = TierActions(self.model, self.objects, self.deployment,
                                    self.stats, clock)
-        self.sessions = SessionTracker(cfg, self.model, self.objects, self.stats)
         self.evictor = CpuEvictor(cfg.end_probability_prior, self.stats)
-        self.report = StatusReport(
-            cfg, self.model, self.sessions, self.objects, self.actions, self.stats
-        )
+        self.report = StatusReport(cfg, self.model, self.objects, self.actions, self.stats)
+        # Sessions (module doc): requests in flight, each session's last activity.
+        self.requests: dict[str, RequestState] = {}
+        self.session_seen: dict[str, float] = {}
+        self.last_segment_tokens = 0
+        self._sids = itertools.count(1)
         self.ctx: Any = None
         # NOTE 3: commits queued by ``CommitListener``, routes decided for them before the
         # store controller asked, and keys it placed before their queued copy arrived.
@@ -266,7 +310,9 @@ class HiStateRuntime:
         session.set_tokens(list(key.token_ids))
         hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
         with self.step():
-            self.sessions.record_store(key, hashes)
+            record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key))
+            record.chain = tuple(
+                self.objects.link_chain(hashes, key.cache_salt, record, record.start))
 
     def on_lookup(self, key: Any) -> None:
         """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit. Objects
@@ -284,13 +330,45 @@ class HiStateRuntime:
             chain = self.objects.link_chain(hashes, key.cache_salt, None)
             if core is None or not chain:
                 return
-            self.sessions.lookup(core, key, chain, now)
+            sid = self._lookup(core, key, chain, now)
             if self._shared() is not None:  # told to the deployment at the next tick
-                self.deployment.began(self.sessions.requests[key.request_id].sid or "", chain)
+                self.deployment.began(sid, chain)
+
+    def _lookup(self, core: HiStateCache, key: Any, chain: Sequence[int], now: float) -> str:
+        """Refresh-all on the hit prefix, pin it, count the hit (within a step); returns
+        the request's session."""
+        old = self.requests.pop(key.request_id, None)
+        if old is not None and old.handle is not None:
+            core.release(old.handle)
+        sid = session_hint(key) or core.session_for(chain)
+        continues = sid is not None and core.has_session(sid)
+        if sid is None:
+            sid = self._new_sid()
+        handle = core.begin(sid, chain, now)
+        match = handle.match
+        if not continues and match.kv_chunks > 0:
+            # Matched cached context without passing any session's end: an access
+            # at an internal position (a rewrite, a shared prefix).
+            core.note_internal_access()
+        self.stats["lookups"] += 1
+        if match.hit_chunks:
+            node = match.hit_node
+            kind = "end" if node is not None and node.ends else "internal"
+            self.stats[f"hits.{kind}"] += 1
+            self.stats["hit_tokens"] += match.hit_chunks * self.model.chunk
+        self.requests[key.request_id] = RequestState(sid, handle, now)
+        self.session_seen[sid] = now
+        return sid
+
+    def _new_sid(self) -> str:
+        return f"s{next(self._sids)}"
 
     def on_end_session(self, request_id: str) -> None:
         with self.step():
-            self.sessions.end_request(self.model.core, request_id)
+            state = self.requests.pop(request_id, None)
+            core = self.model.core
+            if state is not None and state.handle is not None and core is not None:
+                core.release(state.handle)
 
     def plan(
         self, start_tokens: int, input_tokens: int, step_tokens: int | None = None,
@@ -310,7 +388,7 @@ class HiStateRuntime:
 
     def status(self) -> dict[str, Any]:
         with self.step():
-            out = self.report.status()
+            out = self.report.status(len(self.requests), self.last_segment_tokens)
             if self._shared() is not None:  # the janitor's exchange with the deployment
                 out["deployment_sync"] = self.deployment.status()
         if self.shared_tier is not None:  # its own lock; never under the runtime's
@@ -349,7 +427,7 @@ class HiStateRuntime:
             self._direct.update(unseen)
         if core is None:
             return route
-        return route | self.objects.place(core, unseen, now, self.sessions, self.actions)
+        return route | self._place(core, unseen, now)
 
     def _place_commits(self, core: HiStateCache, now: float) -> None:
         """Place every commit ``CommitListener`` queued (under the lock), keeping each
@@ -359,10 +437,116 @@ class HiStateRuntime:
             batch.extend(k for k in self._commits.popleft() if not take_one(self._direct, k))
         if not batch:
             return
-        route = self.objects.place(core, batch, now, self.sessions, self.actions)
+        route = self._place(core, batch, now)
         self.stats["commits.queued"] += len(batch)
         for key in batch:
             self._routes[key] = key in route
+
+    def _place(self, core: HiStateCache, keys: Sequence[ObjectKey], now: float) -> set[ObjectKey]:
+        """Objects just committed to L1 (one or more STOREs): place them with the core and
+        map them (within a step; module doc).
+
+        Returns the keys to write to the disk tier now (their headers go with the step's
+        actions). Objects the core did not accept (a gap before them, no room) are deleted
+        from L1; objects of other models or of auxiliary groups are left alone.
+        """
+        objects, actions = self.objects, self.actions
+        records: dict[int, tuple[StoreRecord, ByDepth]] = {}
+        unknown: list[ObjectKey] = []
+        for key in keys:
+            part = self.model.part(key)
+            if part is None or not self.model.ours(key):
+                continue
+            link = objects.link_of(key)
+            if link is None or link.record is None:
+                unknown.append(key)
+                continue
+            rec = link.record
+            entry = records.setdefault(id(rec), (rec, {}))
+            entry[1].setdefault(link.depth, {}).setdefault(part, []).append(key)
+        rejected: set[ObjectKey] = set(unknown)
+        if unknown:
+            self.stats["objects_rejected.unknown_chain"] += len(unknown)
+        with actions.committing(keys):
+            for rec, by_depth in records.values():
+                rejected.update(self._place_record(core, rec, by_depth, now))
+        route = {key for key in keys if objects.key_tiers(key) & _DISK_BIT}
+        actions.expect_writes(route)
+        # Committed objects the core does not hold on the CPU tier and that are not
+        # about to be written to disk have no business in L1. (Decided before ``take``
+        # reconciles: a part it forgets holds no tier here, so it is deleted either way.)
+        l1_delete = actions.pending.l1_delete
+        for key in keys:
+            if key in route:
+                continue
+            if objects.where(key) is None:
+                if key in rejected:
+                    l1_delete.append(key)
+            elif not objects.key_tiers(key) & _CPU_BIT:
+                l1_delete.append(key)
+        return route
+
+    def _place_record(
+        self, core: HiStateCache, rec: StoreRecord, by_depth: ByDepth, now: float
+    ) -> list[ObjectKey]:
+        """One STORE's committed objects along its chain (within a step); returns the ones
+        the core did not take."""
+        objects = self.objects
+        chain, chunk = rec.chain, self.model.chunk
+        first = min(by_depth)
+        every = [k for parts in by_depth.values() for ks in parts.values() for k in ks]
+        if not core.holds_kv_prefix(chain[:first]):
+            self.stats["objects_rejected.gap"] += len(every)
+            return every
+        end = first
+        while end < len(chain):
+            if KV in by_depth.get(end, {}) or core.tiers_of(chain[end], KV):
+                end += 1
+            else:
+                break
+        rejected: list[ObjectKey] = []
+        snaps: list[int] = []
+        for depth, parts in sorted(by_depth.items()):
+            if depth >= end:
+                rejected += [k for ks in parts.values() for k in ks]
+                self.stats["objects_rejected.gap"] += sum(len(ks) for ks in parts.values())
+                continue
+            for part, ks in parts.items():
+                held = objects.tiers(chain[depth], part)
+                for k in ks:
+                    objects.register(chain[depth], part, k)
+                if held:
+                    # The part is already placed: these objects join it where it lives
+                    # (another worker's shard of the chunk; or a fresh L1 copy of an
+                    # object demoted to disk, which is routed there — a no-op — and then
+                    # leaves L1).
+                    self.stats["objects_joined"] += len(ks)
+                    continue
+                if part == SNAPSHOT:
+                    snaps.append(depth)
+                self.actions.touched.add(chain[depth])
+        # The request's session: named, its lookup's, or the one whose end this store
+        # continues (later stores of a request continue through this one's end).
+        state = self.requests.get(rec.request_id)
+        sid = (rec.session_hint or (state.sid if state is not None else None)
+               or core.session_for(chain[:end]) or self._new_sid())
+        if state is not None and state.handle is not None:  # what it loaded is in place:
+            core.release(state.handle)  # its lookup's pins are no longer needed
+            state.handle = None
+        handle = core.attach(sid, chain[:end])
+        boundaries = [(d + 1) * chunk for d in sorted(snaps)]
+        core.complete(handle, end * chunk, now, boundaries=boundaries)
+        self.session_seen[sid] = now
+        self.last_segment_tokens = max(chunk, (end - first) * chunk)
+        for depth, parts in by_depth.items():
+            if depth >= end:
+                continue
+            for part, ks in parts.items():
+                if not objects.tiers(chain[depth], part) and objects.has_part(chain[depth], part):
+                    objects.unregister_part(chain[depth], part)
+                    rejected += ks
+                    self.stats[f"{part}_not_placed"] += len(ks)
+        return rejected
 
     def on_l1_committed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock when writes finish: queue only (NOTE 3)."""
@@ -476,6 +660,20 @@ class HiStateRuntime:
                 if self.model.core is not None:
                     self.deployment.apply(self.model.core, emas)
 
+    def _expire(self, core: HiStateCache, now: float) -> None:
+        """Forget requests and sessions idle past their TTLs (the janitor's step)."""
+        ttl = self.cfg.request_ttl_s
+        for rid, state in list(self.requests.items()):
+            if now - state.seen > ttl:
+                if state.handle is not None:
+                    core.release(state.handle)
+                del self.requests[rid]
+        idle = self.cfg.session_ttl_s
+        for sid, seen in list(self.session_seen.items()):
+            if now - seen > idle:
+                core.drop_session(sid)
+                del self.session_seen[sid]
+
     # ================================================================ checks
     def check(self) -> None:
         """Assert the core's invariants and the object bookkeeping's (O(n))."""
@@ -485,6 +683,7 @@ class HiStateRuntime:
                 return
             core.check()
             self.objects.check()
+            self.stats.check()
 
     # ============================================================ janitor
     def _janitor_loop(self) -> None:
@@ -499,7 +698,7 @@ class HiStateRuntime:
             core = self.model.core
             if core is not None:
                 self.evictor.rerank_step(core, RERANK_BUDGET)
-                self.sessions.expire(core, now)
+                self._expire(core, now)
             self.actions.leave_l1(self.actions.take_refused())  # a reader's lock refused them
         link = self._shared()
         if link is not None:

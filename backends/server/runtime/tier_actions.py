@@ -61,8 +61,8 @@ from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener, ServerTi
 from ..disk.entries import ObjectMeta
 from ..disk.tier import CapacityChanged, DiskReport, FilesLost, WriteDone
 from ..shared_index.deployment import DeploymentSync
-from .model_core import ModelCore
-from .object_map import ObjectMap
+from .objects import ModelCore, ObjectMap
+from .stats import Stats
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -162,7 +162,7 @@ class TierActions:
         model: ModelCore,
         objects: ObjectMap,
         deployment: DeploymentSync,
-        stats: Counter[str],
+        stats: Stats,
         clock: Callable[[], float],
     ) -> None:
         self.clock = clock
