@@ -206,6 +206,8 @@ class HiStateRuntime:
         self._janitor: threading.Thread | None = None
         self.shared_tier: HiStateSharedAdapter | None = None
         """The shared tier among the server's L2 adapters (``attach_server``), or None."""
+        self.metrics_registered = False
+        """Whether ``/metrics`` reads this runtime (``metrics.register_metrics`` sets it)."""
 
     @property
     def core(self) -> HiStateCache | None:
