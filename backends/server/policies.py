@@ -140,12 +140,8 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
             tracked = list(self._order)
         target = max(1, int(len(tracked) * ratio)) if tracked and ratio > 0 else 0
         runtime = self.runtime
-        unmanaged = [
-            k
-            for k in tracked
-            if not runtime.is_cpu_tracked(k)
-            and (key_eligible_filter is None or key_eligible_filter(k))
-        ][:target]
+        unmanaged = [k for k in runtime.not_cpu_tracked(tracked)
+                     if key_eligible_filter is None or key_eligible_filter(k)][:target]
         if len(unmanaged) < target and runtime.core is not None:
             # The rest comes out of the core's CPU tier, by H (demote or drop).
             share = (target - len(unmanaged)) / max(1, target)

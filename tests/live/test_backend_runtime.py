@@ -372,7 +372,8 @@ def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
     reads = len(held)
     runtime.plan(0, 4 * CHUNK, 2 * CHUNK, 1.0)
     runtime.status()
-    runtime.is_cpu_tracked(objects(runtime, ipc(t, 0, len(t), "b"), [0], 0)[0])
+    never = objects(runtime, ipc(t, 0, len(t), "b"), [0], 1)  # no snapshot after chunk 0
+    assert runtime.not_cpu_tracked(never) == never
     assert len(held) == reads + 3 and all(held), held
 
 

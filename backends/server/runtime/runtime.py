@@ -1,8 +1,10 @@
 """The HiState runtime: the pure policy core driven by what an ``lmcache server`` sees.
 
 One ``HiStateRuntime`` lives in the server process. The launcher builds it and hands it to
-LMCache once, bound into the two policy factories LMCache calls (``policies.install``);
-every other part reaches it through what LMCache built, never through a module global:
+LMCache once, bound into the two policy factories LMCache calls: the store policy's,
+registered (``policies.install``), and the L1 eviction policy's, bound for the server's
+run (``upstream.route_l1_eviction_policy``); every other part reaches it through what
+LMCache built, never through a module global:
 
 * the server module (``server_module.py``) finds it as the store policy of the server
   context's storage manager (``policies.runtime_of``), hands it the context
@@ -27,8 +29,8 @@ Its verbs, named by who calls them: ``on_<event>`` for what LMCache saw (``on_st
 ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
 ``on_l1_committed``, ``on_l1_removed``); a plain verb for what a caller asks of it
 (``plan``, ``status``, ``evict_cpu``, ``tick``, ``check``, and the reads
-``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` /
-``close`` for its wiring.
+``not_cpu_tracked``, ``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` /
+``close`` for its wiring; ``step``, the one way in to the core (Locking, below).
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
@@ -629,9 +631,12 @@ class HiStateRuntime:
         """Called by LMCache under its L1 lock: queue only."""
         self.actions.on_l1_removed(keys)
 
-    def is_cpu_tracked(self, key: ObjectKey) -> bool:
+    def not_cpu_tracked(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """The ``keys`` the core does not hold on the CPU tier (objects HiState does not
+        manage, or copies it released), in their order: one step for the whole list (the
+        L1 eviction policy asks about every object in L1)."""
         with self.step():
-            return self.objects.is_cpu_tracked(key)
+            return [k for k in keys if not self.objects.is_cpu_tracked(k)]
 
     def cpu_used_bytes(self) -> int:
         with self.step():
@@ -678,14 +683,15 @@ class HiStateRuntime:
 
     # ================================================================ checks
     def check(self) -> None:
-        """Assert the core's invariants and the object bookkeeping's (O(n))."""
+        """Assert the core's invariants, the object bookkeeping's (O(n)) and the
+        counters'."""
         with self.step():
+            self.stats.check()
             core = self.model.core
             if core is None:
                 return
             core.check()
             self.objects.check()
-            self.stats.check()
 
     # ============================================================ janitor
     def _janitor_loop(self) -> None:
