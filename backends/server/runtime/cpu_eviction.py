@@ -2,8 +2,8 @@
 
 Also keeps the ranks fresh when inputs shared by every unit drift (a re-rank sweep,
 spread over janitor ticks or done at once before an eviction). State owned here: the
-``(tau, p_end)`` the ranks were last computed with, and the sweep in progress. Callers
-hold the runtime lock.
+``(tau, p_end)`` the ranks were last computed with, and the sweep in progress. Called
+within the runtime's step.
 """
 
 from __future__ import annotations

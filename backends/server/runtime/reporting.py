@@ -1,6 +1,6 @@
 """What the runtime reports in ``/status`` (and, through it, ``/metrics``).
 
-Reads the parts it is given; owns nothing. Callers hold the runtime lock.
+Reads the parts it is given; owns nothing. Called within the runtime's step.
 """
 
 from __future__ import annotations
