@@ -214,3 +214,16 @@ def test_the_runtime_lock_is_taken_in_one_place() -> None:
                     and "runtime" in ast.unparse(node.value)):
                 offending.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
     assert offending == []
+
+
+def test_the_runtime_parts_call_down_only() -> None:
+    """``runtime`` module doc: the runtime drives its parts, the tier actions read the
+    object map, the object map reads the core and nothing above it (no import, not even
+    for types)."""
+    graph = import_graph()
+    pkg = "lmcache_histate.backends.server.runtime"
+    above = {f"{pkg}.{m}" for m in ("runtime", "tier_actions", "recovery", "reporting",
+                                     "cpu_eviction")}
+    assert not graph[f"{pkg}.objects"] & above
+    assert not graph[f"{pkg}.tier_actions"] & {f"{pkg}.runtime"}
+    assert not graph[f"{pkg}.stats"] - {"lmcache_histate.core.tiers", "lmcache_histate.core"}
