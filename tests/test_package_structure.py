@@ -12,6 +12,7 @@ signatures depends on it as much: a cycle hidden there is still a cycle).
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,7 +56,9 @@ def imported_names(name: str, path: Path, is_pkg: bool) -> Iterator[str]:
     yield from walk(ast.parse(path.read_text(), str(path)))
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (built once per test run; read only)."""
     modules = package_modules()
     return {name: {m for m in imported_names(name, path, is_pkg) if m in modules and m != name}
             for name, (path, is_pkg) in modules.items()}
@@ -209,7 +212,10 @@ def test_the_runtime_lock_is_taken_in_one_place() -> None:
     offending = []
     files = [path for path, _is_pkg in package_modules().values()]
     for path in [*files, *sorted((ROOT / "tests" / "support").glob("*.py"))]:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        text = path.read_text()
+        if "lock" not in text:
+            continue
+        for node in ast.walk(ast.parse(text, str(path))):
             if (isinstance(node, ast.Attribute) and node.attr in ("lock", "_lock")
                     and "runtime" in ast.unparse(node.value)):
                 offending.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
