@@ -3,14 +3,16 @@
 Static, from the sources (``ast``; nothing is imported, so it runs without the live extra):
 the package is ``lmcache_histate/`` plus ``backends/`` (installed as
 ``lmcache_histate.backends``). An edge ``a -> b`` is any ``import`` / ``from ... import`` in
-``a`` naming package module ``b`` (also ``from pkg import submodule``), at module level or
-inside a function (a lazy import still ties the two modules together); imports under ``if
-TYPE_CHECKING:`` are not edges (they never run).
+``a`` naming package module ``b`` (also ``from pkg import submodule``), at module level,
+inside a function (a lazy import still ties the two modules together) or under ``if
+TYPE_CHECKING:`` (it never runs, but a module that needs another's types for its
+signatures depends on it as much: a cycle hidden there is still a cycle).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,8 +41,6 @@ def imported_names(name: str, path: Path, is_pkg: bool) -> Iterator[str]:
 
     def walk(node: ast.AST) -> Iterator[str]:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.Import):
                 yield from (alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -56,7 +56,9 @@ def imported_names(name: str, path: Path, is_pkg: bool) -> Iterator[str]:
     yield from walk(ast.parse(path.read_text(), str(path)))
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (built once per test run; read only)."""
     modules = package_modules()
     return {name: {m for m in imported_names(name, path, is_pkg) if m in modules and m != name}
             for name, (path, is_pkg) in modules.items()}
@@ -108,6 +110,14 @@ def test_cycle_finder_finds_a_planted_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_under_type_checking_are_edges(tmp_path: Path) -> None:
+    """An import only type checkers run still ties the two modules together."""
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    "    from .peer import Thing\n")
+    assert "pkg.peer" in set(imported_names("pkg.m", path, False))
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -180,3 +190,46 @@ def test_every_import_of_the_package_names_a_module_that_exists() -> None:
             missing += [f"{path.relative_to(ROOT)}: {t}" for t in targets
                         if t.startswith("lmcache_histate") and t not in modules]
     assert missing == []
+
+
+def test_the_runtime_lock_is_taken_in_one_place() -> None:
+    """``runtime`` module doc: one context, ``HiStateRuntime.step``, takes the runtime's
+    lock; the only other locks the runtime package takes are ``TierActions``' own two
+    (the expected removals, the refused deletes), never held while calling anything. No
+    module (or test support) reads a lock off a runtime."""
+    runtime_dir = ROOT / "backends" / "server" / "runtime"
+    taken = []
+    for path in sorted(runtime_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                taken += [f"{path.name}: {ast.unparse(item.context_expr)}" for item in node.items
+                          if ast.unparse(item.context_expr).endswith("lock")]
+    assert sorted(taken) == ["runtime.py: self._lock", "tier_actions.py: self._expected_lock",
+                             "tier_actions.py: self._expected_lock",
+                             "tier_actions.py: self._expected_lock",
+                             "tier_actions.py: self._retry_lock",
+                             "tier_actions.py: self._retry_lock"]
+    offending = []
+    files = [path for path, _is_pkg in package_modules().values()]
+    for path in [*files, *sorted((ROOT / "tests" / "support").glob("*.py"))]:
+        text = path.read_text()
+        if "lock" not in text:
+            continue
+        for node in ast.walk(ast.parse(text, str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ("lock", "_lock")
+                    and "runtime" in ast.unparse(node.value)):
+                offending.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
+    assert offending == []
+
+
+def test_the_runtime_parts_call_down_only() -> None:
+    """``runtime`` module doc: the runtime drives its parts, the tier actions read the
+    object map, the object map reads the core and nothing above it (no import, not even
+    for types)."""
+    graph = import_graph()
+    pkg = "lmcache_histate.backends.server.runtime"
+    above = {f"{pkg}.{m}" for m in ("runtime", "tier_actions", "recovery", "reporting",
+                                     "cpu_eviction")}
+    assert not graph[f"{pkg}.objects"] & above
+    assert not graph[f"{pkg}.tier_actions"] & {f"{pkg}.runtime"}
+    assert not graph[f"{pkg}.stats"] - {"lmcache_histate.core.tiers", "lmcache_histate.core"}

@@ -368,7 +368,7 @@ def test_the_server_runs_the_simulators_histate_rule() -> None:
     new ``CacheConfig`` knob must be placed in ``NOT_THE_RULE`` or set alike on both sides."""
     from dataclasses import fields
 
-    from lmcache_histate.backends.server.runtime.model_core import core_config
+    from lmcache_histate.backends.server.runtime.objects import core_config
 
     from lmcache_histate.core.cache_types import CacheConfig
     from lmcache_histate.sim.config import load_setup

@@ -359,6 +359,7 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
     install_shm_release()  # upstream leak of one mapping + fd per KV tensor per engine
     keep_request_thread()
     stop_on_hangup()
+    l1_policy = None
     if cfg.policy == "histate":
         from lmcache.v1.multiprocess.http_server import app
 
@@ -367,7 +368,7 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
         from .runtime.runtime import HiStateRuntime
 
         runtime = HiStateRuntime(cfg)
-        policies.install(runtime)
+        l1_policy = policies.install(runtime)
         install_routing_api(app, runtime)
     try:
         confirm_with_lmcache(lmcache_args, bindings)
@@ -376,7 +377,13 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
         return 2
     from lmcache.cli.main import main as lmcache_main
 
-    lmcache_main(lmcache_args)
+    if l1_policy is None:
+        lmcache_main(lmcache_args)
+        return 0
+    from lmcache_histate.backends.upstream import route_l1_eviction_policy
+
+    with route_l1_eviction_policy(l1_policy):  # the runtime's, for this server's run
+        lmcache_main(lmcache_args)
     return 0
 
 

@@ -63,31 +63,30 @@ from .runtime.runtime import HiStateRuntime
 
 logger = logging.getLogger("lmcache_histate.metrics")
 
-_registered = False
-
 
 def _series(runtime: HiStateRuntime) -> dict[str, Callable[[], list[tuple[float, dict]]]]:
-    def counter(prefix: str, label: str, values: tuple[str, ...]) -> Callable:
-        def read() -> list[tuple[float, dict]]:
-            stats = runtime.stats
-            return [(float(stats.get(f"{prefix}.{v}", 0)), {label: v}) for v in values]
+    """Each counter's reader. Every series is a list of (runtime counter, labels): the
+    counters are read by their declared keys (``runtime.stats``), and each key is read once
+    here, so a key that is not declared fails at registration, not as a series of 0."""
+    stats = runtime.stats
 
-        return read
+    def reader(pairs: list[tuple[str, dict]]) -> Callable:
+        undeclared = [key for key, _labels in pairs if key not in stats]
+        if undeclared:
+            raise KeyError(f"/metrics reads undeclared runtime counters {undeclared}")
+        return lambda: [(float(stats[key]), labels) for key, labels in pairs]
+
+    def counter(prefix: str, label: str, values: tuple[str, ...]) -> Callable:
+        return reader([(f"{prefix}.{v}", {label: v}) for v in values])
 
     def single(name: str) -> Callable:
-        return lambda: [(float(runtime.stats.get(name, 0)), {})]
+        return reader([(name, {})])
 
     def dropped(part: str) -> Callable:
-        def read() -> list[tuple[float, dict]]:
-            s = runtime.stats
-            return [
-                (float(s.get(f"{part}_not_placed", 0)), {"reason": "not_placed"}),
-                (float(s.get(f"{part}_not_persisted", 0)), {"reason": "not_persisted"}),
-                (float(s.get(f"{part}_lost.cpu", 0)), {"reason": "lost_cpu"}),
-                (float(s.get(f"{part}_lost.disk", 0)), {"reason": "lost_disk"}),
-            ]
-
-        return read
+        return reader([(f"{part}_not_placed", {"reason": "not_placed"}),
+                       (f"{part}_not_persisted", {"reason": "not_persisted"}),
+                       (f"{part}_lost.cpu", {"reason": "lost_cpu"}),
+                       (f"{part}_lost.disk", {"reason": "lost_disk"})])
 
     tiers = ("cpu", "disk")
     return {
@@ -260,9 +259,12 @@ def _gauges(runtime: HiStateRuntime) -> dict[str, tuple[str, Callable]]:
 
 
 def register_metrics(runtime: HiStateRuntime) -> None:
-    """Create the instruments once per process (OTel keeps the first registration)."""
-    global _registered
-    if _registered:
+    """Create the instruments reading ``runtime``, once (``runtime.metrics_registered``).
+
+    OTel keeps an instrument's first registration per process, so a second runtime's
+    instruments would not be read: there is one runtime per server process
+    (``policies.install`` refuses a second)."""
+    if runtime.metrics_registered:
         return
     try:
         from opentelemetry import metrics as otel
@@ -286,7 +288,7 @@ def register_metrics(runtime: HiStateRuntime) -> None:
                                         description=SERIES_HELP[name])
     for name, (description, read) in _gauges(runtime).items():
         meter.create_observable_gauge(name, callbacks=[callback(read)], description=description)
-    _registered = True
+    runtime.metrics_registered = True
 
 
 def register_disk_metrics(disk: Any) -> None:

@@ -17,10 +17,10 @@
   removals to the runtime, so objects removed behind HiState's back (``/cache/clear``)
   are known to be gone.
 
-LMCache 0.5.6 has no registry for L1 eviction policies: ``install`` routes the L1
-controller's policy to ``HiStateL1EvictionPolicy`` through
-``upstream.route_l1_eviction_policy`` (L2 adapters configured with LMCache eviction keep
-LMCache's policies), and the launcher passes ``--eviction-policy LRU`` to satisfy the CLI.
+LMCache 0.5.6 has no registry for L1 eviction policies: ``install`` returns the factory of
+``HiStateL1EvictionPolicy`` bound to the runtime, and the launcher runs ``lmcache server``
+inside ``upstream.route_l1_eviction_policy`` with it (L2 adapters configured with LMCache
+eviction keep LMCache's policies); it passes ``--eviction-policy LRU`` to satisfy the CLI.
 
 How the runtime gets here: ``install(runtime)`` registers both factories bound to the
 launcher's runtime (LMCache calls each with no argument we choose), so each policy holds
@@ -45,7 +45,6 @@ from lmcache.v1.distributed.storage_controllers.store_policy import (
     register_store_policy,
 )
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
-from lmcache_histate.backends.upstream import route_l1_eviction_policy
 
 from .runtime.runtime import HiStateRuntime
 
@@ -141,12 +140,8 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
             tracked = list(self._order)
         target = max(1, int(len(tracked) * ratio)) if tracked and ratio > 0 else 0
         runtime = self.runtime
-        unmanaged = [
-            k
-            for k in tracked
-            if not runtime.is_cpu_tracked(k)
-            and (key_eligible_filter is None or key_eligible_filter(k))
-        ][:target]
+        unmanaged = [k for k in runtime.not_cpu_tracked(tracked)
+                     if key_eligible_filter is None or key_eligible_filter(k)][:target]
         if len(unmanaged) < target and runtime.core is not None:
             # The rest comes out of the core's CPU tier, by H (demote or drop).
             share = (target - len(unmanaged)) / max(1, target)
@@ -162,9 +157,10 @@ class HiStateL1EvictionPolicy(EvictionPolicy):
             return len(self._order)
 
 
-def install(runtime: HiStateRuntime) -> None:
-    """Register the store policy and route L1 eviction, both bound to ``runtime`` (before
-    the CLI parser is built: it checks ``--l2-store-policy`` against the registry).
+def install(runtime: HiStateRuntime) -> Callable[[Any], EvictionPolicy | None]:
+    """Register the store policy bound to ``runtime`` (before the CLI parser is built: it
+    checks ``--l2-store-policy`` against the registry); returns the L1 eviction policy's
+    factory bound to it, for ``upstream.route_l1_eviction_policy``.
 
     Raises:
         RuntimeError: a store policy ``histate`` is registered already (one runtime per
@@ -182,7 +178,7 @@ def install(runtime: HiStateRuntime) -> None:
         logger.info("HiState L1 eviction policy installed (unified H queue)")
         return HiStateL1EvictionPolicy(runtime)
 
-    route_l1_eviction_policy(l1_policy)
+    return l1_policy
 
 
 def runtime_of(ctx: Any) -> HiStateRuntime | None:

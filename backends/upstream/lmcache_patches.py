@@ -5,8 +5,8 @@ idempotent) and is called from one entry point, never at import time:
 
 * :func:`route_l1_eviction_policy` -- gap: LMCache 0.5.6 has no registry for L1 eviction
   policies (``eviction_policy/factory.py: CreateEvictionPolicy`` is an if/elif over four
-  names, also hard-coded in the CLI's ``choices``). Called by ``policies.install`` from the
-  launcher, before LMCache builds its storage manager.
+  names, also hard-coded in the CLI's ``choices``). Entered by the launcher around
+  ``lmcache server``'s run, with the factory ``policies.install`` bound to its runtime.
 * :func:`install_strided_fallback_kernel` -- bug: the pure-torch fallback copy kernel
   rejects vLLM's padded, non-tight per-block strides. Called by the CPU server module's
   factory (``cpu_server_module.build_server_modules``) in the server process.
@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -40,16 +41,22 @@ __all__ = [
 
 # ------------------------------------------------------------------- L1 eviction policy
 
+# Context variables, not state: each holds a value only within the context that set it.
 _BUILDING_L1 = contextvars.ContextVar("histate_building_l1_eviction", default=False)
-_L1_POLICY: list[Callable[[Any], Any]] = []  # the current factory hook (at most one)
+_L1_POLICY: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars.ContextVar(
+    "histate_l1_eviction_policy", default=None)
 
 
-def route_l1_eviction_policy(make_policy: Callable[[Any], Any]) -> None:
-    """Let ``make_policy(eviction_config)`` choose LMCache's L1 eviction policy.
+@contextmanager
+def route_l1_eviction_policy(make_policy: Callable[[Any], Any]) -> Iterator[None]:
+    """While the block runs, let ``make_policy(eviction_config)`` choose LMCache's L1
+    eviction policy.
 
     ``make_policy`` returns the policy object, or ``None`` for LMCache's own choice. Only the
     L1 controller is routed: L2 adapters configured with LMCache eviction keep LMCache's
-    policies. A later call replaces the hook (the patches themselves are installed once).
+    policies. The patches are installed once; the hook is bound for the block only, in the
+    calling context (NOTE 2), so no process-wide state holds it and nothing is left bound
+    once the block ends.
 
     NOTE 1 (how the L1 call is told apart, without stack inspection): two patches.
     ``L1EvictionController.__init__`` is wrapped to set a context variable while it runs;
@@ -57,10 +64,17 @@ def route_l1_eviction_policy(make_policy: Callable[[Any], Any]) -> None:
     wrapped to consult the hook only while that variable is set. Both calls run in the same
     thread, synchronously, so the variable marks exactly the L1 controller's construction.
     The launcher passes ``--eviction-policy LRU`` to satisfy the CLI's ``choices``.
+
+    NOTE 2 (the hook is a context variable's value). The launcher enters this block around
+    ``lmcache server``'s run on its main thread. LMCache builds its storage manager (and the
+    L1 controller) in the HTTP app's start-up, on uvicorn's event loop, which
+    ``asyncio.run`` starts with a copy of the calling thread's context; the start-up task
+    copies it again (lmcache 0.5.6 ``v1/multiprocess/http_server.py``: ``lifespan`` ->
+    ``run_cache_server``). So the L1 controller sees the hook, and a controller built
+    outside the block (another server in a test process, a thread started elsewhere) does
+    not.
     """
     from lmcache.v1.distributed.storage_controllers import eviction_controller as module
-
-    _L1_POLICY[:] = [make_policy]
 
     def make_init(original: Any) -> Any:
         @functools.wraps(original)
@@ -76,8 +90,9 @@ def route_l1_eviction_policy(make_policy: Callable[[Any], Any]) -> None:
     def make_factory(original: Any) -> Any:
         @functools.wraps(original)
         def CreateEvictionPolicy(eviction_config: Any) -> Any:
-            if _BUILDING_L1.get() and _L1_POLICY:
-                policy = _L1_POLICY[0](eviction_config)
+            hook = _L1_POLICY.get()
+            if _BUILDING_L1.get() and hook is not None:
+                policy = hook(eviction_config)
                 if policy is not None:
                     return policy
             return original(eviction_config)
@@ -88,6 +103,11 @@ def route_l1_eviction_policy(make_policy: Callable[[Any], Any]) -> None:
           mark="_histate_l1_marker")
     patch(module, "CreateEvictionPolicy", make_factory, package="lmcache",
           mark="_histate_l1_policy")
+    token = _L1_POLICY.set(make_policy)
+    try:
+        yield
+    finally:
+        _L1_POLICY.reset(token)
 
 
 # ------------------------------------------------------------- strided fallback kernel

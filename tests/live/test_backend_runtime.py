@@ -23,7 +23,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.session import SessionManager
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk.tier import WriteDone
-from lmcache_histate.backends.server.runtime.object_map import node_key
+from lmcache_histate.backends.server.runtime.objects import node_key
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 from lmcache_histate.backends.server.runtime.tier_actions import take_one
 
@@ -195,11 +195,8 @@ def test_tensor_parallel_shards_join_their_chunk(rt: Any) -> None:
     shard0, shard1 = objects(rt, k0, [1], 0)[0], objects(rt, k1, [1], 0)[0]
     rt.actions.l1.resident.discard(shard0)
     rt.on_l1_removed([shard0])
-    with rt.lock:
-        rt.actions.drain()
-        actions = rt.actions.take()
-    assert shard1 in actions.l1_delete
-    rt.actions.run(actions)
+    with rt.step():  # drains the removal; the reconciled deletes run as it ends
+        pass
     assert shard1 not in rt.actions.l1.resident
     assert objects(rt, k0, [0], 0)[0] in rt.actions.l1.resident  # chunk 0 is intact
     rt.check()
@@ -227,17 +224,21 @@ def test_objects_without_a_recorded_store_are_deleted(rt: Any) -> None:
     assert rt.stats["objects_rejected.unknown_chain"] == 1
 
 
-def test_l1_removal_behind_our_back_drops_what_depends_on_it(rt: Any) -> None:
+def test_l1_removal_behind_our_back_drops_what_depends_on_it(
+    rt: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     t = toks(4, 6)
     key = ipc(t, 0, len(t), "p")
     commit(rt, key, [0, 1, 2, 3], [3])
     first = objects(rt, key, [0], 0)
     rt.actions.l1.resident -= set(first)
     rt.on_l1_removed(first)  # e.g. POST /cache/clear
-    actions = None
-    with rt.lock:
-        rt.actions.drain()
-        actions = rt.actions.take()
+    taken: list[Any] = []
+    take = rt.actions.take
+    monkeypatch.setattr(rt.actions, "take", lambda: taken.append(take()) or taken[-1])
+    with rt.step():  # drains the removal; what it takes then runs
+        pass
+    (actions,) = taken
     rest = set(objects(rt, key, [1, 2, 3], 0) + objects(rt, key, [3], 1))
     assert rest <= set(actions.l1_delete)
     assert set(objects(rt, key, [3], 1)) <= set(actions.disk_delete)  # its disk copy too
@@ -253,8 +254,8 @@ def test_own_deletes_are_not_mistaken_for_losses(rt: Any) -> None:
     leave = rt.on_persisted([snap0, snap1])  # deleted from L1 right away
     assert leave == [snap0]
     assert snap0 not in rt.actions.l1.resident and snap1 in rt.actions.l1.resident
-    with rt.lock:
-        rt.actions.drain()
+    with rt.step():  # drains the removal events of its own deletes
+        pass
     assert rt.stats.get("snapshot_lost.cpu", 0) == 0
     assert rt.objects.key_tiers(snap0) == 1 << DISK  # still cached, on disk
     rt.check()
@@ -287,7 +288,7 @@ def test_failed_disk_write_is_not_persisted(rt: Any) -> None:
     key = ipc(t, 0, len(t), "w")
     commit(rt, key, [0, 1, 2, 3], [1, 3])
     inter, final = objects(rt, key, [1], 1)[0], objects(rt, key, [3], 1)[0]
-    with rt.actions.step():  # as a drain applies the disk tier's report of a batch
+    with rt.step():  # as a drain applies the disk tier's report of a batch
         rt.actions.apply_disk_report(WriteDone([], [inter, final], store_task=True))
     assert rt.stats["snapshot_not_persisted"] == 2
     assert inter not in rt.objects.part_of  # it only had the disk copy: gone, and out of L1
@@ -351,12 +352,13 @@ def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
     later stamp from another thread (a negative re-access gap). The clock here records,
     at each read, whether the calling thread holds the runtime's lock (``RLock._is_owned``,
     what ``threading.Condition`` checks); a commit, a lookup, a CPU eviction and a janitor
-    tick each read it, and every read must be under the lock."""
+    tick each read it, and every read must be under the lock. A plan, a status and an L1
+    eviction policy's question each read it once: they go through the same step."""
     held: list[bool] = []
     ticks = iter(float(t) for t in range(1, 10_000))
 
     def clock() -> float:
-        held.append(runtime.lock._is_owned())  # type: ignore[attr-defined]
+        held.append(runtime._lock._is_owned())  # type: ignore[attr-defined]
         return next(ticks)
 
     runtime = runtime_on_fake_l1(tmp_path, clock)
@@ -366,6 +368,13 @@ def test_every_event_is_stamped_while_the_lock_is_held(tmp_path: Path) -> None:
     runtime.evict_cpu(1)
     runtime.tick()
     assert len(held) >= 4 and all(held), held
+    # Readers and ``plan`` (which sets the core's step grid) go through the same step.
+    reads = len(held)
+    runtime.plan(0, 4 * CHUNK, 2 * CHUNK, 1.0)
+    runtime.status()
+    never = objects(runtime, ipc(t, 0, len(t), "b"), [0], 1)  # no snapshot after chunk 0
+    assert runtime.not_cpu_tracked(never) == never
+    assert len(held) == reads + 3 and all(held), held
 
 
 def _register_unheld_part(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
@@ -401,11 +410,11 @@ def _swap_record_chain(rt: Any, key: IPCCacheServerKey, nk: list[int]) -> None:
     (_orphan_link, "invariant 4"),
     (_swap_record_chain, "invariant 4"),
 ])
-def test_object_map_check_names_each_broken_invariant(
+def test_objects_check_names_each_broken_invariant(
     rt: Any, breaks: Callable[[Any, IPCCacheServerKey, list[int]], None], invariant: str
 ) -> None:
     """A store of two chunks (KV of both, the snapshot after chunk 1) leaves a map that
-    passes ``check``; each mutation breaks one numbered invariant of ``object_map``'s
+    passes ``check``; each mutation breaks one numbered invariant of ``objects``'
     docstring, and ``check`` fails naming it."""
     t = toks(2, 1)
     key = ipc(t, 0, len(t), "r1")

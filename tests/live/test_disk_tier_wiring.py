@@ -25,7 +25,7 @@ from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache_histate.backends.server.disk import file_format as df
 from lmcache_histate.backends.server.disk.entries import to_key
 from lmcache_histate.backends.server.disk.tier import HiStateDiskAdapter
-from lmcache_histate.backends.server.runtime import object_map as object_map_module
+from lmcache_histate.backends.server.runtime import objects as objects_module
 from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 from test_backend_disk_tier import finished
 from test_backend_runtime import (
@@ -46,7 +46,7 @@ from lmcache_histate.config import parse_config
 from lmcache_histate.core.tiers import ServerTier
 
 # What a disk I/O thread must never run: the runtime's parts and the core.
-RUNTIME_DIR = str(Path(object_map_module.__file__).parent)
+RUNTIME_DIR = str(Path(objects_module.__file__).parent)
 CORE_DIR = str(Path(lmcache_histate.core.__file__).parent)
 DISK = ServerTier.DISK
 
@@ -102,7 +102,7 @@ def test_written_headers_are_the_routing_decisions_while_chains_change(
     copies. Every file left has the header its routing (or demotion) decision gave it, no
     disk I/O thread ran any code of the runtime or the core (their reports are queued and
     drained under the lock), and the object map still passes its ``check``."""
-    monkeypatch.setattr(object_map_module, "_LINKS_MAX", 64)
+    monkeypatch.setattr(objects_module, "_LINKS_MAX", 64)
     violations: list[str] = []
     io_calls: list[str] = []
     runtime: HiStateRuntime | None = None

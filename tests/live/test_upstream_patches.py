@@ -3,9 +3,10 @@ nothing patched until an entry point asks.
 
 * ``patch`` refuses an upstream version it was not checked on (and changes nothing), installs
   a replacement once however often or concurrently it is called, and keeps the original;
-* ``route_l1_eviction_policy`` gives HiState's hook the L1 controller's policy only: LMCache's
-  L2 eviction (the same factory called elsewhere) and a hook answering ``None`` get LMCache's
-  own policy -- and the routing inspects no stack frames;
+* ``route_l1_eviction_policy`` gives HiState's hook the L1 controller's policy only, and
+  only within its block: LMCache's L2 eviction (the same factory called elsewhere), a
+  controller built after the block and a hook answering ``None`` get LMCache's own policy
+  -- and the routing inspects no stack frames;
 * importing every backend module (connector, launcher, policies, CPU support, server modules)
   in a fresh interpreter leaves every patch target untouched.
 """
@@ -71,7 +72,6 @@ def test_l1_routing_reaches_the_l1_controller_only(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(module, "CreateEvictionPolicy", module.CreateEvictionPolicy)
     monkeypatch.setattr(module.L1EvictionController, "__init__",
                         module.L1EvictionController.__init__)
-    monkeypatch.setattr(lmcache_patches, "_L1_POLICY", [])
     config = EvictionConfig(eviction_policy="LRU")
     ours = CreateEvictionPolicy(config)  # any real policy object, told apart by identity
     asked: list[object] = []
@@ -80,20 +80,22 @@ def test_l1_routing_reaches_the_l1_controller_only(monkeypatch: pytest.MonkeyPat
         asked.append(eviction_config)
         return ours
 
-    lmcache_patches.route_l1_eviction_policy(hook)
-
     class L1Manager:
         def register_listener(self, listener: object) -> None:
             self.listener = listener
 
-    controller = module.L1EvictionController(L1Manager(), config)
-    assert controller._eviction_policy is ours and asked == [config]
-    # The same factory outside the L1 controller (as L2AdapterEvictionState calls it).
-    other = module.CreateEvictionPolicy(config)
-    assert other is not ours and type(other) is type(ours) and asked == [config]
-    # A hook answering None leaves the choice to LMCache.
-    lmcache_patches.route_l1_eviction_policy(lambda _config: None)
+    with lmcache_patches.route_l1_eviction_policy(hook):
+        controller = module.L1EvictionController(L1Manager(), config)
+        assert controller._eviction_policy is ours and asked == [config]
+        # The same factory outside the L1 controller (as L2AdapterEvictionState calls it).
+        other = module.CreateEvictionPolicy(config)
+        assert other is not ours and type(other) is type(ours) and asked == [config]
+    # Outside the block the hook is gone: LMCache chooses, nothing is asked.
     assert module.L1EvictionController(L1Manager(), config)._eviction_policy is not ours
+    assert asked == [config]
+    # A hook answering None leaves the choice to LMCache.
+    with lmcache_patches.route_l1_eviction_policy(lambda _config: None):
+        assert module.L1EvictionController(L1Manager(), config)._eviction_policy is not ours
     # No stack-frame introspection anywhere in the patches or the policies.
     backends = Path(lmcache_patches.__file__).resolve().parents[1]
     for path in [*backends.glob("upstream/*.py"), backends / "server" / "policies.py"]:

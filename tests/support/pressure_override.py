@@ -61,7 +61,7 @@ class PressureOverrideModule:
         runtime = runtime_of(self._ctx)
         if runtime is None:
             raise RuntimeError("no HiState runtime in this server")
-        with runtime.lock:
+        with runtime.step():
             core = runtime.core
             if core is None:
                 raise RuntimeError("HiState runtime has no core yet (serve one request first)")

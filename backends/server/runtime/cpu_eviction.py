@@ -2,16 +2,16 @@
 
 Also keeps the ranks fresh when inputs shared by every unit drift (a re-rank sweep,
 spread over janitor ticks or done at once before an eviction). State owned here: the
-``(tau, p_end)`` the ranks were last computed with, and the sweep in progress. Callers
-hold the runtime lock.
+``(tau, p_end)`` the ranks were last computed with, and the sweep in progress. Called
+within the runtime's step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 from lmcache_histate.core.cache import HiStateCache
 from lmcache_histate.core.tiers import ServerTier
+
+from .stats import Stats
 
 __all__ = ["RERANK_BUDGET", "CpuEvictor"]
 
@@ -21,7 +21,7 @@ RERANK_BUDGET = 4096  # nodes re-ranked per janitor tick (4 ticks/s) during a sw
 class CpuEvictor:
     """Re-rank sweeps and CPU-tier eviction by lowest ``H``."""
 
-    def __init__(self, end_probability_prior: float, stats: Counter[str]) -> None:
+    def __init__(self, end_probability_prior: float, stats: Stats) -> None:
         self.stats = stats
         self._rank_basis: tuple[float, float] = (0.0, end_probability_prior)
         self._sweep: list[int] | None = None

@@ -8,15 +8,14 @@ full chain and all shards survived are adopted on the disk tier, the rest are de
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from lmcache_histate.backends.server.disk import file_format as df
 
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
-from .model_core import ModelCore
-from .object_map import Link, ObjectMap, node_key
+from .objects import Link, ModelCore, ObjectMap, node_key
+from .stats import Stats
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -29,7 +28,7 @@ def recover_from_disk(
     disk: HiStateDiskAdapter,
     model: ModelCore,
     objects: ObjectMap,
-    stats: Counter[str],
+    stats: Stats,
     now: float,
 ) -> None:
     """Rebuild the core's index from the disk tier's files (once, the core just made).
@@ -95,7 +94,8 @@ def recover_from_disk(
             if ok:
                 depth, parent_hash, chunk_hash, salt, _ = meta[nk]
                 parent = node_key(parent_hash, salt) if depth else None
-                objects.adopt(nk, Link(parent, parent_hash, depth, chunk_hash, salt), part, keys)
+                link = Link(parent, parent_hash, depth, chunk_hash, salt)
+                objects.map_recovered(nk, link, part, keys)
                 adopted += len(keys)
             else:
                 orphans += keys

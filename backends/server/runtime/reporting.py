@@ -1,19 +1,17 @@
 """What the runtime reports in ``/status`` (and, through it, ``/metrics``).
 
-Reads the parts it is given; owns nothing. Callers hold the runtime lock.
+Reads the parts it is given; owns nothing. Called within the runtime's step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.tiers import ServerTier
 
-from .model_core import ModelCore
-from .object_map import ObjectMap
-from .sessions import SessionTracker
+from .objects import ModelCore, ObjectMap
+from .stats import Stats
 from .tier_actions import TierActions
 
 __all__ = ["StatusReport"]
@@ -26,19 +24,19 @@ class StatusReport:
         self,
         cfg: HiStateConfig,
         model: ModelCore,
-        sessions: SessionTracker,
         objects: ObjectMap,
         actions: TierActions,
-        stats: Counter[str],
+        stats: Stats,
     ) -> None:
         self.cfg = cfg
         self.model = model
-        self.sessions = sessions
         self.objects = objects
         self.actions = actions
         self.stats = stats
 
-    def status(self) -> dict[str, Any]:
+    def status(self, requests: int, segment_tokens: int) -> dict[str, Any]:
+        """The document, with the runtime's ``requests`` in flight and the length of the
+        last stored segment (``segment_tokens``, 0 before the first)."""
         model, core = self.model, self.model.core
         out: dict[str, Any] = {
             "policy": self.cfg.policy,
@@ -47,11 +45,11 @@ class StatusReport:
             # What the server was configured for; the connector compares it with what
             # vLLM allocated at start (a mismatch is a SettingsError, not a silent 2x).
             "geometry": model.configured_geometry,
-            "counters": dict(sorted(self.stats.items())),
+            "counters": self.stats.counted(),
             "pending_l1_retries": len(self.actions.retry_l1),
             "queued_l1_events": len(self.actions.events),
             "janitor_ticks": self.stats["janitor_ticks"],
-            "requests": len(self.sessions.requests),
+            "requests": requests,
         }
         disk = self.actions.disk
         if disk is not None:
@@ -59,7 +57,7 @@ class StatusReport:
         if core is None:
             return out
         stats = core.stats()
-        segment = self.sessions.last_segment_tokens or model.chunk
+        segment = segment_tokens or model.chunk
         out.update(
             {
                 "kv_chunk_bytes": model.kv_chunk_bytes,

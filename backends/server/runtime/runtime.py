@@ -1,8 +1,10 @@
 """The HiState runtime: the pure policy core driven by what an ``lmcache server`` sees.
 
 One ``HiStateRuntime`` lives in the server process. The launcher builds it and hands it to
-LMCache once, bound into the two policy factories LMCache calls (``policies.install``);
-every other part reaches it through what LMCache built, never through a module global:
+LMCache once, bound into the two policy factories LMCache calls: the store policy's,
+registered (``policies.install``), and the L1 eviction policy's, bound for the server's
+run (``upstream.route_l1_eviction_policy``); every other part reaches it through what
+LMCache built, never through a module global:
 
 * the server module (``server_module.py``) finds it as the store policy of the server
   context's storage manager (``policies.runtime_of``), hands it the context
@@ -27,41 +29,65 @@ Its verbs, named by who calls them: ``on_<event>`` for what LMCache saw (``on_st
 ``on_lookup``, ``on_end_session``, ``on_committed``, ``on_persisted``,
 ``on_l1_committed``, ``on_l1_removed``); a plain verb for what a caller asks of it
 (``plan``, ``status``, ``evict_cpu``, ``tick``, ``check``, and the reads
-``is_cpu_tracked``, ``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` /
-``close`` for its wiring.
+``not_cpu_tracked``, ``cpu_used_bytes``); ``attach_server`` / ``start_janitor`` /
+``close`` for its wiring; ``step``, the one way in to the core (Locking, below).
 
 The runtime is composed of parts, each owning its state, built here with what it needs:
 
-* ``ModelCore`` (``model_core``): the one ``HiStateCache`` (tier 0 = CPU = LMCache L1,
-  tier 1 = disk), created for the first hybrid model seen, and its object identity;
-* ``ObjectMap`` (``object_map``): node part <-> ``ObjectKey``, chunk positions and STORE
-  records along request chains, and committed objects placed by the core;
-* ``SessionTracker`` (``sessions``): requests in flight and sessions;
+* ``ModelCore`` and ``ObjectMap`` (``objects``): the one ``HiStateCache`` (tier 0 = CPU =
+  LMCache L1, tier 1 = disk), created for the first hybrid model seen, its object
+  identity (group kinds, part sizes), and node part <-> ``ObjectKey`` with chunk positions
+  and STORE records along request chains;
 * ``TierActions`` (``tier_actions``): the core's placement events turned into L1 / disk
   actions, and L1 / disk losses reported back;
+* ``Stats`` (``stats``): the counters, under declared keys;
 * ``CpuEvictor`` (``cpu_eviction``): L1 victims by lowest ``H``, re-rank sweeps;
 * ``recover_from_disk`` (``recovery``) and ``StatusReport`` (``reporting``);
+* the runtime itself: the step, commit placement (``_place``, below) and sessions
+  (requests in flight, each session's last activity; ``_lookup``, ``_expire``);
 * with a shared disk tier (``shared_index``), ``DeploymentSync``
   (``shared_index/deployment``): the core's score inputs, residence samples and session
   starts published, and the deployment's EMAs read back, once per janitor tick.
 
-Locking: ``self.lock`` guards the core and every part. It is never held while calling
-into LMCache's L1 manager or waiting on disk I/O: each entry point that changes the core
-runs inside ``TierActions.step`` (lock → drain the queued L1 removals and disk reports →
-the parts → take the collected ``Actions`` → release → run them), the one place that
-sequence is written. Callbacks that LMCache makes while holding its own L1 lock
+Calls go one way, down: the runtime drives its parts (and the core through them), the tier
+actions read the object map, the object map reads the core; no part calls back up.
+
+Sessions: LMCache has no session ids. A request continues the session whose end lies on
+its chain (``HiStateCache.session_for``); otherwise it starts a new one (an explicit id
+can be passed as ``request_configs["histate.session_id"]``). A lookup that matches cached
+KV but passes no session end is an access inside a context (an internal hit position) and
+is counted as such by the hit model. The runtime keeps the requests in flight (their
+session and the core's handle, whose pins hold what the lookup matched until the store
+lands), each session's last activity (idle ones and forgotten requests expire at the
+janitor's tick) and the length of the last stored segment (for ``/status``).
+
+Placing a commit batch (``_place``, within a step): a batch may mix several STOREs; each
+record's objects are placed together (``HiStateCache.attach`` + ``complete``) along the
+record's chain, from the first stored chunk up to the first one whose KV neither the batch
+nor the core holds. Objects the core does not accept leave L1; the ones the core puts on
+the disk tier are routed there by the store policy (their headers go with the step's
+actions).
+
+Locking: one lock guards the core and every part, and one context takes it: ``step``
+(lock → drain the queued L1 removals and disk reports → read the clock (NOTE 1) → the
+caller's reads and changes → take the collected ``Actions`` → release → run them). Every
+entry point that reads or changes the core goes through it, readers too (``plan``,
+``status``, ``resumable``, ``shared_route``, ``check``, the L1 eviction policy's questions),
+so no reader sees the core before the queued losses are applied. The lock is never held
+while calling into LMCache's L1 manager or waiting on disk I/O: the actions run after it
+is released. Callbacks that LMCache makes while holding its own L1 lock
 (``on_l1_removed``) only append to a queue, as the disk tier's I/O threads do with their
 reports; the janitor's tick drains both too, so none waits longer than a tick. The runtime
-calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with
-``self.lock`` released, and no disk I/O thread ever takes it.
+calls the disk tier (``expect_headers``, ``delete``, ``write_objects``) only with the lock
+released, and no disk I/O thread ever takes it.
 
 NOTE 1 (events are stamped under the lock). The core assumes its clock never runs back
 (a session's re-access gap is ``now − last access``; a negative one is clamped to 0). An
 entry point that read the clock before taking the lock could apply its event after a
 later-stamped one from another thread (LMCache serves stores and lookups on different
 threads), and a session's re-access gap would come out negative: a lone negative gap
-calibrates ``τ`` to exactly 0. So every ``now`` is read once the lock is held, and events
-reach the core in the order of their stamps.
+calibrates ``τ`` to exactly 0. So ``step`` reads ``now`` once the lock is held and hands it
+to the caller, and events reach the core in the order of their stamps.
 
 NOTE 2 (finding the disk tier). LMCache builds the disk tier from ``--l2-adapter`` with
 its config only, before any server module exists, and exposes no public list of a storage
@@ -91,18 +117,21 @@ our hook ran (a window of one copy, where the store controller's was unbounded).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmcache.v1.distributed.internal_api import L1ManagerListener
 
 from lmcache_histate.config import HiStateConfig
-from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.tiers import KV, ServerTier
+from lmcache_histate.core.cache import HiStateCache, RequestHandle
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 from ..disk.entries import ObjectMeta
 from ..disk.shared_link import SharedIndexLink, key_id
@@ -110,11 +139,10 @@ from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
 from ..shared_tier.tier import HiStateSharedAdapter
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
-from .model_core import ModelCore
-from .object_map import ObjectMap, node_key
+from .objects import ModelCore, ObjectMap, StoreRecord, node_key
 from .recovery import recover_from_disk
 from .reporting import StatusReport
-from .sessions import SessionTracker
+from .stats import Stats
 from .tier_actions import TierActions, take_one
 
 if TYPE_CHECKING:
@@ -122,11 +150,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
-__all__ = ["CommitListener", "HiStateRuntime"]
+__all__ = ["SESSION_HINT", "CommitListener", "HiStateRuntime", "RequestState"]
 
 # How long a hand-off waits for ``CommitListener`` to queue its keys (NOTE 3): the callback
 # is one call away under the same L1 lock, so it is microseconds unless the host stalls.
 COMMIT_WAIT_S = 0.05
+SESSION_HINT = "histate.session_id"
+_CPU_BIT, _DISK_BIT = 1 << ServerTier.CPU, 1 << ServerTier.DISK
+# node key's depth -> part -> the objects of that part committed in this batch
+ByDepth = dict[int, dict[str, list["ObjectKey"]]]
+
+
+@dataclass(slots=True)
+class RequestState:
+    """A request in flight: its session and the core's handle (the lookup's pins)."""
+
+    sid: str | None
+    handle: RequestHandle | None
+    seen: float
+
+
+def session_hint(key: Any) -> str | None:
+    """The explicit session id a request carries, if any."""
+    configs = key.request_configs or {}
+    hint = configs.get(SESSION_HINT) if isinstance(configs, dict) else None
+    return str(hint) if hint else None
 
 
 class HiStateRuntime:
@@ -135,18 +183,20 @@ class HiStateRuntime:
     def __init__(self, cfg: HiStateConfig, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.lock = threading.RLock()
-        self.stats: Counter[str] = Counter()
+        self._lock = threading.RLock()  # taken only by ``step``
+        self.stats = Stats()
         self.model = ModelCore(cfg, self.stats)
-        self.objects = ObjectMap(self.model, self.stats)
+        self.objects = ObjectMap(self.model)
         self.deployment = DeploymentSync(self.objects.keys, key_id, clock)
-        self.actions = TierActions(self.lock, self.model, self.objects, self.deployment,
+        self.actions = TierActions(self.model, self.objects, self.deployment,
                                    self.stats, clock)
-        self.sessions = SessionTracker(cfg, self.model, self.objects, self.stats)
         self.evictor = CpuEvictor(cfg.end_probability_prior, self.stats)
-        self.report = StatusReport(
-            cfg, self.model, self.sessions, self.objects, self.actions, self.stats
-        )
+        self.report = StatusReport(cfg, self.model, self.objects, self.actions, self.stats)
+        # Sessions (module doc): requests in flight, each session's last activity.
+        self.requests: dict[str, RequestState] = {}
+        self.session_seen: dict[str, float] = {}
+        self.last_segment_tokens = 0
+        self._sids = itertools.count(1)
         self.ctx: Any = None
         # NOTE 3: commits queued by ``CommitListener``, routes decided for them before the
         # store controller asked, and keys it placed before their queued copy arrived.
@@ -158,11 +208,25 @@ class HiStateRuntime:
         self._janitor: threading.Thread | None = None
         self.shared_tier: HiStateSharedAdapter | None = None
         """The shared tier among the server's L2 adapters (``attach_server``), or None."""
+        self.metrics_registered = False
+        """Whether ``/metrics`` reads this runtime (``metrics.register_metrics`` sets it)."""
 
     @property
     def core(self) -> HiStateCache | None:
         """The policy core, once the model's layout is known (None before)."""
         return self.model.core
+
+    # ================================================================ the step
+    @contextmanager
+    def step(self) -> Iterator[float]:
+        """The one way in to the core: lock → drain → ``now`` (NOTE 1), yielded → the
+        caller's reads and changes → take the actions; they run once the lock is released.
+        A caller that raises runs nothing: what it collected waits for the next step."""
+        with self._lock:
+            self.actions.drain()
+            yield self.clock()
+            actions = self.actions.take()
+        self.actions.run(actions)
 
     # ================================================================ wiring
     def _drive_disk_tier(self, disk: HiStateDiskAdapter) -> None:
@@ -249,8 +313,10 @@ class HiStateRuntime:
         session = self.ctx.session_manager.get_or_create(key.request_id)
         session.set_tokens(list(key.token_ids))
         hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
-        with self.lock:
-            self.sessions.record_store(key, hashes)
+        with self.step():
+            record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key))
+            record.chain = tuple(
+                self.objects.link_chain(hashes, key.cache_salt, record, record.start))
 
     def on_lookup(self, key: Any) -> None:
         """LOOKUP received: refresh-all on the hit prefix, pin it, count the hit. Objects
@@ -261,21 +327,52 @@ class HiStateRuntime:
         end = min(key.end, len(key.token_ids))
         end -= end % chunk
         hashes = _chain_hashes(self.ctx, key.token_ids, end) if end > 0 else []
-        with self.actions.step():
-            now = self.clock()  # under the lock: NOTE 1
+        with self.step() as now:
             core = self._core_for(key.model_name, key.world_size)
             if core is not None:
                 self._place_commits(core, now)
             chain = self.objects.link_chain(hashes, key.cache_salt, None)
             if core is None or not chain:
                 return
-            self.sessions.lookup(core, key, chain, now)
+            sid = self._lookup(core, key, chain, now)
             if self._shared() is not None:  # told to the deployment at the next tick
-                self.deployment.began(self.sessions.requests[key.request_id].sid or "", chain)
+                self.deployment.began(sid, chain)
+
+    def _lookup(self, core: HiStateCache, key: Any, chain: Sequence[int], now: float) -> str:
+        """Refresh-all on the hit prefix, pin it, count the hit (within a step); returns
+        the request's session."""
+        old = self.requests.pop(key.request_id, None)
+        if old is not None and old.handle is not None:
+            core.release(old.handle)
+        sid = session_hint(key) or core.session_for(chain)
+        continues = sid is not None and core.has_session(sid)
+        if sid is None:
+            sid = self._new_sid()
+        handle = core.begin(sid, chain, now)
+        match = handle.match
+        if not continues and match.kv_chunks > 0:
+            # Matched cached context without passing any session's end: an access
+            # at an internal position (a rewrite, a shared prefix).
+            core.note_internal_access()
+        self.stats["lookups"] += 1
+        if match.hit_chunks:
+            node = match.hit_node
+            kind = "end" if node is not None and node.ends else "internal"
+            self.stats[f"hits.{kind}"] += 1
+            self.stats["hit_tokens"] += match.hit_chunks * self.model.chunk
+        self.requests[key.request_id] = RequestState(sid, handle, now)
+        self.session_seen[sid] = now
+        return sid
+
+    def _new_sid(self) -> str:
+        return f"s{next(self._sids)}"
 
     def on_end_session(self, request_id: str) -> None:
-        with self.actions.step():
-            self.sessions.end_request(self.model.core, request_id)
+        with self.step():
+            state = self.requests.pop(request_id, None)
+            core = self.model.core
+            if state is not None and state.handle is not None and core is not None:
+                core.release(state.handle)
 
     def plan(
         self, start_tokens: int, input_tokens: int, step_tokens: int | None = None,
@@ -284,7 +381,7 @@ class HiStateRuntime:
         """Token positions whose states HiState wants saved for a new segment, on the step
         grid the engine reports (``step_tokens``; None keeps the grid it has) at the step
         price it measured (``step_price``; None keeps the price it has)."""
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return []
@@ -294,8 +391,8 @@ class HiStateRuntime:
             return core.snapshot_plan(start_tokens, input_tokens)
 
     def status(self) -> dict[str, Any]:
-        with self.lock:
-            out = self.report.status()
+        with self.step():
+            out = self.report.status(len(self.requests), self.last_segment_tokens)
             if self._shared() is not None:  # the janitor's exchange with the deployment
                 out["deployment_sync"] = self.deployment.status()
         if self.shared_tier is not None:  # its own lock; never under the runtime's
@@ -310,8 +407,7 @@ class HiStateRuntime:
             return set()
         deadline = time.monotonic() + COMMIT_WAIT_S
         while True:
-            with self.actions.step():  # the routed writes' headers go down as it ends
-                now = self.clock()  # under the lock: NOTE 1
+            with self.step() as now:  # the routed writes' headers go down as it ends
                 core = self._core_for(keys[0].model_name, keys[0].kv_rank >> 24 or 1)
                 own = self.model.core
                 if own is not None:
@@ -335,7 +431,7 @@ class HiStateRuntime:
             self._direct.update(unseen)
         if core is None:
             return route
-        return route | self.objects.place(core, unseen, now, self.sessions, self.actions)
+        return route | self._place(core, unseen, now)
 
     def _place_commits(self, core: HiStateCache, now: float) -> None:
         """Place every commit ``CommitListener`` queued (under the lock), keeping each
@@ -345,10 +441,116 @@ class HiStateRuntime:
             batch.extend(k for k in self._commits.popleft() if not take_one(self._direct, k))
         if not batch:
             return
-        route = self.objects.place(core, batch, now, self.sessions, self.actions)
+        route = self._place(core, batch, now)
         self.stats["commits.queued"] += len(batch)
         for key in batch:
             self._routes[key] = key in route
+
+    def _place(self, core: HiStateCache, keys: Sequence[ObjectKey], now: float) -> set[ObjectKey]:
+        """Objects just committed to L1 (one or more STOREs): place them with the core and
+        map them (within a step; module doc).
+
+        Returns the keys to write to the disk tier now (their headers go with the step's
+        actions). Objects the core did not accept (a gap before them, no room) are deleted
+        from L1; objects of other models or of auxiliary groups are left alone.
+        """
+        objects, actions = self.objects, self.actions
+        records: dict[int, tuple[StoreRecord, ByDepth]] = {}
+        unknown: list[ObjectKey] = []
+        for key in keys:
+            part = self.model.part(key)
+            if part is None or not self.model.ours(key):
+                continue
+            link = objects.link_of(key)
+            if link is None or link.record is None:
+                unknown.append(key)
+                continue
+            rec = link.record
+            entry = records.setdefault(id(rec), (rec, {}))
+            entry[1].setdefault(link.depth, {}).setdefault(part, []).append(key)
+        rejected: set[ObjectKey] = set(unknown)
+        if unknown:
+            self.stats["objects_rejected.unknown_chain"] += len(unknown)
+        with actions.committing(keys):
+            for rec, by_depth in records.values():
+                rejected.update(self._place_record(core, rec, by_depth, now))
+        route = {key for key in keys if objects.key_tiers(key) & _DISK_BIT}
+        actions.expect_writes(route)
+        # Committed objects the core does not hold on the CPU tier and that are not
+        # about to be written to disk have no business in L1. (Decided before ``take``
+        # reconciles: a part it forgets holds no tier here, so it is deleted either way.)
+        l1_delete = actions.pending.l1_delete
+        for key in keys:
+            if key in route:
+                continue
+            if objects.where(key) is None:
+                if key in rejected:
+                    l1_delete.append(key)
+            elif not objects.key_tiers(key) & _CPU_BIT:
+                l1_delete.append(key)
+        return route
+
+    def _place_record(
+        self, core: HiStateCache, rec: StoreRecord, by_depth: ByDepth, now: float
+    ) -> list[ObjectKey]:
+        """One STORE's committed objects along its chain (within a step); returns the ones
+        the core did not take."""
+        objects = self.objects
+        chain, chunk = rec.chain, self.model.chunk
+        first = min(by_depth)
+        every = [k for parts in by_depth.values() for ks in parts.values() for k in ks]
+        if not core.holds_kv_prefix(chain[:first]):
+            self.stats["objects_rejected.gap"] += len(every)
+            return every
+        end = first
+        while end < len(chain):
+            if KV in by_depth.get(end, {}) or core.tiers_of(chain[end], KV):
+                end += 1
+            else:
+                break
+        rejected: list[ObjectKey] = []
+        snaps: list[int] = []
+        for depth, parts in sorted(by_depth.items()):
+            if depth >= end:
+                rejected += [k for ks in parts.values() for k in ks]
+                self.stats["objects_rejected.gap"] += sum(len(ks) for ks in parts.values())
+                continue
+            for part, ks in parts.items():
+                held = objects.tiers(chain[depth], part)
+                for k in ks:
+                    objects.register(chain[depth], part, k)
+                if held:
+                    # The part is already placed: these objects join it where it lives
+                    # (another worker's shard of the chunk; or a fresh L1 copy of an
+                    # object demoted to disk, which is routed there — a no-op — and then
+                    # leaves L1).
+                    self.stats["objects_joined"] += len(ks)
+                    continue
+                if part == SNAPSHOT:
+                    snaps.append(depth)
+                self.actions.touched.add(chain[depth])
+        # The request's session: named, its lookup's, or the one whose end this store
+        # continues (later stores of a request continue through this one's end).
+        state = self.requests.get(rec.request_id)
+        sid = (rec.session_hint or (state.sid if state is not None else None)
+               or core.session_for(chain[:end]) or self._new_sid())
+        if state is not None and state.handle is not None:  # what it loaded is in place:
+            core.release(state.handle)  # its lookup's pins are no longer needed
+            state.handle = None
+        handle = core.attach(sid, chain[:end])
+        boundaries = [(d + 1) * chunk for d in sorted(snaps)]
+        core.complete(handle, end * chunk, now, boundaries=boundaries)
+        self.session_seen[sid] = now
+        self.last_segment_tokens = max(chunk, (end - first) * chunk)
+        for depth, parts in by_depth.items():
+            if depth >= end:
+                continue
+            for part, ks in parts.items():
+                if not objects.tiers(chain[depth], part) and objects.has_part(chain[depth], part):
+                    objects.unregister_part(chain[depth], part)
+                    rejected += ks
+                    self.stats[f"{part}_not_placed"] += len(ks)
+        return rejected
 
     def on_l1_committed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock when writes finish: queue only (NOTE 3)."""
@@ -372,7 +574,7 @@ class HiStateRuntime:
             return out
         hashes = _chain_hashes(self.ctx, token_ids, end)
         keys = [node_key(h, cache_salt) for h in hashes]
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return out
@@ -391,7 +593,7 @@ class HiStateRuntime:
             return []
         out: list[ObjectKey] = []
         metas: dict[ObjectKey, ObjectMeta] = {}
-        with self.lock:
+        with self.step():
             for key in keys:
                 if not self.model.ours(key):
                     continue
@@ -420,25 +622,30 @@ class HiStateRuntime:
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
-        leave L1 now (``TierActions.on_persisted``)."""
-        return self.actions.on_persisted(keys)
+        leave L1 now (``TierActions.leave_l1``); returns the keys deleted or retried."""
+        with self.step():
+            return self.actions.leave_l1(keys)
 
     # ======================================================= L1 eviction policy
     def on_l1_removed(self, keys: list[ObjectKey]) -> None:
         """Called by LMCache under its L1 lock: queue only."""
         self.actions.on_l1_removed(keys)
 
-    def is_cpu_tracked(self, key: ObjectKey) -> bool:
-        return self.objects.is_cpu_tracked(key)
+    def not_cpu_tracked(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """The ``keys`` the core does not hold on the CPU tier (objects HiState does not
+        manage, or copies it released), in their order: one step for the whole list (the
+        L1 eviction policy asks about every object in L1)."""
+        with self.step():
+            return [k for k in keys if not self.objects.is_cpu_tracked(k)]
 
     def cpu_used_bytes(self) -> int:
-        core = self.model.core
-        return 0 if core is None else core.stats().used_bytes[ServerTier.CPU]
+        with self.step():
+            core = self.model.core
+            return 0 if core is None else core.stats().used_bytes[ServerTier.CPU]
 
     def evict_cpu(self, need_bytes: int) -> int:
         """Push units out of the CPU tier by lowest H until ``need_bytes`` are freed."""
-        with self.actions.step():
-            now = self.clock()  # under the lock: NOTE 1
+        with self.step() as now:
             core = self.model.core
             if core is None:
                 return 0
@@ -448,7 +655,7 @@ class HiStateRuntime:
         """The janitor's exchange with the deployment (``DeploymentSync``): collected under
         the lock, sent outside it, the EMAs applied under it."""
         recoveries = link.index.conn.counters().get("recoveries", 0)
-        with self.lock:
+        with self.step():
             core = self.model.core
             if core is None:
                 return
@@ -456,14 +663,30 @@ class HiStateRuntime:
                                             self.model.chunk, recoveries)
         emas = self.deployment.sync(link.index, batch)
         if emas is not None:
-            with self.lock:
+            with self.step():
                 if self.model.core is not None:
                     self.deployment.apply(self.model.core, emas)
 
+    def _expire(self, core: HiStateCache, now: float) -> None:
+        """Forget requests and sessions idle past their TTLs (the janitor's step)."""
+        ttl = self.cfg.request_ttl_s
+        for rid, state in list(self.requests.items()):
+            if now - state.seen > ttl:
+                if state.handle is not None:
+                    core.release(state.handle)
+                del self.requests[rid]
+        idle = self.cfg.session_ttl_s
+        for sid, seen in list(self.session_seen.items()):
+            if now - seen > idle:
+                core.drop_session(sid)
+                del self.session_seen[sid]
+
     # ================================================================ checks
     def check(self) -> None:
-        """Assert the core's invariants and the object bookkeeping's (O(n))."""
-        with self.lock:
+        """Assert the core's invariants, the object bookkeeping's (O(n)) and the
+        counters'."""
+        with self.step():
+            self.stats.check()
             core = self.model.core
             if core is None:
                 return
@@ -479,13 +702,12 @@ class HiStateRuntime:
                 logger.exception("HiState janitor failed")
 
     def tick(self) -> None:
-        with self.actions.step():
-            now = self.clock()  # under the lock: NOTE 1
+        with self.step() as now:
             core = self.model.core
             if core is not None:
                 self.evictor.rerank_step(core, RERANK_BUDGET)
-                self.sessions.expire(core, now)
-        self.actions.retry_refused()
+                self._expire(core, now)
+            self.actions.leave_l1(self.actions.take_refused())  # a reader's lock refused them
         link = self._shared()
         if link is not None:
             self._sync_deployment(link)

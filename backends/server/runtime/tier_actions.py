@@ -10,26 +10,27 @@ live here too, both queues drained under the lock: L1 removals nobody here decid
 ``disk.tier`` NOTE 3) — failed writes and lost files become losses in the core, a new
 capacity resizes the core's disk tier, demoted objects leave L1.
 
-The lock sequence of every runtime entry point that changes the core is ``step``, written
-once: take the runtime lock, drain both queues, let the caller change the core, take the
-collected ``Actions`` (with the header of every disk write they decide, ``header``),
-release the lock, run them. Running hands the disk tier the headers before it submits the
-writes, so the tier's I/O threads never read runtime state (``disk.tier`` NOTE 2), and
-they never call into it either: they only queue. Taking tells the tier the disk deletes
-and writes decided, still under the lock (a bookkeeping call, no I/O): a write submitted
-before the deletes run is measured against the room they make (``disk.writes`` NOTE 5),
-and a delete decided before a write of the same object does not remove its file
-(``disk.tier`` NOTE 4).
+Every runtime entry point goes through the runtime's ``step`` (``runtime`` module doc),
+written once there: take the runtime lock, ``drain`` both queues, let the caller change
+the core, ``take`` the collected ``Actions`` (with the header of every disk write they
+decide, ``header``), release the lock, ``run`` them. Nothing here takes the runtime lock.
+Running hands the disk tier the headers before it submits the writes, so the tier's I/O
+threads never read runtime state (``disk.tier`` NOTE 2), and they never call into it
+either: they only queue. Taking tells the tier the disk deletes and writes decided, still
+under the lock (a bookkeeping call, no I/O): a write submitted before the deletes run is
+measured against the room they make (``disk.writes`` NOTE 5), and a delete decided before
+a write of the same object does not remove its file (``disk.tier`` NOTE 4).
 
-Threads: ``step`` runs on whichever thread calls it (LMCache's request and controller
-threads, the janitor) and serialises on the runtime lock; ``run`` and ``l1_delete`` are
-called with it released; ``on_l1_removed`` is called under LMCache's L1 lock and only
+Threads: ``drain`` and ``take`` run within the runtime's step on whichever thread calls it
+(LMCache's request and controller threads, the janitor); ``run`` and ``l1_delete`` are
+called with the lock released; ``on_l1_removed`` is called under LMCache's L1 lock and only
 appends to a queue. No disk I/O thread runs code of this module.
 
 State owned here: the pending ``Actions``, the chunk nodes touched since the last
 ``take`` (reconciled then), the objects of a commit batch in flight, the queue of L1
 removal events and the removals HiState itself asked for (``expected``, which are not
-losses), and the L1 deletes a reader's lock refused (retried by the janitor).
+losses), the L1 deletes a reader's lock refused (retried by the janitor), and the
+demotions that never reached the disk tier (applied as failed writes at the next drain).
 
 NOTE 1 (an L1 delete needs no write bookkeeping). A disk delete is voided by a later
 write of the same object (``disk.tier`` NOTE 4) because a file can be written again while
@@ -60,8 +61,8 @@ from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener, ServerTi
 from ..disk.entries import ObjectMeta
 from ..disk.tier import CapacityChanged, DiskReport, FilesLost, WriteDone
 from ..shared_index.deployment import DeploymentSync
-from .model_core import ModelCore
-from .object_map import ObjectMap
+from .objects import ModelCore, ObjectMap
+from .stats import Stats
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
@@ -158,14 +159,12 @@ class TierActions:
 
     def __init__(
         self,
-        lock: threading.RLock,
         model: ModelCore,
         objects: ObjectMap,
         deployment: DeploymentSync,
-        stats: Counter[str],
+        stats: Stats,
         clock: Callable[[], float],
     ) -> None:
-        self.lock = lock
         self.clock = clock
         self.model = model
         self.objects = objects
@@ -178,22 +177,11 @@ class TierActions:
         self.touched: set[int] = set()
         self.batch: set[ObjectKey] = set()
         self.events: deque[list[ObjectKey]] = deque()
+        self.not_demoted: deque[list[ObjectKey]] = deque()
         self._expected: Counter[ObjectKey] = Counter()
         self._expected_lock = threading.Lock()
         self.retry_l1: set[ObjectKey] = set()
         self._retry_lock = threading.Lock()
-
-    # ================================================================ the sequence
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        """Lock → drain → the caller's changes → take; the actions run once the lock is
-        released (module docstring). A caller that raises runs nothing: what it collected
-        waits for the next ``take``."""
-        with self.lock:
-            self.drain()
-            yield
-            actions = self.take()
-        self.run(actions)
 
     # ================================================================ collecting
     @contextmanager
@@ -295,11 +283,14 @@ class TierActions:
             self.events.append(list(keys))
 
     def drain(self) -> None:
-        """Apply the queued L1 removals (the ones nobody here decided are losses) and the
-        disk tier's reports (``apply_disk_report``), under the lock."""
+        """Apply the queued L1 removals (the ones nobody here decided are losses), the disk
+        tier's reports (``apply_disk_report``) and the demotions that never reached it, under
+        the lock."""
         if self.disk is not None:
             for report in self.disk.take_reports():
                 self.apply_disk_report(report)
+        while self.not_demoted:
+            self.apply_disk_report(WriteDone([], self.not_demoted.popleft(), store_task=True))
         core = self.model.core
         while self.events:
             for key in self.events.popleft():
@@ -314,27 +305,21 @@ class TierActions:
                     core.lose(where[0], where[1], CPU)
                     self.touched.add(where[0])
 
-    def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        """Objects written to disk by the store controller: those not kept on the CPU tier
-        leave L1 now. Deleted here rather than by the store controller, which ignores a
-        delete refused because a lookup holds a read lock; here it is retried.
-
-        Returns the keys deleted or queued for deletion.
-        """
-        out = self._leaving_l1(keys)
-        self.l1_delete(out)
+    def leave_l1(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """Objects written to disk (the store controller's, or a delete a reader's lock
+        refused, ``take_refused``): those not kept on the CPU tier leave L1 when the
+        actions run (under the lock). Deleted here rather than by the store controller,
+        which ignores a delete refused because a lookup holds a read lock; here it is
+        retried. Returns the keys to delete."""
+        out = [k for k in keys if not self.objects.is_cpu_tracked(k)]
+        self.pending.l1_delete.extend(out)
         return out
 
-    def retry_refused(self) -> None:
-        """Retry the L1 deletes a reader's lock refused (janitor)."""
+    def take_refused(self) -> list[ObjectKey]:
+        """The L1 deletes a reader's lock refused, to retry (janitor; any thread)."""
         with self._retry_lock:
             retry, self.retry_l1 = list(self.retry_l1), set()
-        if retry:
-            self.l1_delete(self._leaving_l1(retry))
-
-    def _leaving_l1(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        with self.lock:
-            return [k for k in keys if not self.objects.is_cpu_tracked(k)]
+        return retry
 
     # ================================================================ running
     def run(self, actions: Actions) -> None:
@@ -406,6 +391,6 @@ class TierActions:
         disk.write_objects(found, [o.byte_array for o in objs], partial(l1.finish_read, found))
 
     def _not_demoted(self, keys: list[ObjectKey]) -> None:
-        """A demotion that never reached the disk tier: its disk copies are lost."""
-        with self.step():
-            self.apply_disk_report(WriteDone([], keys, store_task=True))
+        """A demotion that never reached the disk tier: its disk copies are lost, as a
+        failed write's are, at the next drain (called with the lock released)."""
+        self.not_demoted.append(keys)
