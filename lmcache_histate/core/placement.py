@@ -17,13 +17,13 @@ there (``EvictionQueue.arrival_rank``); if that is not enough it is the one that
 (NOTE 1). Capacities are never exceeded; ``check()`` recomputes the accounting.
 NOTE 1 (one scale where units leave). A fast tier always admits a demoted unit (nothing
 is lost: it demotes further), and the last tier compares ``H`` with ``H``. Comparing a
-demoted unit's rank in the tier it left (``t``: fast tiers rank by recency, ``score``
-NOTE 3) against the last tier's ``t + τ·ln(C/M)``, where a deep snapshot of a long session
+demoted unit's rank in the tier it left (``t``: fast tiers rank by recency, ``rank``
+NOTE 6) against the last tier's ``t + τ·ln(C/M)``, where a deep snapshot of a long session
 sits minutes above its ``t``, would mix two scales: demotions into the last tier would
 fail and drop units by fast-tier recency, and a refused demotion between fast tiers would
 drop a unit the last tier never saw. Measured on the whole Weka folder at 1/8 of the
 paper's CPU+disk (``benchmarks/sim_eviction.md``): mean TTFT 7.63 s with this rule and
-recency from release (``request_path`` NOTE 1), 9.51 s with mixed scales; always
+recency from release (``cache`` NOTE 1), 9.51 s with mixed scales; always
 admitting at every tier gave 8.30 s, refusing at every tier 10.47 s.
 """
 
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from .eviction import EvictionQueue
 from .index import Node, PrefixIndex
 from .interval import ResidenceTracker
+from .rank import unit_nodes
 from .tiers import (
     KV,
     SNAPSHOT,
@@ -44,7 +45,6 @@ from .tiers import (
     bits,
     only_on,
 )
-from .units import unit_nodes
 
 __all__ = ["TieredStore"]
 
@@ -233,7 +233,7 @@ class TieredStore:
     def drop(self, anchor: Node, now: float) -> None:
         """Remove the unit at ``anchor`` from every tier."""
         if anchor.snap_tiers and anchor.kv_children:
-            # An intermediate snapshot goes alone (``units.unit_parts``), the common
+            # An intermediate snapshot goes alone (``rank.unit_parts``), the common
             # victim: ``_forget_snapshot`` re-ranks around it, which covers every unit it
             # changed (the snapshot above, the tails and snapshots below); its parent's
             # KV and branches are unchanged.

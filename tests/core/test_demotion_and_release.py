@@ -3,7 +3,7 @@
 * ``placement`` NOTE 1: a demotion into a tier that is not the last always lands (that
   tier demotes further); the last tier compares the arriving unit's ``H`` with its
   residents' ``H`` (``EvictionQueue.arrival_rank``), never a fast tier's ``t``.
-* ``request_path`` NOTE 1: a hit counts as read when the request completes (the engine
+* ``cache`` NOTE 1: a hit counts as read when the request completes (the engine
   held it until then), not only when it began.
 
 Chunks of 10 tokens, 1 B per token: a KV chunk is 10 B, a snapshot 20 B, unless a test

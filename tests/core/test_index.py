@@ -8,8 +8,8 @@ from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import ChainError, Node, PrefixIndex
 from lmcache_histate.core.interval import ResidenceTracker
+from lmcache_histate.core.rank import HitModel
 from lmcache_histate.core.tiers import KV, TierSpec
-from lmcache_histate.core.units import HitModel
 
 
 def test_paths_token_ends_and_membership() -> None:

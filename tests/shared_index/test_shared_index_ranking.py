@@ -24,7 +24,7 @@ from support.redis_server import RedisServer
 from support.shared_index import make_index, write
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.score import score
+from lmcache_histate.core.rank import score
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier, TierSpec
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK

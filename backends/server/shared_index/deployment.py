@@ -25,7 +25,7 @@ LOOKUP's or a STORE's path), in one pipeline (``SharedIndex.sync``):
   values read stay in effect and samples queue (bounded, ``MAX_QUEUED``).
 
 Interior KV of the disk tier (a KV chunk with snapshots below it) leaves the disk with no
-unit: the core drops it only after every unit below it (``units.unit_nodes``). It is
+unit: the core drops it only after every unit below it (``rank.unit_nodes``). It is
 published with ``C/M = PROTECTED_RATIO`` (``ln`` = 20.7: it goes after any unit unless it
 is more than 20.7 re-access scales older), and re-published as soon as the units below
 it left and it became a tail.
@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.core.score import MIN_RATIO
+from lmcache_histate.core.rank import MIN_RATIO
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 if TYPE_CHECKING:
