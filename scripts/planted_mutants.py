@@ -105,8 +105,8 @@ MUTANTS = (
     Mutant(
         "cache-fresh-residence-tracker",
         "lmcache_histate/core/cache.py",
-        "self._index, self._queue, config.tiers, config.rules, self._residence, listener",
-        "self._index, self._queue, config.tiers, config.rules, None, listener",
+        "self._index, self._queue, config.tiers, config.rules, self._residence\n",
+        "self._index, self._queue, config.tiers, config.rules, None\n",
         "interval control: the cache wiring a fresh residence tracker (pressure stays 1)",
     ),
     Mutant(

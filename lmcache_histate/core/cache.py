@@ -14,7 +14,8 @@ This object is the only way into the core: its index, eviction queue, tiered sto
 interval controller are private. Its verbs, by who calls them:
 
 * the simulator and the server: the request life ``begin`` → ``promote`` → ``complete`` /
-  ``release``, the plan ``snapshot_plan``, ``stats``, and ``check`` (the invariants,
+  ``release``, the plan ``snapshot_plan``, the placement events ``take_events``, ``stats``,
+  and ``check`` (the invariants,
   O(n)); reads for inspection: ``lookup`` (what would hit, changing nothing), ``node`` /
   ``nodes``, ``tiers_of``;
 * the live server, which sees chains of chunk keys and outside changes rather than a
@@ -62,9 +63,10 @@ NOTE 2 (defaults). ``CacheConfig``'s field defaults are the core's knob defaults
 once, by the parts that use them (``ema.DEFAULT_ALPHA``, ``rank.END_PROBABILITY_PRIOR``,
 ``interval``'s ``INITIAL_PRESSURE_FACTOR`` and ``MAX_INTERVAL_CHUNKS``): the parts take
 them as their own defaults without importing this module, which imports them (no cycle);
-the server and simulator schemas read them through ``config_default``. Invariants of those defaults: ``0 < ema_alpha <= 1``
-(``ema.check_alpha``), ``0 <= end_probability_prior <= 1`` (``rank.HitModel``),
-``max_interval_chunks >= 1`` (``CacheConfig.__post_init__``).
+the server and simulator schemas read them through ``config_default``. Invariants of
+those defaults: ``0 < ema_alpha <= 1`` (``ema.check_alpha``), ``0 <=
+end_probability_prior <= 1`` (``rank.HitModel``), ``max_interval_chunks >= 1``
+(``CacheConfig.__post_init__``).
 """
 
 from __future__ import annotations
@@ -88,15 +90,16 @@ from .interval import (
     supported_intervals,
 )
 from .model_geometry import snapshot_tokens
-from .placement import TieredStore
+from .placement import PlacementEvent, TieredStore
 from .rank import END_PROBABILITY_PRIOR, HitModel, ReaccessScale, ReturnScale
-from .tiers import KV, SNAPSHOT, PlacementListener, PlacementRules, TierSpec
+from .tiers import KV, SNAPSHOT, PlacementRules, TierSpec
 
 __all__ = [
     "HIT_POSITION_MODES",
     "CacheConfig",
     "CacheStats",
     "HiStateCache",
+    "PlacementEvent",
     "RequestHandle",
     "check_step_price",
     "check_step_tokens",
@@ -285,7 +288,7 @@ class RequestHandle:
 class HiStateCache:
     """Index + eviction queue + placement + interval controller, wired together."""
 
-    def __init__(self, config: CacheConfig, listener: PlacementListener | None = None) -> None:
+    def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self._index = PrefixIndex(config.chunk_tokens)
         self._positions = HitPositions() if config.hit_positions == "measured" else None
@@ -314,7 +317,7 @@ class HiStateCache:
         if isinstance(self._reaccess, ReturnScale):
             self._reaccess.dwell = self._queue.dwell  # ``rank`` NOTE 7's ``D``
         self._store = TieredStore(
-            self._index, self._queue, config.tiers, config.rules, self._residence, listener
+            self._index, self._queue, config.tiers, config.rules, self._residence
         )
         self._interval = IntervalController(
             config.chunk_tokens,
@@ -326,6 +329,17 @@ class HiStateCache:
             step_price=config.step_price,
             hits=self._hit_model,
         )
+
+    # ----------------------------------------------------------------- events
+    def take_events(self) -> list[PlacementEvent]:
+        """The placement events queued since the last call, oldest first, and an empty
+        queue (``placement``, "Events"): what was stored, moved and dropped where. The
+        owner drains them after each call that places, evicts or loses anything
+        (``complete``, ``promote``, ``evict``, ``set_capacity``, ``lose``); an owner that
+        never acts on them still drains them, or they accumulate."""
+        store = self._store
+        events, store.events = store.events, []
+        return events
 
     # ---------------------------------------------------------------- queries
     def lookup(self, keys: Sequence[int]) -> Match:
@@ -675,7 +689,7 @@ class HiStateCache:
         """An object vanished from ``tier`` without the policy deciding it.
 
         See ``TieredStore.lose``: dependents that can no longer be hit are dropped
-        (reported to the listener); unknown keys are ignored.
+        (queued as events, ``take_events``); unknown keys are ignored.
         """
         node = self._index.get(key)
         if node is not None:
@@ -707,7 +721,7 @@ class HiStateCache:
     def evict(self, tier: int, need_bytes: int, now: float) -> int:
         """Push units out of ``tier`` by lowest rank until ``need_bytes`` are freed (or
         nothing more can go); returns the bytes freed. Demoted or dropped as the core
-        decides when it makes room (listener events report each move)."""
+        decides when it makes room (each move queued as an event, ``take_events``)."""
         store, freed = self._store, 0
         while freed < need_bytes:
             before = store.used[tier]

@@ -1,4 +1,4 @@
-"""The tiers and what placement reports: tier specs, home tiers, the listener, bitmasks.
+"""The tiers and the parts placed on them: tier specs, home tiers, part names, bitmasks.
 
 Vocabulary shared by ``placement.TieredStore`` and its callers (the facade, the simulator,
 the live runtime), who import it from here: a caller that names a tier or a part needs
@@ -15,9 +15,9 @@ no store.
 * An object is one part (``KV`` or ``SNAPSHOT``) of one index node; where it lives is a
   bitmask (bit ``t`` = tier ``t``). ``bits`` lists the tiers of a mask in ascending
   order, so every loop over tiers visits them fast → slow.
-* A ``PlacementListener`` hears every byte movement the store decides (``stored``,
-  ``moved``, ``dropped``); the live backend moves or deletes the real objects, the
-  simulator uses ``NullListener`` and only counts.
+
+Its own module, not part of ``placement``: the eviction queue reads tier masks
+(``bits``) and ``placement`` imports the queue, so the vocabulary sits below both.
 
 NOTE 1: the simulator and the live server use different tier layouts (the simulated
 server models vLLM's GPU pool as tier 0; the live server's core starts at LMCache's L1),
@@ -28,15 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol
-
-from .index import Node
 
 __all__ = [
     "KV",
     "SNAPSHOT",
-    "NullListener",
-    "PlacementListener",
     "PlacementRules",
     "ServerTier",
     "SimTier",
@@ -82,25 +77,6 @@ class PlacementRules:
     snapshot_tier: int = 1
     final_tier: int = 0
     final_copy_tier: int | None = None
-
-
-class PlacementListener(Protocol):
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None: ...
-    def stored(self, node: Node, part: str, tier: int) -> None: ...
-    def dropped(self, node: Node, part: str, tiers: int) -> None: ...
-
-
-class NullListener:
-    """A listener that ignores every event (the store's default)."""
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        pass
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        pass
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        pass
 
 
 def bits(mask: int) -> list[int]:

@@ -22,7 +22,6 @@ CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
 
 def make(cpu: int = 100, disk: int = 100, copy: bool = True) -> tuple[HiStateCache, EventLog]:
-    rec = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK,
         kv_chunk_bytes=KV_BYTES,
@@ -31,7 +30,8 @@ def make(cpu: int = 100, disk: int = 100, copy: bool = True) -> tuple[HiStateCac
         rules=PlacementRules(final_copy_tier=DISK if copy else None),
         supported_intervals=(CHUNK, 2 * CHUNK),
     )
-    return HiStateCache(cfg, listener=rec), rec
+    c = HiStateCache(cfg)
+    return c, EventLog(c.take_events)
 
 
 def chain(n: int, family: int = 1) -> list[int]:

@@ -5,7 +5,7 @@ KV chunk 10 B, snapshot 20 B, ``τ = 0`` (H = t). Each test names the store path
 retiring a final snapshot (moved, copy released, or forgotten when the snapshot tier
 cannot take it), promotion of each part, a drop while promoting, and a demotion onto a
 tier that already holds a copy (three tiers, so the source tier's bit is not bit 0).
-The listener below also records the source tier of a move, which ``EventLog`` leaves out.
+``Log`` below also keeps the source tier of a move, which ``EventLog`` leaves out.
 """
 
 from __future__ import annotations
@@ -22,23 +22,15 @@ KVB, SNAPB = 10, 20
 
 
 class Log:
-    """Every listener call with all its arguments, in order."""
+    """The store's events in order, each cut to ``(what, key, part, tier(s))``, with a
+    move's source tier kept: ``("moved", key, part, src, dst)``."""
 
-    def __init__(self) -> None:
-        self.events: list[tuple[object, ...]] = []
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self.events.append(("moved", node.key, part, src, dst))
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        self.events.append(("stored", node.key, part, tier))
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        self.events.append(("dropped", node.key, part, tiers))
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
 
     def take(self) -> list[tuple[object, ...]]:
-        out, self.events = self.events, []
-        return out
+        events, self.store.events = self.store.events, []
+        return [e[:5] if e[0] == "moved" else e[:4] for e in events]
 
 
 def make(
@@ -46,10 +38,9 @@ def make(
 ) -> tuple[PrefixIndex, EvictionQueue, TieredStore, Log]:
     index = PrefixIndex(10)
     queue = EvictionQueue(index, len(capacities), tau=0.0, token_bytes=1)
-    log = Log()
     tiers = [TierSpec(f"t{i}", c) for i, c in enumerate(capacities)]
-    store = TieredStore(index, queue, tiers, rules, listener=log)
-    return index, queue, store, log
+    store = TieredStore(index, queue, tiers, rules)
+    return index, queue, store, Log(store)
 
 
 def check(index: PrefixIndex, queue: EvictionQueue, store: TieredStore) -> None:
@@ -107,9 +98,14 @@ def test_a_final_snapshot_the_snapshot_tier_cannot_take_is_forgotten() -> None:
     _, n2 = final_session(store, index, 2.0)
     log.take()
     store.retire_final(n2, 7.0)
+    (event,) = store.events
     assert log.take() == [("dropped", 2, SNAPSHOT, 1 << CPU)]
     assert n2.snap_tiers == 0
     assert (store.residence.snapshot_ema, store.residence.snapshot_samples) == (5.0, 1)
+    # The whole event, read after the node changed: 20 B left the mask 0b01 it was
+    # held on (no copy left), stored at t = 2, last accessed at t = 2 (its store), with
+    # no KV below it (a final snapshot on the leaf: not alone).
+    assert event == ("dropped", 2, SNAPSHOT, 0b01, SNAPB, 0b01, 2.0, 2.0, False)
     assert store.used == [20, 0]
     check(index, queue, store)
 

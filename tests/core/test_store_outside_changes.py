@@ -7,7 +7,7 @@ the test; ``check()`` recounts the bytes from the index after each step.
 
 from __future__ import annotations
 
-from support.listeners import EventLog
+from support.listeners import EventLog, store_events
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node, PrefixIndex
@@ -21,10 +21,9 @@ KVB, SNAPB = 10, 20
 def make(cpu: int, disk: int) -> tuple[PrefixIndex, EvictionQueue, TieredStore, EventLog]:
     index = PrefixIndex(10)
     queue = EvictionQueue(index, 2, tau=0.0, token_bytes=1)
-    log = EventLog()
     store = TieredStore(index, queue, (TierSpec("cpu", cpu), TierSpec("disk", disk)),
-                        PlacementRules(), listener=log)
-    return index, queue, store, log
+                        PlacementRules())
+    return index, queue, store, EventLog(store_events(store))
 
 
 def check(queue: EvictionQueue, store: TieredStore, index: PrefixIndex) -> None:

@@ -310,6 +310,7 @@ class ObjectMap:
         handle = core.attach(sid, chain[:end])
         boundaries = [(d + 1) * chunk for d in sorted(snaps)]
         core.complete(handle, end * chunk, now, boundaries=boundaries)
+        actions.drain_core()  # before any object below changes (``tier_actions`` NOTE 2)
         sessions.stored(sid, (end - first) * chunk, now)
         for depth, parts in by_depth.items():
             if depth >= end:

@@ -171,8 +171,8 @@ class HiStateRuntime:
         self.actions.disk = disk
         disk.start_reports()
         if disk.shared is not None:  # one disk folder for the deployment
-            # It sees each placement event too (``CoreListener.observers``).
-            self.actions.listener.observers.append(self.deployment)
+            # It sees each drained batch of placement events too (``TierActions.observers``).
+            self.actions.observers.append(self.deployment.placed)
 
     def _shared(self) -> SharedIndexLink | None:
         disk = self.actions.disk
@@ -226,10 +226,9 @@ class HiStateRuntime:
         tier's files, the first time a hybrid model is seen."""
         disk = self.actions.disk
         if self.model.core is not None:  # made: this model's, or another model's objects
-            return self.model.ensure(self.ctx, model_name, world_size, 0, self.actions.listener)
+            return self.model.ensure(self.ctx, model_name, world_size, 0)
         capacity = disk.capacity_bytes() if disk is not None else self.cfg.disk_bytes
-        core = self.model.ensure(self.ctx, model_name, world_size, capacity,
-                                 self.actions.listener)
+        core = self.model.ensure(self.ctx, model_name, world_size, capacity)
         if core is not None and disk is not None:
             recover_from_disk(disk, self.model, self.objects, self.stats, self.clock())
         return core
