@@ -21,7 +21,7 @@ interval controller are private. Its verbs, by who calls them:
 * the live server, which sees chains of chunk keys and outside changes rather than a
   simulator's whole requests: ``attach`` (a store no lookup announced), ``session_for`` /
   ``has_session`` / ``session_end`` / ``drop_session``, ``note_internal_access``,
-  ``holds_kv_prefix``, ``lose``, ``adopt``, ``evict``, ``rerank``, ``set_capacity``,
+  ``holds_kv_prefix``, ``lose``, ``recover``, ``evict``, ``rerank``, ``set_capacity``,
   ``set_step_grid`` / ``step_grid``, ``interval_for``;
 * a deployment that shares its last tier: ``eviction_inputs``, ``follow_residence``.
 
@@ -695,20 +695,21 @@ class HiStateCache:
         if node is not None:
             self._store.lose(node, part, tier)
 
-    def adopt(
+    def recover(
         self, keys: Sequence[int], part: str, tier: int, nbytes: int, now: float
     ) -> bool:
-        """Register an object found resident on ``tier`` at the end of chain ``keys``.
+        """Take an object that survived a restart on ``tier``, at the end of chain
+        ``keys``, into placement (the core's one meaning of the verb).
 
         Restart recovery: the backend rebuilds the index from what survived on disk,
         parents before children. ``now`` becomes the object's last access. Refused
-        (False, nothing changed) where ``TieredStore.adopt`` refuses.
+        (False, nothing changed) where ``TieredStore.recover`` refuses.
         """
         if not keys:
             return False
         nodes = self._index.insert_chain(keys)
         node = nodes[-1]
-        ok = self._store.adopt(node, part, tier, nbytes, now)
+        ok = self._store.recover(node, part, tier, nbytes, now)
         if not ok:
             self._index.prune(node)
         return ok

@@ -354,7 +354,7 @@ class TieredStore:
             node.snap_tiers = mask
 
     # ------------------------------------------------------ outside changes
-    def adopt(self, node: Node, part: str, tier: int, nbytes: int, now: float) -> bool:
+    def recover(self, node: Node, part: str, tier: int, nbytes: int, now: float) -> bool:
         """Register an object that is already resident on ``tier`` (restart recovery).
 
         No placement decision, no eviction and no event: the object exists, the

@@ -36,7 +36,7 @@ def test_session_for_finds_the_deepest_session_end_on_a_chain() -> None:
     assert cache.session_for([1, 2, 7]) == "a"
     assert cache.session_for([1]) is None
     assert cache.session_for([9]) is None
-    assert cache.adopt([], KV, 0, 10, 3.0) is False  # an empty chain names no object
+    assert cache.recover([], KV, 0, 10, 3.0) is False  # an empty chain names no object
 
 
 def test_fixed_interval_plan_and_ending_a_session() -> None:

@@ -116,9 +116,9 @@ def test_promote_reads_the_mask_of_the_part_it_moves() -> None:
     without any snapshot (chunk 2, disk) is promoted as well."""
     index, queue, store, log = make(100, 100)
     n1, n2 = index.insert_chain([1, 2])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, SNAPSHOT, CPU, SNAPB, 0.0)
-    assert store.adopt(n2, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, SNAPSHOT, CPU, SNAPB, 0.0)
+    assert store.recover(n2, KV, DISK, KVB, 0.0)
     assert store.used == [20, 20]
     assert store.promote(n1, SNAPSHOT, CPU, 1.0)
     assert log.take() == [] and n1.kv_tiers == 1 << DISK
@@ -130,7 +130,7 @@ def test_promote_reads_the_mask_of_the_part_it_moves() -> None:
     # A snapshot on disk while its KV is on CPU: promoting the snapshot moves it.
     (n3,) = index.insert_chain([1, 2, 3])[2:]
     assert store.store_kv(n3, KVB, 2.0)
-    assert store.adopt(n3, SNAPSHOT, DISK, SNAPB, 2.0)
+    assert store.recover(n3, SNAPSHOT, DISK, SNAPB, 2.0)
     log.take()
     assert store.promote(n3, SNAPSHOT, CPU, 3.0)
     assert log.take() == [("moved", 3, SNAPSHOT, DISK, CPU)]
@@ -141,7 +141,7 @@ def test_promote_to_a_tier_already_holding_the_part_changes_nothing() -> None:
     """KV of chunk 1 on disk only (10 B); promoting it to disk (tier 1): True, no event."""
     index, queue, store, log = make(100, 100)
     (n1,) = index.insert_chain([1])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
     assert store.promote(n1, KV, DISK, 1.0)
     assert log.take() == []
     assert (n1.kv_tiers, store.used) == (1 << DISK, [0, 10])
@@ -156,7 +156,7 @@ def test_a_promotion_that_drops_a_unit_samples_its_residence() -> None:
     """
     index, queue, store, log = make(10, 10)
     (a1,) = index.insert_chain([1])
-    assert store.adopt(a1, KV, DISK, KVB, 0.0)
+    assert store.recover(a1, KV, DISK, KVB, 0.0)
     (b,) = index.insert_chain([11])
     assert store.store_kv(b, KVB, 5.0)
     log.take()
@@ -178,8 +178,8 @@ def test_demoting_onto_a_tier_with_a_copy_releases_the_source_copy() -> None:
     rules = PlacementRules(kv_tier=1, snapshot_tier=2, final_tier=1)
     index, queue, store, log = make(100, 10, 100, rules=rules)
     (n1,) = index.insert_chain([1])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, KV, FAR, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, FAR, KVB, 0.0)
     (n5,) = index.insert_chain([5])
     assert store.store_kv(n5, KVB, 1.0)
     assert log.take() == [("dropped", 1, KV, 0b010), ("stored", 5, KV, DISK)]
@@ -305,9 +305,9 @@ def test_demotion_from_a_middle_tier_moves_only_what_is_there() -> None:
     rules = PlacementRules(kv_tier=1, snapshot_tier=2, final_tier=1)
     index, queue, store, log = make(100, 30, 100, rules=rules)
     n1, n2 = index.insert_chain([1, 2])
-    assert store.adopt(n1, KV, FAR, KVB, 0.0)
-    assert store.adopt(n2, KV, DISK, KVB, 0.0)
-    assert store.adopt(n2, SNAPSHOT, DISK, SNAPB, 0.0)
+    assert store.recover(n1, KV, FAR, KVB, 0.0)
+    assert store.recover(n2, KV, DISK, KVB, 0.0)
+    assert store.recover(n2, SNAPSHOT, DISK, SNAPB, 0.0)
     assert store.used == [0, 30, 10]
     (n5,) = index.insert_chain([5])
     assert store.store_kv(n5, KVB, 1.0)
@@ -325,8 +325,8 @@ def test_promote_takes_the_nearest_lower_copy() -> None:
     the tier-1 copy (the lowest set bit): ``moved`` 1 → 0, mask 0b101; bytes [10, 0, 10]."""
     index, queue, store, log = make(100, 100, 100)
     (n1,) = index.insert_chain([1])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, KV, FAR, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, FAR, KVB, 0.0)
     assert store.promote(n1, KV, CPU, 1.0)
     assert log.take() == [("moved", 1, KV, DISK, CPU)]
     assert n1.kv_tiers == 0b101

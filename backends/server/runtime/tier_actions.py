@@ -51,7 +51,7 @@ places, evicts or loses something is followed by a drain before the object map c
 may register new objects for a node this one dropped, and unplaced parts are
 unregistered right after it); ``lose`` and ``set_capacity`` here drain at the end of the
 report or queue that caused them; ``take`` drains first of all (the L1 eviction policy's
-``evict``, recovery's ``set_capacity`` and ``adopt``, which change no object of the map
+``evict``, recovery's ``set_capacity`` and ``recover``, which change no object of the map
 before it). Observers (``observers``) see each drained batch after it is applied, with
 the objects still in the map.
 """
