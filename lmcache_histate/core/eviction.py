@@ -187,7 +187,7 @@ from math import log
 from .ema import SeededEMA, check_alpha
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
-from .index import Node, PrefixIndex
+from .index import Node, PrefixIndex, bits
 from .rank import (
     KIND_BUNDLE,
     KIND_DEAD,
@@ -202,7 +202,6 @@ from .rank import (
     unit_nodes,
     unit_parts,
 )
-from .tiers import bits
 
 __all__ = ["EvictionQueue", "PassValue"]
 

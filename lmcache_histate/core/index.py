@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .hit_positions import SegmentLog
 
-__all__ = ["ChainError", "Match", "Node", "PrefixIndex", "Session"]
+__all__ = ["ChainError", "Match", "Node", "PrefixIndex", "Session", "bits"]
 
 
 class ChainError(ValueError):
@@ -146,6 +146,19 @@ class Match:
     kv_chunks: int
     hit_chunks: int
     hit_node: Node | None
+
+
+def bits(mask: int) -> list[int]:
+    """The tiers set in ``mask`` (a node's ``kv_tiers`` / ``snap_tiers``: bit ``t`` = tier
+    ``t``), ascending: every loop over them visits the tiers fast → slow."""
+    out = []
+    t = 0
+    while mask:
+        if mask & 1:
+            out.append(t)
+        mask >>= 1
+        t += 1
+    return out
 
 
 def _lacks_kv(node: Node) -> bool:

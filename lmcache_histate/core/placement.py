@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
 from .eviction import EvictionQueue
-from .index import Node, PrefixIndex
+from .index import Node, PrefixIndex, bits
 from .interval import ResidenceTracker
 from .rank import unit_nodes
 from .tiers import (
@@ -69,11 +69,9 @@ from .tiers import (
     SNAPSHOT,
     PlacementRules,
     TierSpec,
-    bits,
-    only_on,
 )
 
-__all__ = ["Dropped", "Moved", "PlacementEvent", "Stored", "TieredStore"]
+__all__ = ["Dropped", "Moved", "PlacementEvent", "Stored", "TieredStore", "only_on"]
 
 Stored: TypeAlias = tuple[Literal["stored"], int, str, int, int]
 """``("stored", key, part, tier, nbytes)`` (module docstring, "Events")."""
@@ -82,6 +80,11 @@ Moved: TypeAlias = tuple[Literal["moved"], int, str, int, int, int]
 Dropped: TypeAlias = tuple[Literal["dropped"], int, str, int, int, int, float, float, bool]
 """``("dropped", key, part, tiers, nbytes, held, since, access, alone)``."""
 PlacementEvent: TypeAlias = Stored | Moved | Dropped
+
+
+def only_on(mask: int, tier: int, lower: int) -> bool:
+    """The part has a copy on ``tier`` that must be moved (none on ``lower`` yet)."""
+    return bool(mask & (1 << tier)) and not mask & (1 << lower)
 
 
 class TieredStore:
