@@ -19,9 +19,9 @@ and jitter) through HiState rows and ``unlimited``, and for each HiState row pri
 * the sessions' re-access gaps (what ``τ`` averages) and the chance that a session unread
   for 150 s (most of the config's 180 s think cap) comes back, against the score's.
 
-The probe wraps a row's policy (the simulator's ``Policy`` protocol) and its placement
-listener; it changes no decision (the replay's hits equal the plain run's, which the probe
-asserts).
+The probe wraps a row's policy (the simulator's ``Policy`` protocol) and its count of
+the core's placement events; it changes no decision (the replay's hits equal the plain
+run's, which the probe asserts).
 
 Usage: ``nice -n 10 python benchmarks/sim_refresh_probe.py --cell 48:0.25 [--repeat 0]
 [--rows histate,histate-refresh-used]``.
@@ -34,9 +34,11 @@ import itertools
 import math
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_histate.core.cache import PlacementEvent
 from lmcache_histate.core.index import Node
 from lmcache_histate.core.tiers import SNAPSHOT
 from lmcache_histate.sim.capture import Capture, capacity_of, capture_of
@@ -96,15 +98,17 @@ class Probe:
     def __post_init__(self) -> None:
         self.name = self.inner.name
         counter = self.inner.counter
-        plain = counter.dropped
+        plain = counter.count
 
-        def dropped(node: Node, part: str, tiers: int) -> None:
-            if part == SNAPSHOT:
-                kind = "intermediate" if node.kv_children else "bundle"
-                self.drops[(kind, _age_bin(self.now - node.access))] += 1
-            plain(node, part, tiers)
+        def count(events: Iterable[PlacementEvent]) -> None:
+            events = list(events)
+            for event in events:
+                if event[0] == "dropped" and event[2] == SNAPSHOT:
+                    kind = "intermediate" if event[8] else "bundle"
+                    self.drops[(kind, _age_bin(self.now - event[7]))] += 1
+            plain(events)
 
-        counter.dropped = dropped  # type: ignore[method-assign]
+        counter.count = count  # type: ignore[method-assign]
 
     def begin(self, request: Request, now: float) -> Lookup:
         self.now = now

@@ -5,7 +5,7 @@ validated here and nowhere else: the top-level keys (``HiStateConfig``), the
 ``shared_index`` section (``SharedIndexConfig``), who may reach the server (NOTE 4) and
 the disk tier's keys, which the LMCache process re-validates with the same checks when
 it builds the disk adapter (``parse_disk_tier``, NOTE 5). Defaults of the core's knobs
-are ``CacheConfig``'s (``core/cache_types.py``), read, not restated. What needs the
+are ``CacheConfig``'s (``core/cache.py``), read, not restated. What needs the
 machine or LMCache itself is checked at start, after this: the filesystem, ports and
 hosts (``backends/server/preflight.py``) and which ``lmcache server`` flags
 ``extra_server_args`` may give (``backends/server/access_flags.py``, LMCache's parser).
@@ -124,7 +124,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .core.cache_types import HIT_POSITION_MODES, config_default
+from .core.cache import HIT_POSITION_MODES, config_default
 from .core.model_geometry import GeometryError, ModelGeometry
 from .core.model_presets import load_geometry
 from .exposure import is_loopback, read_secret
@@ -296,7 +296,7 @@ class HiStateConfig:
     disk_path: str
     disk_gib: float
     policy: str = "histate"
-    # The core's knobs: their defaults are CacheConfig's (core/cache_types.py).
+    # The core's knobs: their defaults are CacheConfig's (core/cache.py).
     tau: float | None = config_default("tau")  # None = "auto": calibrated online
     supported_intervals: tuple[int, ...] | None = None
     max_interval_chunks: int = config_default("max_interval_chunks")

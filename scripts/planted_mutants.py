@@ -67,7 +67,7 @@ MUTANTS = (
     ),
     Mutant(
         "cost-drops-session-density",
-        "lmcache_histate/core/units.py",
+        "lmcache_histate/core/rank.py",
         "internal += to_end * (session.end_tokens - p) / session.end_tokens",
         "internal += to_end * (session.end_tokens - p)",
         "expected recompute: dropping the 1/num_sessions factor (today C has no 1/N by "
@@ -75,16 +75,16 @@ MUTANTS = (
     ),
     Mutant(
         "cost-swaps-p-end-weights",
-        "lmcache_histate/core/units.py",
+        "lmcache_histate/core/rank.py",
         "mass = (1.0 - end_probability) * internal + end_probability * passes",
         "mass = end_probability * internal + (1.0 - end_probability) * passes",
         "expected recompute: swapping the p_end and 1 − p_end weights",
     ),
     Mutant(
         "hit-model-observes-the-opposite",
-        "lmcache_histate/core/request_path.py",
-        "self.hit_model.observe(at_end)",
-        "self.hit_model.observe(not at_end)",
+        "lmcache_histate/core/cache.py",
+        "self._hit_model.observe(at_end)",
+        "self._hit_model.observe(not at_end)",
         "expected recompute: the hit model observing end vs internal the wrong way round",
     ),
     Mutant(
@@ -105,8 +105,8 @@ MUTANTS = (
     Mutant(
         "cache-fresh-residence-tracker",
         "lmcache_histate/core/cache.py",
-        "self._index, self._queue, config.tiers, config.rules, self._residence, listener",
-        "self._index, self._queue, config.tiers, config.rules, None, listener",
+        "self._index, self._queue, config.tiers, config.rules, self._residence\n",
+        "self._index, self._queue, config.tiers, config.rules, None\n",
         "interval control: the cache wiring a fresh residence tracker (pressure stays 1)",
     ),
     Mutant(

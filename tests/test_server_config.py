@@ -370,7 +370,7 @@ def test_the_server_runs_the_simulators_histate_rule() -> None:
 
     from lmcache_histate.backends.server.runtime.objects import core_config
 
-    from lmcache_histate.core.cache_types import CacheConfig
+    from lmcache_histate.core.cache import CacheConfig
     from lmcache_histate.sim.config import load_setup
     from lmcache_histate.sim.variants import histate_variants
 

@@ -46,7 +46,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
     server_module_handler,
 )
 
-from lmcache_histate.core.cache_types import check_step_price, check_step_tokens
+from lmcache_histate.core.interval import check_step_price, check_step_tokens
 from lmcache_histate.exposure import read_secret
 from lmcache_histate.protocol import PLAN_METHOD, RESUMED_CONFIG, STATUS_METHOD
 

@@ -39,8 +39,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_histate.core.cache_types import check_step_price
-from lmcache_histate.core.interval import IntervalController, supported_intervals
+from lmcache_histate.core.interval import (
+    IntervalController,
+    check_step_price,
+    supported_intervals,
+)
 
 __all__ = [
     "NULL_BLOCK",

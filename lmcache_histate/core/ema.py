@@ -1,16 +1,17 @@
 """Seeded exponential moving averages: the online estimates the core keeps.
 
 The residence times behind the interval controller's pressure factor (``interval``) and
-the re-access scale behind the eviction score's ``τ`` (``score``) are both EMAs over
+the re-access scale behind the eviction score's ``τ`` (``rank``) are both EMAs over
 event samples. The first sample *seeds* the average instead of being shrunk towards an
 arbitrary zero, so an estimate is usable after one observation.
 """
 
 from __future__ import annotations
 
-from .cache_types import config_default
+__all__ = ["DEFAULT_ALPHA", "SeededEMA", "check_alpha", "seeded_step"]
 
-__all__ = ["SeededEMA", "check_alpha", "seeded_step"]
+DEFAULT_ALPHA = 0.05
+"""The weight of the newest sample (``CacheConfig.ema_alpha``'s default)."""
 
 
 def check_alpha(alpha: float) -> float:
@@ -30,7 +31,7 @@ class SeededEMA:
 
     __slots__ = ("alpha", "samples", "value")
 
-    def __init__(self, alpha: float = config_default("ema_alpha")) -> None:
+    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
         self.alpha = check_alpha(alpha)
         self.value = 0.0
         self.samples = 0

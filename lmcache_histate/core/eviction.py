@@ -1,10 +1,10 @@
 """The unified cost-aware eviction queue: ``H = t + τ · ln(C / M)``, lowest ``H`` goes first.
 
-Intermediate snapshots, bundles and dead tails (see ``units``) compete in one ranking.
+Intermediate snapshots, bundles and dead tails (see ``rank``) compete in one ranking.
 ``t`` is the unit's last access, ``C`` its expected recompute (tokens), ``M`` the bytes it
 frees *in the tier that must make room*, in KV-token units (``bytes /
 kv_bytes_per_token``), ``τ`` the recency scale; why the cost enters through a logarithm
-and how ``τ`` is calibrated online is ``score``'s docstring. A unit holding nothing in a
+and how ``τ`` is calibrated online is ``rank``'s docstring. A unit holding nothing in a
 tier frees nothing there, so it is not a candidate for that tier: the queue keeps one
 addressable heap per tier (the engine's own pool ranks by recency, NOTE 2).
 
@@ -23,10 +23,10 @@ true ``H``. ``victim`` re-ranks the top of the heap before returning it and push
 back when its ``H`` rose, until the top is current: each refreshed unit is re-ranked
 at most once per time it reaches the top, however often it was hit meanwhile (a hot
 prefix is hit every turn and almost never reaches the top). The same check absorbs
-the slow drift of ``τ`` and ``p_end`` (``score`` NOTE 2).
+the slow drift of ``τ`` and ``p_end`` (``rank`` NOTE 5).
 
 NOTE 2 (tiers). The engine's own pool (the first ``recency_tiers`` tiers) ranks by
-``t`` alone; every other tier by ``H`` (``score`` NOTE 3).
+``t`` alone; every other tier by ``H`` (``rank`` NOTE 6).
 
 NOTE 3 (ties go deepest first). Refresh-all gives every unit of a prefix the same
 ``t``, and where ranks are ``t`` alone (NOTE 2, or ``τ = 0``) they tie; the heap then takes the
@@ -90,9 +90,9 @@ Stamps (NOTE 4) stay sound: ``used`` changes only where ``access`` becomes ``now
 too (``touch`` clears the stamp of the hit node in case ``access`` already was ``now``).
 
 NOTE 7 (a snapshot's end hits, weighted by the chance its session's tail is gone by then:
-``exposed_ends``). ``units`` prices an intermediate snapshot ``x`` as the resume point it
+``exposed_ends``). ``rank`` prices an intermediate snapshot ``x`` as the resume point it
 becomes once the tail below it has left: every session passing ``x`` adds ``p_end·δ`` to
-``C`` (``units`` NOTE 1). That is right where the tail can be the next thing to go, the
+``C`` (``rank`` NOTE 1). That is right where the tail can be the next thing to go, the
 last tier, and an overstatement while the tail sits in a faster tier: a unit leaves the
 cache only from the last tier, so a tail in the engine's pool or in CPU memory must
 first be demoted there and then dropped, and until then an end hit resumes from the
@@ -106,14 +106,14 @@ nobody falls back to and drops the bundles idle sessions resume from. (48 sessio
 snapshots at the end.)
 
 The score's own model gives the weight. A session returns after an idle gap that is
-exponential with mean ``τ`` (``score``); its tail, unread meanwhile, leaves the cache
+exponential with mean ``τ`` (``rank``); its tail, unread meanwhile, leaves the cache
 after sitting in each tier from its own down to the last for that tier's *dwell* time
 ``D_k``: an EMA of how long the units leaving tier ``k`` had been unread
 (``observe_demotion``, on every demotion and drop; the Che approximation of an LRU-like
 cache). So an end hit of that session still needs ``x`` with probability
 ``exp(−S_k/τ)``, ``S_k = D_k + … + D_last``, ``k`` the fastest tier holding the KV of
 the chunk just below ``x`` on its path; ``C`` counts ``passes − Σ (1 − exp(−S_k/τ))·
-child.passes`` over the children of ``x`` (``units.expected_recompute``'s ``hidden``,
+child.passes`` over the children of ``x`` (``rank.expected_recompute``'s ``hidden``,
 NOTE 3 there). A tail in the last tier counts in full, as before: there it can be the
 next victim, and ``x`` must outrank it so that a cold session still peels from its tail.
 Before anything has left a tier every ``D`` is 0 and the weight 1: the paper's pricing
@@ -122,7 +122,7 @@ sessions' return scale and the tiers' dwell. The table of weights (per KV tier m
 read once per epoch (NOTE 4), when ``τ``'s samples move: the dwell EMAs are in no
 basis of their own, so one epoch's ranks all use one table.
 
-Worked example (``score``'s numbers: ``τ = 60 s``, ``p_end = 0.95``, ``N_s = 1,572``,
+Worked example (``rank``'s numbers: ``τ = 60 s``, ``p_end = 0.95``, ``N_s = 1,572``,
 ``δ = 4,224``, internal mass 0.5). Session A was hit 10 s ago: its snapshot ``x`` is on
 disk, its tail in the GPU. Session B has idled 60 s: its final bundle (``C = 4,013``,
 ``M = 5,796``) is on disk, ``H_B = now − 60 + 60·ln(4,013/5,796) = now − 82.1``. Paper
@@ -148,7 +148,7 @@ that it is worth nothing. ``refresh_learned`` ranks an intermediate snapshot's u
 
     t = used + w · (access − used),      w ∈ [0, 1] learned,
 
-in every tier: in the score's model (``score``: the chance of a need decays as
+in every tier: in the score's model (``rank``: the chance of a need decays as
 ``exp(−a/τ)`` with the age ``a``) a pass moves the unit's age back by ``w`` of the time
 since its last use, so its chance of a need is ``P_use^(1−w) · P_pass^w``, the
 log-linear blend of the two rules' estimates (``w = 1`` is refresh-all, ``w = 0``
@@ -165,7 +165,7 @@ rule in force. Both sums decay by ``1 − α`` per resume (``α`` the core's EMA
 a used snapshot has been resumed from, ``w = 1``: the paper's refresh-all until there is
 evidence. No constant: two measured rates. ``w`` changes only at a resume, which is in
 the epoch's basis (NOTE 4), and every rank of an epoch uses the epoch's ``w``. Like ``τ``
-(``score`` NOTE 2) it drifts both ways, so a queued rank is no longer a lower bound in
+(``rank`` NOTE 5) it drifts both ways, so a queued rank is no longer a lower bound in
 the tiers ranked by ``t`` alone either (``check``): a unit whose ``w`` fell is re-ranked
 when it reaches the top, and waits at most the drift of its own ``t``.
 
@@ -187,16 +187,17 @@ from math import log
 from .ema import SeededEMA, check_alpha
 from .heap import IndexedHeap
 from .hit_positions import HitPositions
-from .index import Node, PrefixIndex
-from .score import MIN_RATIO, ReaccessScale, score
-from .tiers import bits
-from .units import (
+from .index import Node, PrefixIndex, bits
+from .rank import (
     KIND_BUNDLE,
     KIND_DEAD,
     KIND_SNAPSHOT,
+    MIN_RATIO,
     HitModel,
+    ReaccessScale,
     expected_recompute,
     freed_in,
+    score,
     tier_bytes,
     unit_nodes,
     unit_parts,
@@ -208,7 +209,7 @@ __all__ = ["EvictionQueue", "PassValue"]
 class EvictionQueue:
     """One ranking over all units, one heap per tier.
 
-    ``tau`` None calibrates ``τ`` online from ``reaccess`` (the design, ``score``); a
+    ``tau`` None calibrates ``τ`` online from ``reaccess`` (the design, ``rank``); a
     number fixes it (0 = plain LRU over units). ``refresh_all`` controls whether a hit
     refreshes every unit on the prefix up to the hit (the paper's refresh-all) or only
     the unit that was hit; ``refresh_used`` ranks an intermediate snapshot's unit by when
@@ -264,7 +265,7 @@ class EvictionQueue:
         self.positions = positions
         self.recency_tiers = recency_tiers
         self.heaps: list[IndexedHeap[Node]] = [IndexedHeap() for _ in range(num_tiers)]
-        # The tiers in each tier mask, ascending (``units.tier_bytes``: a handful of tiers,
+        # The tiers in each tier mask, ascending (``rank.tier_bytes``: a handful of tiers,
         # 2^n entries).
         self._tiers_of = [tuple(bits(mask)) for mask in range(1 << num_tiers)]
         # Stamps (NOTE 4): the epoch, the global inputs it was last seen with, and
@@ -281,7 +282,7 @@ class EvictionQueue:
         return self.reaccess.tau if self.fixed_tau is None else self.fixed_tau
 
     def cost(self, node: Node, above: Node | None = None) -> float:
-        """``units.expected_recompute`` of ``node`` (``above``: where the search for its
+        """``rank.expected_recompute`` of ``node`` (``above``: where the search for its
         previous snapshot may start, see there)."""
         return expected_recompute(
             node,
@@ -301,7 +302,7 @@ class EvictionQueue:
 
     def _first_cost_tier(self, tau: float) -> int:
         """The first tier ranked by ``H``; the tiers above it rank by ``t`` alone (LRU):
-        the engine's own pool (NOTE 2, ``score`` NOTE 3), and every tier when ``τ = 0``.
+        the engine's own pool (NOTE 2, ``rank`` NOTE 6), and every tier when ``τ = 0``.
         The one statement of that rule (``_score``, ``_epoch_now`` for ``update``, and
         ``check`` read it)."""
         return self.recency_tiers if tau else len(self.heaps)
@@ -337,7 +338,7 @@ class EvictionQueue:
         return self._t_own(anchor, tier), self.cost_bytes(anchor), freed
 
     def _freed_in(self, anchor: Node, tier: int) -> int:
-        """Bytes the unit at ``anchor`` frees in ``tier`` (``units.freed_in``)."""
+        """Bytes the unit at ``anchor`` frees in ``tier`` (``rank.freed_in``)."""
         return freed_in(anchor, tier, alone=tier >= len(self.heaps) - 1)
 
     def rank(self, anchor: Node, tier: int) -> float | None:
@@ -463,7 +464,7 @@ class EvictionQueue:
                             top,
                             self._hidden,
                         )
-                # ``score.score`` inline, the same operations in the same order (this
+                # ``rank.score`` inline, the same operations in the same order (this
                 # runs for every re-ranked unit in every tier): τ > 0 here, and m > 0.
                 ratio = cost / m
                 heap.set(anchor, t_own + tau * log(ratio if ratio > MIN_RATIO else MIN_RATIO), tie)
@@ -549,7 +550,7 @@ class EvictionQueue:
     def pinned(self, anchor: Node, tier: int | None = None) -> bool:
         """Whether any part the unit would move out of ``tier`` is pinned.
 
-        The parts are ``units.unit_parts``' (the snapshot goes alone out of the last tier,
+        The parts are ``rank.unit_parts``' (the snapshot goes alone out of the last tier,
         and ``tier`` None means the last); walked, not listed (every victim is checked).
         """
         snap, chain = unit_parts(anchor, alone=tier is None or tier >= len(self.heaps) - 1)
@@ -587,7 +588,7 @@ class EvictionQueue:
                     heap.set(anchor, fresh, -anchor.depth)
                     continue
             # ``pinned`` inline for the common victim, a snapshot dropped alone out of the
-            # last tier (its parts are ``anchor`` alone, ``units.unit_parts``).
+            # last tier (its parts are ``anchor`` alone, ``rank.unit_parts``).
             if (
                 anchor.pins
                 if last and anchor.kv_children and anchor.snap_tiers
@@ -625,7 +626,7 @@ class EvictionQueue:
         first = self._first_cost_tier(self.tau)
         epoch = None if self.deferred else self._epoch_now()
         for node in live:
-            # Per tier through ``units.unit_parts``: the hot path's ``tier_bytes`` computes
+            # Per tier through ``rank.unit_parts``: the hot path's ``tier_bytes`` computes
             # all tiers in one walk, so this also checks that walk against the definition.
             freed = [self._freed_in(node, tier) for tier in range(len(self.heaps))]
             stamped = epoch is not None and node.rank_stamp == (epoch, node.access)

@@ -15,7 +15,7 @@ Invariants (checked by ``check()``; the property tests run it after every operat
   * ``weight`` = Σ 1/P_s over the sessions s whose path (root … session node) passes
     through the node, P_s the session's context length: the density of internal hits;
     ``passes`` = the number of those sessions (the end hits that can resume from the
-    node once everything below it is gone; ``units.expected_recompute``).
+    node once everything below it is gone; ``rank.expected_recompute``).
   * Whatever changes a node's ``weight``, ``passes`` or ``ends`` resets ``rank_stamp``
     on the whole session path it changes (``set_session``, ``drop_session``): the
     eviction queue does not re-rank for it, and must not trust those ranks
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .hit_positions import SegmentLog
 
-__all__ = ["ChainError", "Match", "Node", "PrefixIndex", "Session"]
+__all__ = ["ChainError", "Match", "Node", "PrefixIndex", "Session", "bits"]
 
 
 class ChainError(ValueError):
@@ -88,7 +88,7 @@ class Node:
         self.used = 0.0
         self.pins = 0
         # Where its snapshot sits in its segment, in (0, 1] (1 = the segment's end);
-        # -1 = not known (``hit_positions``, ``units.expected_recompute``).
+        # -1 = not known (``hit_positions``, ``rank.expected_recompute``).
         self.seg_offset = -1.0
         # What its queued ranks were computed from (``eviction`` NOTE 4): the queue's
         # epoch and its ``access`` then; None: never, or no longer trusted. One slot, not
@@ -146,6 +146,19 @@ class Match:
     kv_chunks: int
     hit_chunks: int
     hit_node: Node | None
+
+
+def bits(mask: int) -> list[int]:
+    """The tiers set in ``mask`` (a node's ``kv_tiers`` / ``snap_tiers``: bit ``t`` = tier
+    ``t``), ascending: every loop over them visits the tiers fast → slow."""
+    out = []
+    t = 0
+    while mask:
+        if mask & 1:
+            out.append(t)
+        mask >>= 1
+        t += 1
+    return out
 
 
 def _lacks_kv(node: Node) -> bool:
@@ -283,7 +296,7 @@ class PrefixIndex:
             assert parent is not None
             if node.ends:
                 # No ``rank_stamp`` reset: an end counts in the zone of the nearest
-                # snapshot at or above it (``units.expected_recompute``) by its session's
+                # snapshot at or above it (``rank.expected_recompute``) by its session's
                 # ``end_tokens`` alone, and ``node`` (without KV, so without a snapshot)
                 # and ``parent`` lie in the same zone; at the root they lay in none.
                 for session in node.ends:

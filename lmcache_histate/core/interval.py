@@ -75,7 +75,7 @@ NOTE 3 (free storage on a priced step grid). The step price is paid on every pre
 the segment; the recompute a state saves is collected only by an access that lands
 inside the segment. So at ``F = 0`` both are priced per prefill, the recompute weighted
 by ``q = 1 − p_end``, the measured share of accesses that land inside their session's
-context instead of continuing it from its end (``units.HitModel``: an EMA over every
+context instead of continuing it from its end (``rank.HitModel``: an EMA over every
 access, prior ``p_end`` 0.9):
 
     cost₀(I) = q·I/2 + σ·(L/I)·(ceil(I/B) − I/B)        (``free_storage_cost``)
@@ -120,12 +120,46 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from .cache_types import check_step_price, check_step_tokens, config_default
-from .ema import check_alpha, seeded_step
+from .ema import DEFAULT_ALPHA, check_alpha, seeded_step
 from .hit_positions import HitPositions
-from .units import HitModel
+from .rank import HitModel
 
-__all__ = ["IntervalController", "ResidenceTracker", "supported_intervals"]
+__all__ = [
+    "INITIAL_PRESSURE_FACTOR",
+    "MAX_INTERVAL_CHUNKS",
+    "IntervalController",
+    "ResidenceTracker",
+    "check_step_price",
+    "check_step_tokens",
+    "supported_intervals",
+]
+
+INITIAL_PRESSURE_FACTOR = 0.0
+"""The pressure factor until a snapshot has left the cache (NOTE 2; storage is free)."""
+MAX_INTERVAL_CHUNKS = 64
+"""The longest interval offered, in chunks, without a list of supported intervals."""
+
+
+def check_step_tokens(step_tokens: int | None, chunk_tokens: int) -> int | None:
+    """``step_tokens`` if it is None or a positive multiple of ``chunk_tokens``, else
+    ``ValueError`` naming both."""
+    if step_tokens is not None and (
+        isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
+        or step_tokens <= 0 or step_tokens % chunk_tokens
+    ):
+        raise ValueError(
+            f"step_tokens must be a positive multiple of the chunk size {chunk_tokens} "
+            f"(the step budget rounded down to whole chunks), got {step_tokens!r}"
+        )
+    return step_tokens
+
+
+def check_step_price(step_price: float) -> float:
+    """``step_price`` as a float if it is a finite number ≥ 0, else ``ValueError``."""
+    if isinstance(step_price, bool) or not isinstance(step_price, int | float) \
+            or not 0.0 <= step_price < math.inf:
+        raise ValueError(f"step_price must be a finite number ≥ 0, got {step_price!r}")
+    return float(step_price)
 
 
 class ResidenceTracker:
@@ -141,8 +175,8 @@ class ResidenceTracker:
 
     def __init__(
         self,
-        alpha: float = config_default("ema_alpha"),
-        initial_factor: float = config_default("initial_pressure_factor"),
+        alpha: float = DEFAULT_ALPHA,
+        initial_factor: float = INITIAL_PRESSURE_FACTOR,
     ) -> None:
         self.alpha = check_alpha(alpha)
         if not 0.0 <= initial_factor < math.inf:
@@ -178,7 +212,7 @@ class ResidenceTracker:
 
 
 def supported_intervals(
-    chunk_tokens: int, max_multiple: int = config_default("max_interval_chunks")
+    chunk_tokens: int, max_multiple: int = MAX_INTERVAL_CHUNKS
 ) -> tuple[int, ...]:
     """Every multiple of the engine's chunk size up to ``max_multiple`` chunks."""
     if chunk_tokens <= 0:
@@ -269,7 +303,7 @@ class IntervalController:
     @property
     def internal_probability(self) -> float:
         """``q = 1 − p_end``: the measured probability that an access lands inside its
-        session's context instead of continuing it from its end (``units.HitModel``)."""
+        session's context instead of continuing it from its end (``rank.HitModel``)."""
         return 1.0 - self.hits.end_probability
 
     def free_storage_cost(self, interval: int, segment_tokens: float) -> float:

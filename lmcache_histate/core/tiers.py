@@ -1,4 +1,4 @@
-"""The tiers and what placement reports: tier specs, home tiers, the listener, bitmasks.
+"""The names of tiers and parts: tier specs, home tiers, part names, the two tier layouts.
 
 Vocabulary shared by ``placement.TieredStore`` and its callers (the facade, the simulator,
 the live runtime), who import it from here: a caller that names a tier or a part needs
@@ -13,11 +13,12 @@ no store.
   snapshot and the optional tier of its write-through copy. Every home must be a tier
   index (``TieredStore`` checks at construction).
 * An object is one part (``KV`` or ``SNAPSHOT``) of one index node; where it lives is a
-  bitmask (bit ``t`` = tier ``t``). ``bits`` lists the tiers of a mask in ascending
-  order, so every loop over tiers visits them fast → slow.
-* A ``PlacementListener`` hears every byte movement the store decides (``stored``,
-  ``moved``, ``dropped``); the live backend moves or deletes the real objects, the
-  simulator uses ``NullListener`` and only counts.
+  bitmask (bit ``t`` = tier ``t``) on the node (``index.bits`` lists its tiers).
+
+Names only, no code a store runs: its own module because nearly every caller of the core
+names a tier or a part (the simulator's variants and baselines, the live runtime, the
+disk and shared tiers, the configuration) without touching the store, and ``placement``
+(where these would otherwise live) holds the store.
 
 NOTE 1: the simulator and the live server use different tier layouts (the simulated
 server models vLLM's GPU pool as tier 0; the live server's core starts at LMCache's L1),
@@ -28,21 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol
-
-from .index import Node
 
 __all__ = [
     "KV",
     "SNAPSHOT",
-    "NullListener",
-    "PlacementListener",
     "PlacementRules",
     "ServerTier",
     "SimTier",
     "TierSpec",
-    "bits",
-    "only_on",
 ]
 
 KV = "kv"
@@ -82,39 +76,3 @@ class PlacementRules:
     snapshot_tier: int = 1
     final_tier: int = 0
     final_copy_tier: int | None = None
-
-
-class PlacementListener(Protocol):
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None: ...
-    def stored(self, node: Node, part: str, tier: int) -> None: ...
-    def dropped(self, node: Node, part: str, tiers: int) -> None: ...
-
-
-class NullListener:
-    """A listener that ignores every event (the store's default)."""
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        pass
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        pass
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        pass
-
-
-def bits(mask: int) -> list[int]:
-    """The tiers set in ``mask``, ascending (fast → slow)."""
-    out = []
-    t = 0
-    while mask:
-        if mask & 1:
-            out.append(t)
-        mask >>= 1
-        t += 1
-    return out
-
-
-def only_on(mask: int, tier: int, lower: int) -> bool:
-    """The part has a copy on ``tier`` that must be moved (none on ``lower`` yet)."""
-    return bool(mask & (1 << tier)) and not mask & (1 << lower)

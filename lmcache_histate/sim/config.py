@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..core.cache_types import config_default
+from ..core.cache import config_default
 from ..core.model_geometry import GeometryError, ModelGeometry
 from ..core.model_presets import load_geometry
 from ..yamlfile import read_yaml

@@ -10,11 +10,11 @@ interface; baselines implement it with their own (documented) rules.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..core.cache import CacheConfig, HiStateCache, RequestHandle
-from ..core.index import Node
+from ..core.cache import CacheConfig, HiStateCache, PlacementEvent, RequestHandle
 from ..core.tiers import SNAPSHOT, PlacementRules, TierSpec
 from .trace_model import Request
 
@@ -48,10 +48,10 @@ class Policy(Protocol):
 
 
 class TierCounter:
-    """Placement listener that counts bytes written to / dropped from each tier, and the
-    snapshots dropped: all of them, and those that leave *alone*, their KV staying cached
-    below them (an intermediate snapshot leaving the last tier; a bundle's snapshot
-    leaves with its KV leaf)."""
+    """Counts, from the core's placement events (``HiStateCache.take_events``), the bytes
+    written to / dropped from each tier, and the snapshots dropped: all of them, and those
+    that leave *alone*, their KV staying cached below them (an intermediate snapshot
+    leaving the last tier; a bundle's snapshot leaves with its KV leaf)."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
@@ -60,25 +60,21 @@ class TierCounter:
         self.snapshots_dropped = 0
         self.snapshots_dropped_alone = 0
 
-    def _nbytes(self, node: Node, part: str) -> int:
-        return node.snap_bytes if part == SNAPSHOT else node.kv_bytes
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        self.written_bytes[self.names[tier]] += self._nbytes(node, part)
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self.written_bytes[self.names[dst]] += self._nbytes(node, part)
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        for t, name in enumerate(self.names):
-            if tiers & (1 << t):
-                self.dropped_bytes[name] += self._nbytes(node, part)
-        if part == SNAPSHOT:
-            self.snapshots_dropped += 1
-            # KV cached below the snapshot stays: the snapshot leaves alone (a bundle's
-            # snapshot sits on a KV leaf, whose KV leaves with it).
-            if node.kv_children:
-                self.snapshots_dropped_alone += 1
+    def count(self, events: Iterable[PlacementEvent]) -> None:
+        names = self.names
+        for event in events:
+            match event:
+                case ("stored", _key, _part, tier, nbytes):
+                    self.written_bytes[names[tier]] += nbytes
+                case ("moved", _key, _part, _src, dst, nbytes):
+                    self.written_bytes[names[dst]] += nbytes
+                case ("dropped", _key, part, tiers, nbytes, _held, _since, _access, alone):
+                    for t, name in enumerate(names):
+                        if tiers & (1 << t):
+                            self.dropped_bytes[name] += nbytes
+                    if part == SNAPSHOT:
+                        self.snapshots_dropped += 1
+                        self.snapshots_dropped_alone += alone
 
 
 def _fastest(mask: int) -> int:
@@ -103,7 +99,7 @@ class HiStatePolicy:
         self.name = name
         self.tier_names = [t.name for t in config.tiers]
         self.counter = TierCounter(self.tier_names)
-        self.cache = HiStateCache(config, listener=self.counter)
+        self.cache = HiStateCache(config)
         self.promote_tier = promote_tier
         self.promoted_bytes = 0
 
@@ -179,8 +175,13 @@ class HiStatePolicy:
             self.promoted_bytes += self.cache.promote(handle, self.promote_tier, now)
         plan = self.plan(request, handle, start_chunks)
         self.cache.complete(handle, request.input_tokens, now, boundaries=plan)
+        self.drain()
         after = self.counter.written_bytes
         return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+    def drain(self) -> None:
+        """Count the core's placement events (after each call that places anything)."""
+        self.counter.count(self.cache.take_events())
 
     def stats(self) -> dict[str, float]:
         core = self.cache.stats()

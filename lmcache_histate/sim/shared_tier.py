@@ -136,6 +136,7 @@ class HiStateShared(SharedStore):
     def store(self, request: Request, lookup: Lookup, states: list[int], now: float) -> int:
         before = self.policy.counter.written_bytes[SHARED]
         self.policy.cache.complete(lookup.handle, request.input_tokens, now, boundaries=states)
+        self.policy.drain()
         return self.policy.counter.written_bytes[SHARED] - before
 
     def used_bytes(self) -> int:

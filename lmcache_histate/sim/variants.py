@@ -5,7 +5,7 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
 
 =====================  =====================================================================
 ``histate``            the full design: unified H-queue with ``τ`` calibrated online from
-                       the sessions' re-access gaps (``core.score``), refresh-all, a
+                       the sessions' re-access gaps (``core.rank``), refresh-all, a
                        snapshot's end hits weighted by the chance the tail below it has
                        left the cache when its session returns (``exposed_ends``,
                        ``core.eviction`` NOTE 7), online interval controller.
@@ -24,7 +24,7 @@ knobs the paper ablates, so a difference between two rows is the effect of that 
                        snapshots last refreshed by a pass over that of those last used
                        (``refresh_learned``, ``core.eviction`` NOTE 8).
 ``histate-return-``    ``histate`` with ``τ`` fitted to whether a session idle as long as
-``tau``                the tiers' dwell returns, not to the mean gap (``core.score`` NOTE 4).
+``tau``                the tiers' dwell returns, not to the mean gap (``core.rank`` NOTE 7).
 ``histate-fixed-tau``  the same with the set-up's fixed ``tau`` (``histate.tau`` in the
                        config, seconds per e-fold of cost per byte): what calibration buys.
 ``histate-align``      snapshots only where vLLM's align mode keeps them
@@ -151,7 +151,7 @@ def three_tier_policy(
     Every HiState row and the baselines' ``lru`` rows are this, with different knobs.
     """
     knobs.setdefault("supported_intervals", supported_intervals(chunk_tokens))
-    # The GPU tier is vLLM's own block pool: it ranks by recency (``score`` NOTE 3).
+    # The GPU tier is vLLM's own block pool: it ranks by recency (``rank`` NOTE 6).
     knobs.setdefault("recency_tiers", _GPU + 1)
     return HiStatePolicy.build(
         name,

@@ -55,6 +55,23 @@ def test_queries_and_stats_describe_what_is_stored() -> None:
     assert stats.dropped_units == 0
 
 
+def test_take_events_hands_out_each_placement_once_in_order() -> None:
+    """``stored()``'s ``complete`` queued its KV prefix first (10 B each on the CPU), then
+    the final snapshot (chunk 104, 25 B, CPU: the final tier) before the intermediate one
+    (chunk 102, 25 B, disk): finals go first. Taken once, the queue is empty. Evicting 1 B
+    from the disk, the last tier, drops the intermediate snapshot alone (KV stays cached
+    below it): it left mask 0b10, which was all it held, stored and last accessed at t = 1."""
+    cache = stored()
+    assert cache.take_events() == [
+        ("stored", 101, KV, CPU, 10), ("stored", 102, KV, CPU, 10),
+        ("stored", 103, KV, CPU, 10), ("stored", 104, KV, CPU, 10),
+        ("stored", 104, SNAPSHOT, CPU, 25), ("stored", 102, SNAPSHOT, DISK, 25),
+    ]
+    assert cache.take_events() == []
+    assert cache.evict(DISK, 1, 2.0) == 25
+    assert cache.take_events() == [("dropped", 102, SNAPSHOT, 0b10, 25, 0b10, 1.0, 1.0, True)]
+
+
 def test_evict_demotes_the_lowest_ranked_cpu_unit() -> None:
     """No re-access gap has been seen, so τ = 0 and every tier ranks by recency, ties
     deepest first (eviction NOTE 3). Everything was stored at t = 1, so the deepest unit

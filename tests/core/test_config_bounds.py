@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.cache_types import CacheConfig, config_default
+from lmcache_histate.core.cache import CacheConfig, HiStateCache, config_default
 from lmcache_histate.core.interval import IntervalController, ResidenceTracker
 from lmcache_histate.core.model_geometry import snapshot_tokens
 from lmcache_histate.core.tiers import PlacementRules, TierSpec

@@ -21,7 +21,7 @@ import pytest
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node, PrefixIndex
-from lmcache_histate.core.units import HitModel, expected_recompute
+from lmcache_histate.core.rank import HitModel, expected_recompute
 
 CHUNK = 10
 TOKEN_BYTES = 4
@@ -55,7 +55,7 @@ def queue(index: PrefixIndex, tiers: int, tau: float, **kw: object) -> EvictionQ
 
 
 def test_expected_recompute_of_a_snapshot_a_bundle_and_a_dead_tail() -> None:
-    """C = δ·((1 − p_end)·internal + p_end·passes) (``units`` NOTE 1: every session passing
+    """C = δ·((1 − p_end)·internal + p_end·passes) (``rank`` NOTE 1: every session passing
     a snapshot counts an end access, priced as the resume point it becomes)."""
     _, n = tree()
     # S2 (p = 20, nothing above: δ = 20). Its zone is 3, then boundary S4 at q = 40:
@@ -149,7 +149,7 @@ def test_each_tier_has_its_own_ranking() -> None:
 def test_a_tier_that_is_not_the_engines_pool_ranks_by_h_even_when_it_demotes() -> None:
     """The tree of the test above with ``recency_tiers = 0`` (the live server: CPU and
     disk are both HiState's): tier 0 ranks by H as well, with M = the bytes each unit
-    moves out of it (``score`` NOTE 3).
+    moves out of it (``rank`` NOTE 6).
 
     t: S2 90, S4 60, bundle 6 70, dead 8 80, τ = 10. On tier 0 every unit frees the two
     KV chunks of its segment, M = 80 B (the snapshots are on tier 1):

@@ -3,7 +3,7 @@
 * ``placement`` NOTE 1: a demotion into a tier that is not the last always lands (that
   tier demotes further); the last tier compares the arriving unit's ``H`` with its
   residents' ``H`` (``EvictionQueue.arrival_rank``), never a fast tier's ``t``.
-* ``request_path`` NOTE 1: a hit counts as read when the request completes (the engine
+* ``cache`` NOTE 1: a hit counts as read when the request completes (the engine
   held it until then), not only when it began.
 
 Chunks of 10 tokens, 1 B per token: a KV chunk is 10 B, a snapshot 20 B, unless a test
@@ -23,13 +23,13 @@ KV_B, SNAP_B = 10, 20
 
 
 def three_tiers(fast: int, mid: int, last: int) -> tuple[HiStateCache, EventLog]:
-    events = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
         tiers=(TierSpec("gpu", fast), TierSpec("cpu", mid), TierSpec("disk", last)),
         rules=PlacementRules(kv_tier=0, snapshot_tier=2, final_tier=0), tau=0.0,
     )
-    return HiStateCache(cfg, listener=events), events
+    c = HiStateCache(cfg)
+    return c, EventLog(c.take_events)
 
 
 def test_a_demotion_into_a_middle_tier_lands_and_pushes_the_middle_tier_down() -> None:
@@ -116,12 +116,12 @@ def test_a_retired_final_snapshot_lands_in_a_snapshot_tier_that_is_not_the_last(
     newer). Tier 1 is not the last, so it makes room by its own ranking: S12 moves on to
     tier 2 and S2 lands on tier 1 (refused by rank, it would have been forgotten).
     Nothing leaves the cache."""
-    events = EventLog()
     c = HiStateCache(CacheConfig(
         chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
         tiers=(TierSpec("gpu", 1000), TierSpec("cpu", 20), TierSpec("disk", 1000)),
         rules=PlacementRules(kv_tier=0, snapshot_tier=1, final_tier=0), tau=0.0,
-    ), listener=events)
+    ))
+    events = EventLog(c.take_events)
     request(c, "A", [1, 2], 0.0, [20])
     request(c, "B", [11, 12, 13], 10.0, [20, 30])
     assert c.tiers_of(12, SNAPSHOT) == 1 << 1

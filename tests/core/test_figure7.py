@@ -96,7 +96,7 @@ def test_figure7_victim_flips_at_the_hand_computed_tau() -> None:
     C2: S2 at 1,050, previous snapshot S1 at 1,000 → δ = 50; its zone ends at S3
     (1,200), B's density 1/1,200 → internal mass (1,200 − 1,050)/1,200 = 0.125; one
     session (B) passes S2, whose end access resumes from S2 once S3's tail is gone
-    (``units`` NOTE 1): C2 = 50 · (0.0857375 · 0.125 + 0.9142625 · 1)
+    (``rank`` NOTE 1): C2 = 50 · (0.0857375 · 0.125 + 0.9142625 · 1)
     = 50 · 0.9249796875 = 46.248984375.
     C6: S6 is C's final at 1,000, no snapshot before it → δ = 1,000, one session end;
     C6 = 1,000 · p_end = 914.2625.
@@ -179,7 +179,7 @@ def test_cost_priced_with_causal_attention() -> None:
 
 
 def test_a_cold_session_leaves_the_last_tier_from_its_tail() -> None:
-    """``units`` NOTE 1: at the last tier a cold session peels from its tail, keeping a
+    """``rank`` NOTE 1: at the last tier a cold session peels from its tail, keeping a
     resume point, instead of losing its intermediates first and then its whole context.
 
     One tier (the last), 4-token chunks, 10 B per KV token (a chunk = 40 B), 80-B

@@ -12,8 +12,8 @@ from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.hit_positions import HitPositions, SegmentLog
 from lmcache_histate.core.index import PrefixIndex
 from lmcache_histate.core.interval import IntervalController
+from lmcache_histate.core.rank import expected_recompute
 from lmcache_histate.core.tiers import TierSpec
-from lmcache_histate.core.units import expected_recompute
 
 
 def worked_example() -> HitPositions:

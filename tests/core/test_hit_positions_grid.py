@@ -10,7 +10,7 @@ import pytest
 from lmcache_histate.core.hit_positions import HitPositions
 from lmcache_histate.core.index import PrefixIndex
 from lmcache_histate.core.interval import IntervalController
-from lmcache_histate.core.units import expected_recompute
+from lmcache_histate.core.rank import expected_recompute
 
 
 def controller() -> IntervalController:

@@ -8,8 +8,8 @@ from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import ChainError, Node, PrefixIndex
 from lmcache_histate.core.interval import ResidenceTracker
+from lmcache_histate.core.rank import HitModel
 from lmcache_histate.core.tiers import KV, TierSpec
-from lmcache_histate.core.units import HitModel
 
 
 def test_paths_token_ends_and_membership() -> None:
@@ -36,7 +36,7 @@ def test_session_for_finds_the_deepest_session_end_on_a_chain() -> None:
     assert cache.session_for([1, 2, 7]) == "a"
     assert cache.session_for([1]) is None
     assert cache.session_for([9]) is None
-    assert cache.adopt([], KV, 0, 10, 3.0) is False  # an empty chain names no object
+    assert cache.recover([], KV, 0, 10, 3.0) is False  # an empty chain names no object
 
 
 def test_fixed_interval_plan_and_ending_a_session() -> None:

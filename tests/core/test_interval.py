@@ -11,7 +11,7 @@ from lmcache_histate.core.interval import (
     ResidenceTracker,
     supported_intervals,
 )
-from lmcache_histate.core.units import HitModel
+from lmcache_histate.core.rank import HitModel
 
 
 def test_continuous_optimum_matches_brief_example() -> None:
@@ -317,7 +317,7 @@ def test_step_grid_edges_one_token_chunks_non_integers_and_infinite_prices() -> 
     """A 1-token grid on 1-token chunks is a grid (every token a step end); 2.0 or "64" is
     not an integer grid; an infinite step price is refused; the default price is 0 (a
     priced and an unpriced controller cost the same off the grid: 19C at F = 1)."""
-    from lmcache_histate.core.cache_types import check_step_tokens
+    from lmcache_histate.core.cache import check_step_tokens
 
     assert check_step_tokens(1, 1) == 1
     assert check_step_tokens(None, 528) is None

@@ -1,8 +1,8 @@
-"""The core hooks the live LMCache backend needs: ``attach``, ``lose`` and ``adopt``.
+"""The core hooks the live LMCache backend needs: ``attach``, ``lose`` and ``recover``.
 
 The server sees stores no lookup announced (``attach``), objects that vanish without the
 policy deciding it — an operator clearing the CPU tier, a corrupted file, a failed disk
-write (``lose``) — and, after a restart, objects found on disk (``adopt``). Each must keep
+write (``lose``) — and, after a restart, objects found on disk (``recover``). Each must keep
 the index, accounting and queue invariants that the rest of the core relies on.
 """
 
@@ -22,7 +22,6 @@ CPU, DISK = ServerTier.CPU, ServerTier.DISK
 
 
 def make(cpu: int = 100, disk: int = 100, copy: bool = True) -> tuple[HiStateCache, EventLog]:
-    rec = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK,
         kv_chunk_bytes=KV_BYTES,
@@ -31,7 +30,8 @@ def make(cpu: int = 100, disk: int = 100, copy: bool = True) -> tuple[HiStateCac
         rules=PlacementRules(final_copy_tier=DISK if copy else None),
         supported_intervals=(CHUNK, 2 * CHUNK),
     )
-    return HiStateCache(cfg, listener=rec), rec
+    c = HiStateCache(cfg)
+    return c, EventLog(c.take_events)
 
 
 def chain(n: int, family: int = 1) -> list[int]:
@@ -140,29 +140,29 @@ def test_lose_under_a_pin_is_pruned_on_release() -> None:
     cache.check()
 
 
-def test_adopt_rebuilds_a_disk_chain_and_refuses_gaps_and_overflow() -> None:
+def test_recover_rebuilds_a_disk_chain_and_refuses_gaps_and_overflow() -> None:
     cache, rec = make(disk=3)
     keys = chain(5)
     for i in range(3):
-        assert cache.adopt(keys[: i + 1], KV, DISK, KV_BYTES, now=float(i))
-    assert cache.adopt(keys[:3], SNAPSHOT, DISK, SNAP_BYTES, now=3.0)
-    assert not cache.adopt(keys[:5], KV, DISK, KV_BYTES, now=4.0)  # chunk 3 missing: gap
-    assert not cache.adopt([4242], SNAPSHOT, DISK, SNAP_BYTES, now=4.0)  # no KV under it
+        assert cache.recover(keys[: i + 1], KV, DISK, KV_BYTES, now=float(i))
+    assert cache.recover(keys[:3], SNAPSHOT, DISK, SNAP_BYTES, now=3.0)
+    assert not cache.recover(keys[:5], KV, DISK, KV_BYTES, now=4.0)  # chunk 3 missing: gap
+    assert not cache.recover([4242], SNAPSHOT, DISK, SNAP_BYTES, now=4.0)  # no KV under it
     assert 4242 not in cache
     assert rec.events == []  # adoption is not a placement decision
     assert cache.lookup(keys).hit_chunks == 3
     assert cache.stats().used_bytes[DISK] == 3 * KV_BYTES + SNAP_BYTES
     big = [9000 + i for i in range(8)]
-    fits = [cache.adopt(big[: i + 1], KV, DISK, KV_BYTES, now=5.0) for i in range(8)]
+    fits = [cache.recover(big[: i + 1], KV, DISK, KV_BYTES, now=5.0) for i in range(8)]
     assert fits == [True, True] + [False] * 6  # 75 B of disk: 55 B used, room for two more
     cache.check()
 
 
-def test_adopted_units_are_evictable_by_h() -> None:
+def test_recovered_units_are_evictable_by_h() -> None:
     cache, _ = make(cpu=100, disk=2)
     keys = chain(2)
-    assert cache.adopt(keys[:1], KV, DISK, KV_BYTES, now=0.0)
-    assert cache.adopt(keys[:1], SNAPSHOT, DISK, SNAP_BYTES, now=0.0)
+    assert cache.recover(keys[:1], KV, DISK, KV_BYTES, now=0.0)
+    assert cache.recover(keys[:1], SNAPSHOT, DISK, SNAP_BYTES, now=0.0)
     # A new session's intermediate snapshots must evict the adopted, older unit.
     other = chain(6, family=2)
     store(cache, "b", other, [1, 3, 5], now=10.0)
@@ -175,7 +175,7 @@ op = st.one_of(
     st.tuples(st.just("lose"), st.integers(0, 2), st.integers(0, 9), st.booleans(), st.booleans()),
     st.tuples(st.just("begin"), st.integers(0, 3), st.integers(0, 2), st.integers(1, 10)),
     st.tuples(st.just("release"), st.integers(0, 5)),
-    st.tuples(st.just("adopt"), st.integers(0, 2), st.integers(1, 10), st.booleans()),
+    st.tuples(st.just("recover"), st.integers(0, 2), st.integers(1, 10), st.booleans()),
 )
 
 
@@ -206,10 +206,10 @@ def test_random_outside_changes_keep_invariants(cpu: int, disk: int, copy: bool,
             open_.append(cache.begin(f"s{session}", chain(n, family), now))
         elif kind == "release" and open_:
             cache.release(open_.pop(item[1] % len(open_)))
-        elif kind == "adopt":
+        elif kind == "recover":
             _, family, n, kv = item
             part, size = (KV, KV_BYTES) if kv else (SNAPSHOT, SNAP_BYTES)
-            cache.adopt(chain(n, family), part, DISK, size, now)
+            cache.recover(chain(n, family), part, DISK, size, now)
         cache.check()
     for handle in open_:
         cache.release(handle)

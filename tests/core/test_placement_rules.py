@@ -1,6 +1,6 @@
 """The paper's placement rules, observed through the cache's public API.
 
-Where each object lands is read from the ``PlacementListener`` events
+Where each object lands is read from the core's placement events
 (``support.listeners.EventLog``; tier 0 = CPU, tier 1 = disk) and from ``lookup``;
 nothing reaches into the cache's parts. Chunks of 10 tokens, 1 B per token: a KV chunk
 is 10 B, a snapshot 20 B. ``τ = 0`` (LRU over units) wherever the test is about
@@ -21,13 +21,13 @@ CPU, DISK = 0, 1
 
 
 def cache(cpu: int, disk: int, tau: float = 0.0) -> tuple[HiStateCache, EventLog]:
-    events = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK, kv_chunk_bytes=KV, snapshot_bytes=SNAP,
         tiers=(TierSpec("cpu", cpu), TierSpec("disk", disk)),
         rules=PlacementRules(kv_tier=CPU, snapshot_tier=DISK, final_tier=CPU), tau=tau,
     )
-    return HiStateCache(cfg, listener=events), events
+    c = HiStateCache(cfg)
+    return c, EventLog(c.take_events)
 
 
 def request(c: HiStateCache, sid: str, keys: list[int], now: float, snaps: list[int]) -> None:
@@ -135,13 +135,13 @@ def test_residence_times_reach_the_snapshot_plan() -> None:
       133.33 = 268.33 → 270: 270, 540, 810, 1,080, then the final 1,200.
       Before the drop no snapshot has left: F = 0, cost I/2 alone → every chunk.
     """
-    events = EventLog()
     cfg = CacheConfig(
         chunk_tokens=CHUNK, kv_chunk_bytes=KV, snapshot_bytes=SNAP,
         tiers=(TierSpec("all", 40),),
         rules=PlacementRules(kv_tier=0, snapshot_tier=0, final_tier=0), tau=0.0,
     )
-    c = HiStateCache(cfg, listener=events)
+    c = HiStateCache(cfg)
+    events = EventLog(c.take_events)
     assert c.snapshot_plan(0, 1200) == list(range(10, 1201, 10))  # F = 0
     request(c, "A", [1, 2], 0.0, [])
     request(c, "A", [1, 2], 10.0, [20])

@@ -14,7 +14,7 @@ from test_cost_and_rank import LN_1E9, queue, tree
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node
-from lmcache_histate.core.score import ReaccessScale
+from lmcache_histate.core.rank import ReaccessScale
 
 LN_S2 = -0.292136  # ln(149.333333 / 200): S2 and S4 alone on the tree
 LN_6 = -1.358123  # ln(72 / 280): the bundle

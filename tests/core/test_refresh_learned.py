@@ -11,8 +11,7 @@ import pytest
 from test_cost_and_rank import TOKEN_BYTES, tree
 
 from lmcache_histate.core.eviction import EvictionQueue, PassValue
-from lmcache_histate.core.score import ReaccessScale
-from lmcache_histate.core.units import HitModel
+from lmcache_histate.core.rank import HitModel, ReaccessScale
 
 USE, PASS = False, True
 

@@ -1,4 +1,4 @@
-"""``τ`` fitted to whether a session returns (``core.score`` NOTE 4, ``ReturnScale``).
+"""``τ`` fitted to whether a session returns (``core.rank`` NOTE 7, ``ReturnScale``).
 
 Every expected value is worked out by hand in the comments.
 """
@@ -12,7 +12,7 @@ import pytest
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.ema import SeededEMA
 from lmcache_histate.core.index import PrefixIndex
-from lmcache_histate.core.score import ReturnScale, gap_bin
+from lmcache_histate.core.rank import ReturnScale, gap_bin
 from lmcache_histate.core.tiers import TierSpec
 
 

@@ -1,4 +1,4 @@
-"""The eviction score ``H = t + τ·ln(C/M)`` and its online ``τ`` (``core.score``).
+"""The eviction score ``H = t + τ·ln(C/M)`` and its online ``τ`` (``core.rank``).
 
 Every expected value is worked out by hand in the comments.
 """
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.score import MIN_RATIO, ReaccessScale, score
+from lmcache_histate.core.rank import MIN_RATIO, ReaccessScale, score
 from lmcache_histate.core.tiers import TierSpec
 
 

@@ -5,7 +5,7 @@ KV chunk 10 B, snapshot 20 B, ``τ = 0`` (H = t). Each test names the store path
 retiring a final snapshot (moved, copy released, or forgotten when the snapshot tier
 cannot take it), promotion of each part, a drop while promoting, and a demotion onto a
 tier that already holds a copy (three tiers, so the source tier's bit is not bit 0).
-The listener below also records the source tier of a move, which ``EventLog`` leaves out.
+``Log`` below also keeps the source tier of a move, which ``EventLog`` leaves out.
 """
 
 from __future__ import annotations
@@ -22,23 +22,15 @@ KVB, SNAPB = 10, 20
 
 
 class Log:
-    """Every listener call with all its arguments, in order."""
+    """The store's events in order, each cut to ``(what, key, part, tier(s))``, with a
+    move's source tier kept: ``("moved", key, part, src, dst)``."""
 
-    def __init__(self) -> None:
-        self.events: list[tuple[object, ...]] = []
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self.events.append(("moved", node.key, part, src, dst))
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        self.events.append(("stored", node.key, part, tier))
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        self.events.append(("dropped", node.key, part, tiers))
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
 
     def take(self) -> list[tuple[object, ...]]:
-        out, self.events = self.events, []
-        return out
+        events, self.store.events = self.store.events, []
+        return [e[:5] if e[0] == "moved" else e[:4] for e in events]
 
 
 def make(
@@ -46,10 +38,9 @@ def make(
 ) -> tuple[PrefixIndex, EvictionQueue, TieredStore, Log]:
     index = PrefixIndex(10)
     queue = EvictionQueue(index, len(capacities), tau=0.0, token_bytes=1)
-    log = Log()
     tiers = [TierSpec(f"t{i}", c) for i, c in enumerate(capacities)]
-    store = TieredStore(index, queue, tiers, rules, listener=log)
-    return index, queue, store, log
+    store = TieredStore(index, queue, tiers, rules)
+    return index, queue, store, Log(store)
 
 
 def check(index: PrefixIndex, queue: EvictionQueue, store: TieredStore) -> None:
@@ -107,9 +98,14 @@ def test_a_final_snapshot_the_snapshot_tier_cannot_take_is_forgotten() -> None:
     _, n2 = final_session(store, index, 2.0)
     log.take()
     store.retire_final(n2, 7.0)
+    (event,) = store.events
     assert log.take() == [("dropped", 2, SNAPSHOT, 1 << CPU)]
     assert n2.snap_tiers == 0
     assert (store.residence.snapshot_ema, store.residence.snapshot_samples) == (5.0, 1)
+    # The whole event, read after the node changed: 20 B left the mask 0b01 it was
+    # held on (no copy left), stored at t = 2, last accessed at t = 2 (its store), with
+    # no KV below it (a final snapshot on the leaf: not alone).
+    assert event == ("dropped", 2, SNAPSHOT, 0b01, SNAPB, 0b01, 2.0, 2.0, False)
     assert store.used == [20, 0]
     check(index, queue, store)
 
@@ -120,9 +116,9 @@ def test_promote_reads_the_mask_of_the_part_it_moves() -> None:
     without any snapshot (chunk 2, disk) is promoted as well."""
     index, queue, store, log = make(100, 100)
     n1, n2 = index.insert_chain([1, 2])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, SNAPSHOT, CPU, SNAPB, 0.0)
-    assert store.adopt(n2, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, SNAPSHOT, CPU, SNAPB, 0.0)
+    assert store.recover(n2, KV, DISK, KVB, 0.0)
     assert store.used == [20, 20]
     assert store.promote(n1, SNAPSHOT, CPU, 1.0)
     assert log.take() == [] and n1.kv_tiers == 1 << DISK
@@ -134,7 +130,7 @@ def test_promote_reads_the_mask_of_the_part_it_moves() -> None:
     # A snapshot on disk while its KV is on CPU: promoting the snapshot moves it.
     (n3,) = index.insert_chain([1, 2, 3])[2:]
     assert store.store_kv(n3, KVB, 2.0)
-    assert store.adopt(n3, SNAPSHOT, DISK, SNAPB, 2.0)
+    assert store.recover(n3, SNAPSHOT, DISK, SNAPB, 2.0)
     log.take()
     assert store.promote(n3, SNAPSHOT, CPU, 3.0)
     assert log.take() == [("moved", 3, SNAPSHOT, DISK, CPU)]
@@ -145,7 +141,7 @@ def test_promote_to_a_tier_already_holding_the_part_changes_nothing() -> None:
     """KV of chunk 1 on disk only (10 B); promoting it to disk (tier 1): True, no event."""
     index, queue, store, log = make(100, 100)
     (n1,) = index.insert_chain([1])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
     assert store.promote(n1, KV, DISK, 1.0)
     assert log.take() == []
     assert (n1.kv_tiers, store.used) == (1 << DISK, [0, 10])
@@ -160,7 +156,7 @@ def test_a_promotion_that_drops_a_unit_samples_its_residence() -> None:
     """
     index, queue, store, log = make(10, 10)
     (a1,) = index.insert_chain([1])
-    assert store.adopt(a1, KV, DISK, KVB, 0.0)
+    assert store.recover(a1, KV, DISK, KVB, 0.0)
     (b,) = index.insert_chain([11])
     assert store.store_kv(b, KVB, 5.0)
     log.take()
@@ -182,8 +178,8 @@ def test_demoting_onto_a_tier_with_a_copy_releases_the_source_copy() -> None:
     rules = PlacementRules(kv_tier=1, snapshot_tier=2, final_tier=1)
     index, queue, store, log = make(100, 10, 100, rules=rules)
     (n1,) = index.insert_chain([1])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, KV, FAR, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, FAR, KVB, 0.0)
     (n5,) = index.insert_chain([5])
     assert store.store_kv(n5, KVB, 1.0)
     assert log.take() == [("dropped", 1, KV, 0b010), ("stored", 5, KV, DISK)]
@@ -309,9 +305,9 @@ def test_demotion_from_a_middle_tier_moves_only_what_is_there() -> None:
     rules = PlacementRules(kv_tier=1, snapshot_tier=2, final_tier=1)
     index, queue, store, log = make(100, 30, 100, rules=rules)
     n1, n2 = index.insert_chain([1, 2])
-    assert store.adopt(n1, KV, FAR, KVB, 0.0)
-    assert store.adopt(n2, KV, DISK, KVB, 0.0)
-    assert store.adopt(n2, SNAPSHOT, DISK, SNAPB, 0.0)
+    assert store.recover(n1, KV, FAR, KVB, 0.0)
+    assert store.recover(n2, KV, DISK, KVB, 0.0)
+    assert store.recover(n2, SNAPSHOT, DISK, SNAPB, 0.0)
     assert store.used == [0, 30, 10]
     (n5,) = index.insert_chain([5])
     assert store.store_kv(n5, KVB, 1.0)
@@ -329,8 +325,8 @@ def test_promote_takes_the_nearest_lower_copy() -> None:
     the tier-1 copy (the lowest set bit): ``moved`` 1 → 0, mask 0b101; bytes [10, 0, 10]."""
     index, queue, store, log = make(100, 100, 100)
     (n1,) = index.insert_chain([1])
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, KV, FAR, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, FAR, KVB, 0.0)
     assert store.promote(n1, KV, CPU, 1.0)
     assert log.take() == [("moved", 1, KV, DISK, CPU)]
     assert n1.kv_tiers == 0b101

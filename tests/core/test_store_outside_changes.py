@@ -7,7 +7,7 @@ the test; ``check()`` recounts the bytes from the index after each step.
 
 from __future__ import annotations
 
-from support.listeners import EventLog
+from support.listeners import EventLog, store_events
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node, PrefixIndex
@@ -21,10 +21,9 @@ KVB, SNAPB = 10, 20
 def make(cpu: int, disk: int) -> tuple[PrefixIndex, EvictionQueue, TieredStore, EventLog]:
     index = PrefixIndex(10)
     queue = EvictionQueue(index, 2, tau=0.0, token_bytes=1)
-    log = EventLog()
     store = TieredStore(index, queue, (TierSpec("cpu", cpu), TierSpec("disk", disk)),
-                        PlacementRules(), listener=log)
-    return index, queue, store, log
+                        PlacementRules())
+    return index, queue, store, EventLog(store_events(store))
 
 
 def check(queue: EvictionQueue, store: TieredStore, index: PrefixIndex) -> None:
@@ -40,8 +39,8 @@ def test_promote_makes_room_and_moves_the_part_up() -> None:
     index, queue, store, log = make(cpu=30, disk=100)
     a1, a2 = index.insert_chain([1, 2])
     for node in (a1, a2):
-        assert store.adopt(node, KV, DISK, KVB, 0.0)
-    assert store.adopt(a2, SNAPSHOT, DISK, SNAPB, 0.0)
+        assert store.recover(node, KV, DISK, KVB, 0.0)
+    assert store.recover(a2, SNAPSHOT, DISK, SNAPB, 0.0)
     (b,) = index.insert_chain([11])
     assert store.store_kv(b, KVB, 5.0)
     assert store.store_snapshot(b, SNAPB, 5.0, final=True)
@@ -56,7 +55,7 @@ def test_promote_makes_room_and_moves_the_part_up() -> None:
     assert store.promote(a2, SNAPSHOT, CPU, 11.0)
     small_index, _, small, small_log = make(cpu=15, disk=100)
     (n,) = small_index.insert_chain([1])
-    assert small.adopt(n, KV, DISK, KVB, 0.0) and small.adopt(n, SNAPSHOT, DISK, SNAPB, 0.0)
+    assert small.recover(n, KV, DISK, KVB, 0.0) and small.recover(n, SNAPSHOT, DISK, SNAPB, 0.0)
     assert not small.promote(n, SNAPSHOT, CPU, 1.0)  # 20 B > 15 B of CPU
     assert small.promote(n, KV, CPU, 1.0)  # 10 B fits
     assert (n.kv_tiers, n.snap_tiers, small.used) == (1 << CPU, 1 << DISK, [10, 20])
@@ -70,7 +69,7 @@ def two_copies() -> tuple[PrefixIndex, EvictionQueue, TieredStore, EventLog, lis
     nodes = index.insert_chain([1, 2, 3])
     for node in nodes:
         assert store.store_kv(node, KVB, 0.0)
-        assert store.adopt(node, KV, DISK, KVB, 0.0)
+        assert store.recover(node, KV, DISK, KVB, 0.0)
     assert store.store_snapshot(nodes[2], SNAPB, 0.0, final=True)
     assert [n.kv_tiers for n in nodes] == [0b11] * 3
     assert store.used == [30 + 20, 30]
@@ -103,7 +102,7 @@ def test_losing_the_last_kv_copy_drops_what_depends_on_it() -> None:
 
 def test_losing_one_snapshot_copy_keeps_the_other() -> None:
     index, queue, store, log, nodes = two_copies()
-    assert store.adopt(nodes[2], SNAPSHOT, DISK, SNAPB, 0.0)
+    assert store.recover(nodes[2], SNAPSHOT, DISK, SNAPB, 0.0)
     assert nodes[2].snap_tiers == 0b11
     store.lose(nodes[2], SNAPSHOT, CPU)
     assert nodes[2].snap_tiers == 1 << DISK
@@ -114,21 +113,21 @@ def test_losing_one_snapshot_copy_keeps_the_other() -> None:
     check(queue, store, index)
 
 
-def test_adopt_accepts_what_fits_the_index_and_nothing_else() -> None:
+def test_recover_accepts_what_fits_the_index_and_nothing_else() -> None:
     index, queue, store, log = make(cpu=100, disk=45)
     n1, n2 = index.insert_chain([1, 2])
     # KV of chunk 2 whose parent (chunk 1, depth 0) holds no KV: a gap, refused.
-    assert not store.adopt(n2, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, KV, DISK, KVB, 0.0)
-    assert store.adopt(n1, KV, DISK, KVB, 1.0)  # already there: accepted, no change
+    assert not store.recover(n2, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 0.0)
+    assert store.recover(n1, KV, DISK, KVB, 1.0)  # already there: accepted, no change
     assert store.used == [0, 10]
-    assert not store.adopt(n1, KV, CPU, KVB + 1, 0.0)  # a second copy of another size
-    assert store.adopt(n1, KV, CPU, KVB, 0.0)  # same size: both bits
+    assert not store.recover(n1, KV, CPU, KVB + 1, 0.0)  # a second copy of another size
+    assert store.recover(n1, KV, CPU, KVB, 0.0)  # same size: both bits
     assert n1.kv_tiers == 0b11
-    assert store.adopt(n1, SNAPSHOT, DISK, SNAPB, 0.0)
-    assert not store.adopt(n1, SNAPSHOT, CPU, SNAPB + 1, 0.0)
-    assert store.adopt(n2, KV, DISK, KVB, 0.0)  # now its parent holds KV
-    assert not store.adopt(n2, SNAPSHOT, DISK, SNAPB, 0.0)  # 40 + 20 > 45 B of disk
+    assert store.recover(n1, SNAPSHOT, DISK, SNAPB, 0.0)
+    assert not store.recover(n1, SNAPSHOT, CPU, SNAPB + 1, 0.0)
+    assert store.recover(n2, KV, DISK, KVB, 0.0)  # now its parent holds KV
+    assert not store.recover(n2, SNAPSHOT, DISK, SNAPB, 0.0)  # 40 + 20 > 45 B of disk
     assert store.used == [10, 40]
     assert log.events == []  # adoption is not a placement decision
     check(queue, store, index)

@@ -1,10 +1,12 @@
-"""The tier vocabulary's helpers (``tiers``), on explicit bitmasks (bit ``t`` = tier ``t``)."""
+"""The helpers on tier bitmasks (bit ``t`` = tier ``t``): ``index.bits``, ``placement.only_on``."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmcache_histate.core.tiers import TierSpec, bits, only_on
+from lmcache_histate.core.index import bits
+from lmcache_histate.core.placement import only_on
+from lmcache_histate.core.tiers import TierSpec
 
 
 @pytest.mark.parametrize(

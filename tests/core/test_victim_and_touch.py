@@ -14,7 +14,7 @@ from test_cost_and_rank import CHUNK, KV, SNAP, TOKEN_BYTES, queue, tree
 
 from lmcache_histate.core.eviction import EvictionQueue
 from lmcache_histate.core.index import Node, PrefixIndex
-from lmcache_histate.core.units import HitModel
+from lmcache_histate.core.rank import HitModel
 
 
 def lru_tree(refresh_all: bool = True) -> tuple[EvictionQueue, dict[int, Node]]:

@@ -28,6 +28,7 @@ from lmcache_histate.backends.server.runtime.runtime import HiStateRuntime
 from lmcache_histate.backends.server.runtime.tier_actions import take_one
 
 from lmcache_histate.config import parse_config
+from lmcache_histate.core.cache import PlacementEvent
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
@@ -323,18 +324,15 @@ def test_placement_observers_see_every_core_event_with_its_objects(rt: Any) -> N
     1, one group of each kind)."""
     seen: set[tuple[str, int, str, int, int]] = set()
 
-    class Observer:
-        def stored(self, node: Any, part: str, tier: int) -> None:
-            seen.add(("stored", depth[node.key], part, int(tier),
-                      len(rt.objects.keys(node.key, part))))
+    def observer(events: list[PlacementEvent]) -> None:
+        for event in events:
+            what, nk, part = event[:3]
+            if what == "stored":
+                seen.add((what, depth[nk], part, event[3], len(rt.objects.keys(nk, part))))
+            else:
+                seen.add((what, depth[nk], part, event[4 if what == "moved" else 3], 0))
 
-        def moved(self, node: Any, part: str, src: int, dst: int) -> None:
-            seen.add(("moved", depth[node.key], part, int(dst), 0))
-
-        def dropped(self, node: Any, part: str, tiers: int) -> None:
-            seen.add(("dropped", depth[node.key], part, tiers, 0))
-
-    rt.actions.listener.observers.append(Observer())
+    rt.actions.observers.append(observer)
     t = toks(2, 13)
     key = ipc(t, 0, len(t), "obs")
     depth = {node_key(k.chunk_hash, k.cache_salt): i

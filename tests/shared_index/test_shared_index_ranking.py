@@ -24,28 +24,31 @@ from support.redis_server import RedisServer
 from support.shared_index import make_index, write
 
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
-from lmcache_histate.core.score import score
+from lmcache_histate.core.rank import score
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier, TierSpec
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 KEYS = [101, 102, 103, 104]
 
 
-def stored(listener: object = None, disk: int = 1000) -> HiStateCache:
+def stored(disk: int = 1000) -> HiStateCache:
     cache = HiStateCache(CacheConfig(
         chunk_tokens=4, kv_chunk_bytes=10, snapshot_bytes=25,
         tiers=(TierSpec("cpu", 1000), TierSpec("disk", disk)),
         supported_intervals=(4, 8),
-    ), listener=listener)  # type: ignore[arg-type]
+    ))
     cache.complete(cache.attach("a", KEYS), 16, 1.0, boundaries=[8, 16])
     return cache
 
 
 def synced(now: float) -> tuple[DeploymentSync, HiStateCache]:
-    """A ``DeploymentSync`` listening to the core of ``stored()``, its clock at ``now``;
-    object keys stood in for by strings ``"<node>/<part>"`` (their own ids)."""
+    """A ``DeploymentSync`` fed the placement events of the core of ``stored()`` (as the
+    runtime drains them, ``placed``), its clock at ``now``; object keys stood in for by
+    strings ``"<node>/<part>"`` (their own ids)."""
     sync = DeploymentSync(lambda nk, part: [f"{nk}/{part}"], lambda key: key, lambda: now)
-    return sync, stored(listener=sync)
+    cache = stored()
+    sync.placed(cache.take_events())
+    return sync, cache
 
 
 def test_the_lua_ranking_is_core_score(redis_server: RedisServer, shared_dir: Path) -> None:
@@ -111,6 +114,7 @@ def test_collect_publishes_the_cores_inputs_once() -> None:
     change."""
     sync, cache = synced(now=10.0)
     cache.evict(CPU, 1, 2.0)
+    sync.placed(cache.take_events())
     batch = sync.collect(cache, lambda: KEYS, 4, 0)
     by_id = {u[0]: tuple(round(x, 9) for x in u[1:]) for u in batch.updates}
     # (C, M, age = now - t = 10 - 1 = 9 s)
@@ -121,6 +125,7 @@ def test_collect_publishes_the_cores_inputs_once() -> None:
     }
     assert sync.collect(cache, lambda: KEYS, 4, 0).updates == []  # unchanged: not again
     cache.evict(CPU, 1000, 3.0)
+    sync.placed(cache.take_events())
     batch = sync.collect(cache, lambda: KEYS, 4, 0)
     by_id = {u[0]: u[1:3] for u in batch.updates}
     # Interior KV 101, 102: protected (C/M = 1e9 per byte-unit: C = 1e9, M = 1).
@@ -134,10 +139,12 @@ def test_a_cpu_drop_is_a_residence_sample_and_a_disk_drop_withdraws_the_share() 
     leave the cache: 4 ``kv`` samples and 1 ``state`` sample of 11 - 1 = 10 s."""
     sync, cache = synced(now=11.0)
     cache.set_capacity(DISK, 0, 11.0)
+    sync.placed(cache.take_events())
     batch = sync.collect(cache, lambda: KEYS, 4, 0)
     assert batch.samples == []
     assert (f"102/{SNAPSHOT}", 0.0, -1.0, -1.0) in batch.updates
     cache.set_capacity(CPU, 0, 11.0)
+    sync.placed(cache.take_events())
     batch = sync.collect(cache, lambda: KEYS, 4, 0)
     assert sorted(batch.samples) == [("kv", 10.0)] * 4 + [("state", 10.0)]
 

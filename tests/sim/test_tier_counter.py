@@ -20,9 +20,14 @@ def make(cpu: int, disk: int) -> tuple[PrefixIndex, TieredStore, TierCounter]:
     index = PrefixIndex(10)
     queue = EvictionQueue(index, 2, tau=0.0, token_bytes=1)
     counter = TierCounter(["cpu", "disk"])
-    store = TieredStore(index, queue, [TierSpec("cpu", cpu), TierSpec("disk", disk)],
-                        listener=counter)
+    store = TieredStore(index, queue, [TierSpec("cpu", cpu), TierSpec("disk", disk)])
     return index, store, counter
+
+
+def drain(store: TieredStore, counter: TierCounter) -> None:
+    """Count the store's queued events, as ``HiStatePolicy.drain`` does the facade's."""
+    events, store.events = store.events, []
+    counter.count(events)
 
 
 def test_an_intermediate_snapshot_leaving_the_last_tier_is_dropped_alone() -> None:
@@ -35,6 +40,7 @@ def test_an_intermediate_snapshot_leaving_the_last_tier_is_dropped_alone() -> No
         assert store.store_kv(node, KVB, 0.0)
     assert store.store_snapshot(n1, SNAPB, 0.0, final=False)
     assert store.store_snapshot(n2, SNAPB, 1.0, final=False)
+    drain(store, counter)
     assert (counter.snapshots_dropped, counter.snapshots_dropped_alone) == (1, 1)
     assert counter.dropped_bytes == {"disk": 20}
     assert store.used == [30, 20] and n1.kv_tiers == 1 and not n1.snap_tiers
@@ -51,5 +57,6 @@ def test_a_bundle_takes_its_snapshot_with_its_kv() -> None:
     assert store.store_snapshot(a2, SNAPB, 0.0, final=True)
     (b,) = index.insert_chain([11])
     assert store.store_kv(b, KVB, 1.0)
+    drain(store, counter)
     assert (counter.snapshots_dropped, counter.snapshots_dropped_alone) == (1, 0)
     assert counter.dropped_bytes == {"cpu": 40}

@@ -26,7 +26,7 @@ def test_variant_knobs() -> None:
     # The learned refresh scope (``core.eviction`` NOTE 8) is its own row, on refresh-all.
     assert {n for n, c in cfg.items() if c.refresh_learned} == {"histate-refresh-learned"}
     assert cfg["histate-refresh-learned"].refresh_all
-    # τ fitted to whether sessions return (``core.score`` NOTE 4) is its own row; it reads
+    # τ fitted to whether sessions return (``core.rank`` NOTE 7) is its own row; it reads
     # the tiers' dwell, which ``exposed_ends`` measures.
     assert {n for n, c in cfg.items() if c.return_tau} == {"histate-return-tau"}
     assert (cfg["histate-return-tau"].tau, cfg["histate-return-tau"].exposed_ends) == (None, True)

@@ -57,7 +57,6 @@ from lmcache_histate.core.model_geometry import snapshot_tokens
 from lmcache_histate.core.tiers import (
     KV,
     SNAPSHOT,
-    PlacementListener,
     PlacementRules,
     ServerTier,
     TierSpec,
@@ -153,7 +152,6 @@ class ModelCore:
         model_name: str,
         world_size: int,
         disk_capacity: int,
-        listener: PlacementListener,
     ) -> HiStateCache | None:
         """The core for ``(model_name, world_size)``: created from its registered layout
         the first time a hybrid model is seen; None for any other model."""
@@ -191,7 +189,7 @@ class ModelCore:
         cfg = self.cfg
         disk_core = payload_capacity(disk_capacity, model_name, min(kv, snap))
         cache_cfg = core_config(cfg, self.chunk, kv, snap, disk_core)
-        self.core = HiStateCache(cache_cfg, listener=listener)
+        self.core = HiStateCache(cache_cfg)
         self.model = (model_name, world_size)
         self.kinds = kinds
         self.kv_chunk_bytes, self.snapshot_bytes = kv, snap

@@ -89,7 +89,7 @@ def recover_from_disk(
             ok = (
                 chain is not None
                 and len(keys) == need
-                and core.adopt(chain, part, ServerTier.DISK, nbytes, meta[nk][4])
+                and core.recover(chain, part, ServerTier.DISK, nbytes, meta[nk][4])
             )
             if ok:
                 depth, parent_hash, chunk_hash, salt, _ = meta[nk]

@@ -235,8 +235,8 @@ class HiStateRuntime:
         self.actions.disk = disk
         disk.start_reports()
         if disk.shared is not None:  # one disk folder for the deployment
-            # It sees each placement event too (``CoreListener.observers``).
-            self.actions.listener.observers.append(self.deployment)
+            # It sees each drained batch of placement events too (``TierActions.observers``).
+            self.actions.observers.append(self.deployment.placed)
 
     def _shared(self) -> SharedIndexLink | None:
         disk = self.actions.disk
@@ -290,10 +290,9 @@ class HiStateRuntime:
         tier's files, the first time a hybrid model is seen."""
         disk = self.actions.disk
         if self.model.core is not None:  # made: this model's, or another model's objects
-            return self.model.ensure(self.ctx, model_name, world_size, 0, self.actions.listener)
+            return self.model.ensure(self.ctx, model_name, world_size, 0)
         capacity = disk.capacity_bytes() if disk is not None else self.cfg.disk_bytes
-        core = self.model.ensure(self.ctx, model_name, world_size, capacity,
-                                 self.actions.listener)
+        core = self.model.ensure(self.ctx, model_name, world_size, capacity)
         if core is not None and disk is not None:
             recover_from_disk(disk, self.model, self.objects, self.stats, self.clock())
         return core
@@ -540,6 +539,7 @@ class HiStateRuntime:
         handle = core.attach(sid, chain[:end])
         boundaries = [(d + 1) * chunk for d in sorted(snaps)]
         core.complete(handle, end * chunk, now, boundaries=boundaries)
+        self.actions.drain_core()  # before any object below changes (``tier_actions`` NOTE 2)
         self.session_seen[sid] = now
         self.last_segment_tokens = max(chunk, (end - first) * chunk)
         for depth, parts in by_depth.items():

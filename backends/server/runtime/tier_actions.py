@@ -1,25 +1,27 @@
 """The L1 / disk action executor: the core's placement events made real.
 
-The core decides placement in terms of node parts and tiers; ``TierActions`` turns its
-``stored`` / ``moved`` / ``dropped`` events (``CoreListener``) into ``Actions`` on LMCache
-objects (delete from L1, delete from disk, demote = write an L1 object to disk, then delete
-it from L1). Actions are collected under the runtime lock and run after it is released
-(never call into LMCache's L1 manager or wait on disk I/O under it). The feedback paths
-live here too, both queues drained under the lock: L1 removals nobody here decided
-(queued by LMCache's callback) and the disk tier's reports (queued by its I/O threads,
-``disk.tier`` NOTE 3) — failed writes and lost files become losses in the core, a new
-capacity resizes the core's disk tier, demoted objects leave L1.
+The core decides placement in terms of node parts and tiers and queues its ``stored`` /
+``moved`` / ``dropped`` events (``core.placement``, "Events"); ``TierActions`` drains them
+(``drain_core``) and turns them into ``Actions`` on LMCache objects (delete from L1,
+delete from disk, demote = write an L1 object to disk, then delete it from L1). Actions
+are collected under the runtime lock and run after it is released (never call into
+LMCache's L1 manager or wait on disk I/O under it). The feedback paths live here too, both
+queues drained under the lock: L1 removals nobody here decided (queued by LMCache's
+callback) and the disk tier's reports (queued by its I/O threads, ``disk.tier`` NOTE 3) —
+failed writes and lost files become losses in the core, a new capacity resizes the core's
+disk tier, demoted objects leave L1.
 
 Every runtime entry point goes through the runtime's ``step`` (``runtime`` module doc),
 written once there: take the runtime lock, ``drain`` both queues, let the caller change
-the core, ``take`` the collected ``Actions`` (with the header of every disk write they
-decide, ``header``), release the lock, ``run`` them. Nothing here takes the runtime lock.
-Running hands the disk tier the headers before it submits the writes, so the tier's I/O
-threads never read runtime state (``disk.tier`` NOTE 2), and they never call into it
-either: they only queue. Taking tells the tier the disk deletes and writes decided, still
-under the lock (a bookkeeping call, no I/O): a write submitted before the deletes run is
-measured against the room they make (``disk.writes`` NOTE 5), and a delete decided before
-a write of the same object does not remove its file (``disk.tier`` NOTE 4).
+the core, drain the core's events (NOTE 2), ``take`` the collected ``Actions`` (with the
+header of every disk write they decide, ``header``), release the lock, ``run`` them.
+Nothing here takes the runtime lock. Running hands the disk tier the headers before it
+submits the writes, so the tier's I/O threads never read runtime state (``disk.tier`` NOTE
+2), and they never call into it either: they only queue. Taking tells the tier the disk
+deletes and writes decided, still under the lock (a bookkeeping call, no I/O): a write
+submitted before the deletes run is measured against the room they make (``disk.writes``
+NOTE 5), and a delete decided before a write of the same object does not remove its file
+(``disk.tier`` NOTE 4).
 
 Threads: ``drain`` and ``take`` run within the runtime's step on whichever thread calls it
 (LMCache's request and controller threads, the janitor); ``run`` and ``l1_delete`` are
@@ -42,6 +44,19 @@ has left L1, and an L1 delete decided under the lock, run after it, removes the 
 it was decided for. The order this leaves open needs a removal nobody here decided
 (``POST /cache/clear``) and a new commit of the same key, both between ``take`` and the
 delete: the delete would then remove the new object as an expected removal.
+
+NOTE 2 (when the core's events are drained). An event names a node part; its LMCache
+objects are read from the object map when the event is applied, so it must be applied
+while the map still holds the objects the core decided about. Every core call that
+places, evicts or loses something is followed by a drain before the object map changes:
+the runtime drains right after the ``complete`` of each STORE record
+(``HiStateRuntime._place_record``) (the next record
+may register new objects for a node this one dropped, and unplaced parts are
+unregistered right after it); ``lose`` and ``set_capacity`` here drain at the end of the
+report or queue that caused them; ``take`` drains first of all (the L1 eviction policy's
+``evict``, recovery's ``set_capacity`` and ``recover``, which change no object of the map
+before it). Observers (``observers``) see each drained batch after it is applied, with
+the objects still in the map.
 """
 
 from __future__ import annotations
@@ -55,8 +70,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.core.index import Node
-from lmcache_histate.core.tiers import KV, SNAPSHOT, PlacementListener, ServerTier
+from lmcache_histate.core.cache import PlacementEvent
+from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 from ..disk.entries import ObjectMeta
 from ..disk.tier import CapacityChanged, DiskReport, FilesLost, WriteDone
@@ -70,7 +85,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
-__all__ = ["Actions", "CoreListener", "TierActions", "take_one"]
+__all__ = ["Actions", "TierActions", "take_one"]
 
 CPU, DISK = ServerTier.CPU, ServerTier.DISK
 TIER_NAMES = {t: t.name.lower() for t in ServerTier}
@@ -102,58 +117,6 @@ class Actions:
         return bool(self.l1_delete or self.disk_delete or self.demote or self.headers)
 
 
-class CoreListener:
-    """The core's placement listener: its events become ``Actions`` and counters.
-
-    ``observers`` then see each event too, with the runtime lock held and the part's
-    objects still in the object map: a shared disk tier's ``DeploymentSync`` (added by
-    ``HiStateRuntime._drive_disk_tier``) learns there what this server holds (they must
-    not block).
-    """
-
-    def __init__(self, owner: TierActions) -> None:
-        self.owner = owner
-        self.observers: list[PlacementListener] = []
-
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        owner = self.owner
-        owner.touched.add(node.key)
-        owner.stats[f"{part}_stored.{TIER_NAMES[tier]}"] += 1
-        keys = owner.objects.keys(node.key, part)
-        if tier == DISK and keys and not set(keys) <= owner.batch:
-            owner.pending.demote.append((node.key, part, keys))
-        for observer in self.observers:
-            observer.stored(node, part, tier)
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        owner = self.owner
-        owner.touched.add(node.key)
-        owner.stats[f"{part}_evicted.{TIER_NAMES[src]}"] += 1
-        owner.stats[f"{part}_stored.{TIER_NAMES[dst]}"] += 1
-        if src == CPU and dst == DISK:
-            owner.stats[f"{part}_demoted"] += 1
-        keys = owner.objects.keys(node.key, part)
-        if dst == DISK and keys and not set(keys) <= owner.batch:
-            owner.pending.demote.append((node.key, part, keys))
-        elif dst == CPU:  # the core never promotes here; keep the objects consistent anyway
-            owner.pending.disk_delete.extend(keys)
-        for observer in self.observers:
-            observer.moved(node, part, src, dst)
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        owner = self.owner
-        owner.touched.add(node.key)
-        keys = owner.objects.keys(node.key, part)
-        for tier in (CPU, DISK):
-            if tiers & (1 << tier):
-                owner.stats[f"{part}_evicted.{TIER_NAMES[tier]}"] += 1
-                if keys:
-                    target = owner.pending.l1_delete if tier == CPU else owner.pending.disk_delete
-                    target.extend(keys)
-        for observer in self.observers:
-            observer.dropped(node, part, tiers)
-
-
 class TierActions:
     """Collects and runs the L1 / disk actions; reports losses to the core."""
 
@@ -170,7 +133,8 @@ class TierActions:
         self.objects = objects
         self.deployment = deployment
         self.stats = stats
-        self.listener = CoreListener(self)
+        # Each sees every drained batch of the core's events (NOTE 2); it must not block.
+        self.observers: list[Callable[[list[PlacementEvent]], None]] = []
         self.disk: HiStateDiskAdapter | None = None
         self.l1: Any = None
         self.pending = Actions()
@@ -182,6 +146,60 @@ class TierActions:
         self._expected_lock = threading.Lock()
         self.retry_l1: set[ObjectKey] = set()
         self._retry_lock = threading.Lock()
+
+    # ================================================================ core events
+    def drain_core(self) -> None:
+        """Apply the core's queued placement events (under the lock; NOTE 2): each becomes
+        counters, touched nodes and pending actions, as it names them (below); then the
+        observers see the batch (a shared disk tier's ``DeploymentSync`` learns there what
+        this server holds, ``HiStateRuntime._drive_disk_tier``)."""
+        core = self.model.core
+        if core is None:
+            return
+        events = core.take_events()
+        if not events:
+            return
+        for event in events:
+            match event:
+                case ("stored", nk, part, tier, _nbytes):
+                    self._stored(nk, part, tier)
+                case ("moved", nk, part, src, dst, _nbytes):
+                    self._moved(nk, part, src, dst)
+                case ("dropped", nk, part, tiers, *_):
+                    self._dropped(nk, part, tiers)
+        for observer in self.observers:
+            observer(events)
+
+    def _stored(self, nk: int, part: str, tier: int) -> None:
+        """A part placed on ``tier``: on disk, its L1 objects are written there (a
+        demotion) unless the store policy routes them there already (a commit batch)."""
+        self.touched.add(nk)
+        self.stats[f"{part}_stored.{TIER_NAMES[tier]}"] += 1
+        keys = self.objects.keys(nk, part)
+        if tier == DISK and keys and not set(keys) <= self.batch:
+            self.pending.demote.append((nk, part, keys))
+
+    def _moved(self, nk: int, part: str, src: int, dst: int) -> None:
+        self.touched.add(nk)
+        self.stats[f"{part}_evicted.{TIER_NAMES[src]}"] += 1
+        self.stats[f"{part}_stored.{TIER_NAMES[dst]}"] += 1
+        if src == CPU and dst == DISK:
+            self.stats[f"{part}_demoted"] += 1
+        keys = self.objects.keys(nk, part)
+        if dst == DISK and keys and not set(keys) <= self.batch:
+            self.pending.demote.append((nk, part, keys))
+        elif dst == CPU:  # the core never promotes here; keep the objects consistent anyway
+            self.pending.disk_delete.extend(keys)
+
+    def _dropped(self, nk: int, part: str, tiers: int) -> None:
+        self.touched.add(nk)
+        keys = self.objects.keys(nk, part)
+        for tier in (CPU, DISK):
+            if tiers & (1 << tier):
+                self.stats[f"{part}_evicted.{TIER_NAMES[tier]}"] += 1
+                if keys:
+                    target = self.pending.l1_delete if tier == CPU else self.pending.disk_delete
+                    target.extend(keys)
 
     # ================================================================ collecting
     @contextmanager
@@ -201,7 +219,9 @@ class TierActions:
         anywhere. Usually their deletion is already queued by the core's ``dropped``
         events; this also catches parts made of several objects (tensor-parallel shards) of
         which one was lost: the others are useless alone. Deleting what is gone is a no-op.
+        The core's events still queued are applied first (NOTE 2).
         """
+        self.drain_core()
         touched, self.touched = self.touched, set()
         objects = self.objects
         for nk in touched:
@@ -263,6 +283,7 @@ class TierActions:
             self._lose_on_disk(report.keys, "lost.disk")
         elif isinstance(report, CapacityChanged):
             self.model.resize_disk(report.capacity_bytes, self.clock())
+        self.drain_core()  # the losses' and the resize's events (NOTE 2)
 
     def _lose_on_disk(self, keys: list[ObjectKey], counter: str) -> None:
         """Tell the core the disk copies of ``keys``' parts are gone (under the lock)."""
@@ -304,6 +325,7 @@ class TierActions:
                     self.stats[f"{where[1]}_lost.cpu"] += 1
                     core.lose(where[0], where[1], CPU)
                     self.touched.add(where[0])
+        self.drain_core()  # the losses' events (NOTE 2)
 
     def leave_l1(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk (the store controller's, or a delete a reader's lock

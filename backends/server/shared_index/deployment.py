@@ -25,7 +25,7 @@ LOOKUP's or a STORE's path), in one pipeline (``SharedIndex.sync``):
   values read stay in effect and samples queue (bounded, ``MAX_QUEUED``).
 
 Interior KV of the disk tier (a KV chunk with snapshots below it) leaves the disk with no
-unit: the core drops it only after every unit below it (``units.unit_nodes``). It is
+unit: the core drops it only after every unit below it (``rank.unit_nodes``). It is
 published with ``C/M = PROTECTED_RATIO`` (``ln`` = 20.7: it goes after any unit unless it
 is more than 20.7 re-access scales older), and re-published as soon as the units below
 it left and it became a tail.
@@ -34,9 +34,9 @@ NOTE 1 (what counts as changed): ``H`` moves with ``ln(C/M)`` and with ``t``; a 
 whose ``C/M`` moved by less than 1 % (``ln`` by 0.01, i.e. 0.01·τ seconds of ``H``) and
 whose last access did not move is not sent again.
 
-State owned here (callers hold the runtime lock for ``collect`` / ``apply`` / the listener
-events; ``sync`` runs outside it): the last published value per object id, the sweep in
-progress, the queued samples and session starts.
+State owned here (callers hold the runtime lock for ``collect`` / ``apply`` / ``placed``;
+``sync`` runs outside it): the last published value per object id, the sweep in progress,
+the queued samples and session starts.
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.core.score import MIN_RATIO
+from lmcache_histate.core.rank import MIN_RATIO
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import ObjectKey
 
-    from lmcache_histate.core.cache import HiStateCache
-    from lmcache_histate.core.index import Node
+    from lmcache_histate.core.cache import HiStateCache, PlacementEvent
 
     from .index import SharedIndex
 
@@ -104,24 +103,22 @@ class DeploymentSync:
         self.stats: dict[str, int] = {"published": 0, "samples": 0, "sessions": 0,
                                       "syncs": 0}
 
-    # ------------------------------------------------- placement listener (observer)
-    def stored(self, node: Node, part: str, tier: int) -> None:
-        self._touched.add(node.key)
-
-    def moved(self, node: Node, part: str, src: int, dst: int) -> None:
-        self._touched.add(node.key)
-
-    def dropped(self, node: Node, part: str, tiers: int) -> None:
-        """A part left ``tiers``; leaving every tier but the disk is a residence sample."""
-        self._touched.add(node.key)
-        if part == KV:
-            held, since, name = node.kv_tiers, node.kv_since, "kv"
-        else:
-            held, since, name = node.snap_tiers, node.snap_since, "state"
-        if tiers & (1 << DISK):
-            self._withdrawn.update(self._id_of(key) for key in self._keys_of(node.key, part))
-        elif tiers == held and len(self._samples) < MAX_QUEUED:
-            self._samples.append((name, max(0.0, self._clock() - since)))
+    # ------------------------------------------------- placement events (observer)
+    def placed(self, events: Iterable[PlacementEvent]) -> None:
+        """The core's placement events, as the runtime drains them (``TierActions``
+        NOTE 2: the parts' objects are still in the object map). Every event touches its
+        node; a part that left the disk is withdrawn, one that left every tier but the
+        disk is a residence sample."""
+        for event in events:
+            self._touched.add(event[1])
+            if event[0] != "dropped":
+                continue
+            _, nk, part, tiers, _nbytes, held, since, _access, _alone = event
+            if tiers & (1 << DISK):
+                self._withdrawn.update(self._id_of(key) for key in self._keys_of(nk, part))
+            elif tiers == held and len(self._samples) < MAX_QUEUED:
+                name = "kv" if part == KV else "state"
+                self._samples.append((name, max(0.0, self._clock() - since)))
 
     # ------------------------------------------------------------- requests
     def began(self, sid: str, chain: Iterable[int] = ()) -> None:

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...core.cache_types import config_default
+from ...core.cache import config_default
 from ...core.interval import supported_intervals
 from ..capture import ENGINE_STEP_TOKENS
 from ..policy import Policy

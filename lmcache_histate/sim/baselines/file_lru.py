@@ -1,7 +1,7 @@
 """``file-lru``: the paper's "file-level LRU" ablation, faithfully — objects, not units.
 
 HiState's eviction ranks *units* (a session's final bundle, an intermediate snapshot
-with the KV segment above it; ``core.units``) by ``H``. The paper's ablation replaces
+with the KV segment above it; ``core.rank``) by ``H``. The paper's ablation replaces
 that with what a file cache does: every KV chunk and every snapshot file is an
 independent LRU object. Everything else stays HiState's, so the row isolates eviction:
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.cache_types import config_default
+from ...core.cache import config_default
 from ...core.index import Node, PrefixIndex
 from ...core.interval import IntervalController, ResidenceTracker, supported_intervals
 from ..capture import Capture

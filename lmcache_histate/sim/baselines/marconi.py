@@ -7,7 +7,7 @@ What is modelled (docs/design.md §6) and how it maps onto ``core.index.PrefixIn
   single ``gpu`` tier, a state bit per chunk end) and treat as a *Marconi node* every
   chunk that ends such a run: a chunk holding a state, a branch point (≥ 2 KV
   children) or a KV leaf. Its *edge* is the run above it up to the previous Marconi
-  node, exactly ``core.units.tail_chain``. Token runs are quantised to chunks (vLLM
+  node, exactly ``core.rank.tail_chain``. Token runs are quantised to chunks (vLLM
   blocks), like every other row.
 * **Admission (≤ 2 states per request).** The state at the sequence end (the prompt's
   last full chunk: traces hash prompt chunks only, as for every row) and, via
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...core.index import Match, Node, PrefixIndex
-from ...core.units import tail_chain
+from ...core.rank import tail_chain
 
 __all__ = ["DEFAULT_FLOPS", "FlopModel", "MarconiCache", "MarconiHandle"]
 

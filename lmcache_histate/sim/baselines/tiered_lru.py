@@ -62,7 +62,7 @@ from typing import Any
 
 from ...core.heap import IndexedHeap
 from ...core.index import Match, Node, PrefixIndex
-from ...core.units import tail_chain
+from ...core.rank import tail_chain
 
 __all__ = ["KV", "STATE", "PoolSpec", "TieredLRU", "UseHandle"]
 
