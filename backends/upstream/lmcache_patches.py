@@ -5,7 +5,7 @@ idempotent) and is called from one entry point, never at import time:
 
 * :func:`route_l1_eviction_policy` -- gap: LMCache 0.5.6 has no registry for L1 eviction
   policies (``eviction_policy/factory.py: CreateEvictionPolicy`` is an if/elif over four
-  names, also hard-coded in the CLI's ``choices``). Called by ``policies.install`` from the
+  names, also hard-coded in the CLI's ``choices``). Called by ``plugins.install`` from the
   launcher, before LMCache builds its storage manager.
 * :func:`install_strided_fallback_kernel` -- bug: the pure-torch fallback copy kernel
   rejects vLLM's padded, non-tight per-block strides. Called by the CPU server module's
