@@ -4,7 +4,7 @@ The two ends run in different processes (vLLM's engine, ``lmcache server``) and 
 nothing from each other; what one sends and the other reads is named here once.
 
 * ``STATUS_METHOD`` / ``PLAN_METHOD``: the server module's extension RPCs
-  (``server_module_call``), answered by ``backends/server/server_module.py`` and called by
+  (``server_module_call``), answered by ``backends/server/plugins.py`` and called by
   ``backends/vllm/plan_client.py``.
 * ``RESUMED_CONFIG``: a request config (LMCache carries ``request_configs`` with every
   lookup, store and retrieve key of a request, outside the cache identity: lmcache 0.5.6

@@ -22,8 +22,9 @@
 4. With ``policy: histate``: builds the HiState runtime and hands it to LMCache bound into
    the ``histate`` store policy (LMCache validates ``--l2-store-policy`` against its
    registry when the CLI parser is built, so this must happen first, in this process) and
-   the L1 eviction hook (``policies.install``: LMCache 0.5.6 has no L1 eviction-policy
-   registry); the server module finds it there and attaches the disk tier to it. With
+   the L1 eviction hook (``plugins.install``: LMCache 0.5.6 has no L1 eviction-policy
+   registry) and onto LMCache's HTTP app's state, where the server module finds it
+   (``plugins`` NOTE 2) and attaches the disk tier to it. With
    ``auth_token_file`` it guards the HTTP API (``access``); it always installs the
    shared-memory release on engine close (``upstream.install_shm_release``, an lmcache
    0.5.6 leak). Then
@@ -61,7 +62,7 @@ from .access_flags import (
 __all__ = ["kv_transfer_config", "main", "resolve_engine_layout", "server_argv", "vllm_flags"]
 
 CPU_SERVER_MODULE = "lmcache_histate.backends.server.cpu_server_module"
-HISTATE_SERVER_MODULE = "lmcache_histate.backends.server.server_module"
+HISTATE_SERVER_MODULE = "lmcache_histate.backends.server.plugins"
 DISK_ADAPTER_MODULE = "lmcache_histate.backends.server.disk.tier"
 SHARED_ADAPTER_MODULE = "lmcache_histate.backends.server.shared_tier.tier"
 
@@ -363,12 +364,12 @@ def run(cfg: HiStateConfig, lmcache_args: list[str], bindings: dict[str, str]) -
     if cfg.policy == "histate":
         from lmcache.v1.multiprocess.http_server import app
 
-        from . import policies
+        from . import plugins
         from .routing_api import install_routing_api
         from .runtime.runtime import HiStateRuntime
 
         runtime = HiStateRuntime(cfg)
-        l1_policy = policies.install(runtime)
+        l1_policy = plugins.install(runtime, app)
         install_routing_api(app, runtime)
     try:
         confirm_with_lmcache(lmcache_args, bindings)

@@ -292,7 +292,7 @@ def register_metrics(runtime: HiStateRuntime) -> None:
 
 
 def register_disk_metrics(disk: Any) -> None:
-    """The disk tier's write-behind gauges (``disk/backlog.py``), for every policy; call
+    """The disk tier's write-behind gauges (``disk.tier`` NOTE 10), for every policy; call
     once per process (from the server module's factory):
 
     * ``histate_disk_write_lag_seconds``: age of the oldest accepted, unfinished write,

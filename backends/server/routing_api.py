@@ -19,7 +19,7 @@ so it does not tell nodes apart and is not part of the answer.
 
 The answer is computed under the runtime lock from the core's index (no I/O, no
 Redis); the work is one hash per chunk of the prompt, bounded by ``max_model_tokens``
-like every HiState request (``server_module`` NOTE 1). The route is installed on LMCache's
+like every HiState request (``plugins`` NOTE 1). The route is installed on LMCache's
 FastAPI app before the server starts (``launcher.run``), so ``access``'s body limit and,
 with ``auth_token_file``, its bearer guard cover it.
 """

@@ -6,7 +6,8 @@ idempotent) and is called from one entry point, never at import time:
 * :func:`route_l1_eviction_policy` -- gap: LMCache 0.5.6 has no registry for L1 eviction
   policies (``eviction_policy/factory.py: CreateEvictionPolicy`` is an if/elif over four
   names, also hard-coded in the CLI's ``choices``). Entered by the launcher around
-  ``lmcache server``'s run, with the factory ``policies.install`` bound to its runtime.
+  ``lmcache server``'s run, with the factory ``plugins.install`` returns bound to its
+  runtime.
 * :func:`install_strided_fallback_kernel` -- bug: the pure-torch fallback copy kernel
   rejects vLLM's padded, non-tight per-block strides. Called by the CPU server module's
   factory (``cpu_server_module.build_server_modules``) in the server process.

@@ -115,7 +115,7 @@ def test_round_trip_files_and_accounting(tmp_path: Path) -> None:
 
 
 def test_a_delete_before_its_write_starts_cancels_it(tmp_path: Path) -> None:
-    """writes NOTE 4: the one I/O thread is held, so the store waits in the pool's queue
+    """tier NOTE 8: the one I/O thread is held, so the store waits in the pool's queue
     when the delete of one of its keys arrives; that key must never reach the disk (no
     orphan file outside the index), the other must, and a store submitted after the delete
     is written."""
@@ -148,11 +148,11 @@ class Clock:
 
 
 def test_the_write_behind_lag_is_reported_and_bounded(tmp_path: Path) -> None:
-    """backlog: with the one I/O thread held, an accepted write waits and its age is the
+    """tier NOTE 10: with the one I/O thread held, an accepted write waits and its age is the
     reported lag; once it has waited over the bound (10 s, an injected clock) a new write
     is refused at once: its store task completes failed, its keys counted
     not_persisted_backlog; the held write, released, is written."""
-    from lmcache_histate.backends.server.disk.backlog import WriteBacklog
+    from lmcache_histate.backends.server.disk.tier import WriteBacklog
 
     a = adapter(tmp_path, disk_io_workers=1)
     clock = Clock()
@@ -179,7 +179,7 @@ def test_the_write_behind_lag_is_reported_and_bounded(tmp_path: Path) -> None:
 
 
 def test_a_decided_delete_makes_room_before_it_runs(tmp_path: Path) -> None:
-    """writes NOTE 5: room for two 3,000-byte objects (each file 3,087 bytes with its
+    """tier NOTE 9: room for two 3,000-byte objects (each file 3,087 bytes with its
     87-byte header; 7,000 bytes hold two, not three). A reader holds key 1 when its
     delete is decided: from the mark on it is no hit and its bytes no longer count, so a
     write of key 3 is stored although key 1's file stays until the unlock. The same holds
@@ -474,7 +474,7 @@ def tier_log() -> Iterator[list[str]]:
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("lmcache_histate.backends.server.disk.writes")
+    log = logging.getLogger("lmcache_histate.backends.server.disk.tier")
     log.addHandler(handler)
     try:
         yield lines
@@ -517,7 +517,7 @@ def test_every_write_task_completes_and_each_cause_is_logged_once(
         assert a.stats["not_persisted_bad_key"] == 2
         status = a.report_status()
         assert status["writes_in_flight"] == 0 and status["files"] == 1
-        assert a.writer.reserved == 0
+        assert status["bytes_in_flight"] == 0
         assert [line for line in tier_log if "bad_key" in line] == [tier_log[0]]
         assert len(tier_log) == 1
         # A buffer that is not one: the demotion path reports it failed, nothing escapes.

@@ -448,7 +448,7 @@ def test_a_plan_request_with_the_engines_step_price_moves_the_plan(rt: Any) -> N
     grid and price; σ = 0 unprices it again. ``/status`` reports what the plans use; a bad
     price is refused, naming the key, and changes nothing."""
     from lmcache_histate.backends.server.access import RpcRefused
-    from lmcache_histate.backends.server.server_module import HiStateServerModule
+    from lmcache_histate.backends.server.plugins import HiStateServerModule
 
     module = HiStateServerModule(rt.ctx, rt)
     rt.on_lookup(ipc(toks(2, 7), 0, 2 * CHUNK, "r"))  # the core is made at its first lookup

@@ -2,7 +2,7 @@
 
 ``file_format.write_object(direct=True)`` streams header + payload through an aligned bounce
 buffer, writes the header block last and cuts the padding with ftruncate
-(backends/server/disk/direct_write.py).
+(``disk.file_format`` NOTE 2).
 Each size below sits on one of its edges; the file must be byte-identical to the buffered
 write's, its size header + payload, and it must load back.
 """

@@ -211,7 +211,7 @@ def store_prompt(runtime: HiStateRuntime, disk: HiStateDiskAdapter, p: int,
 def test_a_write_gets_the_room_its_eviction_made_while_a_reader_holds_the_victim(
     tmp_path: Path,
 ) -> None:
-    """``disk.writes`` NOTE 5: a 16,000-byte disk tier. The core counts 16,000 - 13 x 175
+    """``disk.tier`` NOTE 9: a 16,000-byte disk tier. The core counts 16,000 - 13 x 175
     = 13,725 payload bytes there (``payload_capacity``: 175 = a 111-byte header + 64 per
     1,024-byte KV chunk that could fit): three 4,096-byte snapshots; their files take
     4,207 bytes each, so the tier holds three and refuses a fourth (16,828 > 16,000).

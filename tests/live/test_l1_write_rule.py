@@ -5,7 +5,7 @@ the object it was decided for only if no new object of the same key can be commi
 while the old one is resident. LMCache's ``L1Manager`` guarantees that: a key with a
 resident object cannot be staged (``KEY_NOT_WRITABLE``), and a staged copy whose key
 became resident meanwhile is discarded by ``finish_write`` without a commit event, the
-event HiState places commits from (``runtime.CommitListener``). A real ``L1Manager`` on a
+event HiState places commits from (``plugins.CommitListener``). A real ``L1Manager`` on a
 1 MiB CPU pool, no server.
 """
 

@@ -29,7 +29,7 @@ def key(request: str, start: int, end: int, worker: int | None = 0, resumed: boo
 
 
 def test_a_resumed_request_is_counted_apart_from_first_loads() -> None:
-    from lmcache_histate.backends.server.server_module import LoadCounter
+    from lmcache_histate.backends.server.plugins import LoadCounter
 
     stats: Counter = Counter()
     count = LoadCounter(stats)
@@ -42,7 +42,7 @@ def test_a_resumed_request_is_counted_apart_from_first_loads() -> None:
 
 
 def test_a_malformed_key_is_an_error_count_not_an_exception() -> None:
-    from lmcache_histate.backends.server.server_module import LoadCounter
+    from lmcache_histate.backends.server.plugins import LoadCounter
 
     stats: Counter = Counter()
     LoadCounter(stats)(object(), 1, [[0]], b"")

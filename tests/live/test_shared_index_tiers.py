@@ -3,7 +3,7 @@ part of a server that reads, writes and deletes the shared folder) against a rea
 redis-server: a degraded server writes within its share of the budget; a server killed
 (SIGKILL, a real process) while it holds load leases blocks nothing past the lease TTL; a
 write that fails gives its reservation back at once; a server whose files another server
-evicted still writes what the deployment reserved for it (writes NOTE 3).
+evicted still writes what the deployment reserved for it (``disk.tier`` NOTE 7).
 
 Every object here has a 1,000-byte payload and the same key shape, so every file has the
 same size ``F`` (header + 1,000 B); budgets are counted in ``F``.

@@ -98,16 +98,15 @@ def test_l1_routing_reaches_the_l1_controller_only(monkeypatch: pytest.MonkeyPat
         assert module.L1EvictionController(L1Manager(), config)._eviction_policy is not ours
     # No stack-frame introspection anywhere in the patches or the policies.
     backends = Path(lmcache_patches.__file__).resolve().parents[1]
-    for path in [*backends.glob("upstream/*.py"), backends / "server" / "policies.py"]:
+    for path in [*backends.glob("upstream/*.py"), backends / "server" / "plugins.py"]:
         assert "_getframe" not in path.read_text(), path
 
 
 def test_importing_the_backends_patches_nothing() -> None:
     code = """
 import lmcache_histate.backends.vllm.connector, lmcache_histate.backends.server.launcher
-import lmcache_histate.backends.server.policies, lmcache_histate.backends.vllm.cpu_support
+import lmcache_histate.backends.server.plugins, lmcache_histate.backends.vllm.cpu_support
 import lmcache_histate.backends.server.cpu_server_module
-import lmcache_histate.backends.server.server_module
 import lmcache_histate.backends.upstream
 from lmcache.v1.distributed.storage_controllers import eviction_controller
 from lmcache.v1.platform.devices.cpu import cache_context, shm

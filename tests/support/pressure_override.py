@@ -30,7 +30,7 @@ from lmcache.v1.multiprocess.ext_server_module import (
     ExtServerModuleBuildContext,
     server_module_handler,
 )
-from lmcache_histate.backends.server.policies import runtime_of
+from lmcache_histate.backends.server.plugins import runtime_of
 
 __all__ = ["PressureOverrideModule", "build_server_modules"]
 
@@ -58,7 +58,9 @@ class PressureOverrideModule:
         factor = request.get("factor")
         if factor is None or not float(factor) > 0:
             raise ValueError(f"factor must be a positive number, got {factor}")
-        runtime = runtime_of(self._ctx)
+        from lmcache.v1.multiprocess.http_server import app
+
+        runtime = runtime_of(app)
         if runtime is None:
             raise RuntimeError("no HiState runtime in this server")
         with runtime.step():

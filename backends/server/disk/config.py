@@ -27,7 +27,7 @@ class HiStateDiskAdapterConfig(L2AdapterConfigBase):
     ``path``: the folder (created); ``capacity_bytes`` (> 0): hard limit on the sum of file
     sizes, ``disk_gib`` in whole bytes as the server counts it; ``io_workers``: threads;
     ``fsync``: each file before it is renamed into place; ``direct_io``: O_DIRECT writes
-    where the filesystem allows them (``direct_write``); ``adopt``: use a non-empty folder
+    where the filesystem allows them (``file_format`` NOTE 2); ``adopt``: use a non-empty folder
     that has no tier marker (``folder``); ``shared_index``: the folder is shared by the
     servers of a deployment through Redis (``shared_link``), in the namespace of ``model``.
     """

@@ -1,23 +1,23 @@
 """The HiState runtime: the pure policy core driven by what an ``lmcache server`` sees.
 
 One ``HiStateRuntime`` lives in the server process. The launcher builds it and hands it to
-LMCache once, bound into the two policy factories LMCache calls: the store policy's,
-registered (``policies.install``), and the L1 eviction policy's, bound for the server's
-run (``upstream.route_l1_eviction_policy``); every other part reaches it through what
-LMCache built, never through a module global:
+LMCache once, bound into the two policy factories LMCache calls and onto the HTTP app's
+state (``plugins.install``): the store policy's, registered, and the L1 eviction
+policy's, bound for the server's run (``upstream.route_l1_eviction_policy``); every other
+part reaches it through what LMCache built, never through a module global:
 
-* the server module (``server_module.py``) finds it as the store policy of the server
-  context's storage manager (``policies.runtime_of``), hands it the context
-  (``attach_server``, which also attaches the HiState disk tier found among the storage
-  manager's L2 adapters) and reports each LOOKUP (refresh-all, pins, hit counters), STORE
-  (the request's ordered chunk-hash chain: positions and parents of the objects about to be
+* the server module (``plugins.build_server_modules``) takes it from the app's state
+  (``plugins.runtime_of``, plugins NOTE 2), hands it the context (``attach_server``,
+  which also attaches the HiState disk tier found among the storage manager's L2
+  adapters) and reports each LOOKUP (refresh-all, pins, hit counters), STORE (the
+  request's ordered chunk-hash chain: positions and parents of the objects about to be
   committed) and END_SESSION;
 * LMCache's L1 manager tells it of every object committed to L1 the moment the write
-  finishes (``CommitListener``, registered by ``attach_server``); the store policy
-  (``policies.HiStateStorePolicy``) hands the same objects over later, from the store
+  finishes (``plugins.CommitListener``, registered by ``attach_server``); the store policy
+  (``plugins.HiStateStorePolicy``) hands the same objects over later, from the store
   controller's thread, and asks where they go (NOTE 3); after a disk write it asks which
   may leave L1;
-* the L1 eviction policy (``policies.HiStateL1EvictionPolicy``) reports L1 removals and
+* the L1 eviction policy (``plugins.HiStateL1EvictionPolicy``) reports L1 removals and
   asks for victims when LMCache's eviction loop finds L1 above its watermark;
 * the disk tier (``disk.tier.HiStateDiskAdapter``) is told the header of every write the
   runtime decides (``TierActions.run``, before the write is submitted) and queues what
@@ -150,7 +150,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_histate.runtime")
 
-__all__ = ["SESSION_HINT", "CommitListener", "HiStateRuntime", "RequestState"]
+__all__ = ["SESSION_HINT", "HiStateRuntime", "RequestState"]
 
 # How long a hand-off waits for ``CommitListener`` to queue its keys (NOTE 3): the callback
 # is one call away under the same L1 lock, so it is microseconds unless the host stalls.
@@ -242,9 +242,10 @@ class HiStateRuntime:
         disk = self.actions.disk
         return None if disk is None else disk.shared
 
-    def attach_server(self, ctx: Any) -> None:
+    def attach_server(self, ctx: Any, commits: L1ManagerListener | None = None) -> None:
         """Called by the server module once the server context exists; ``start_janitor``
-        then runs ``tick`` in the background."""
+        then runs ``tick`` in the background. ``commits``: the listener that queues each
+        L1 commit (``plugins.CommitListener``, NOTE 3), registered once on the L1 manager."""
         self.ctx = ctx
         sm = ctx.storage_manager
         # LMCache 0.5.6 exposes no public per-key L1 delete/read-lock API on the storage
@@ -254,8 +255,9 @@ class HiStateRuntime:
         if l1 is None or not callable(getattr(l1, "delete", None)):
             raise RuntimeError("HiState needs LMCache's single-L1 storage manager (0.5.6)")
         self.actions.l1 = l1
-        if not self._listening and callable(getattr(l1, "register_listener", None)):
-            l1.register_listener(CommitListener(self))  # NOTE 3
+        if commits is not None and not self._listening and callable(
+                getattr(l1, "register_listener", None)):
+            l1.register_listener(commits)  # NOTE 3
             self._listening = True
         # NOTE 2: the disk tier LMCache built from ``--l2-adapter``, among its L2 adapters.
         disks = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
@@ -714,36 +716,6 @@ class HiStateRuntime:
         # /status janitor_ticks: the background thread is alive (a stalled count is a
         # janitor stuck on the lock or on I/O).
         self.stats["janitor_ticks"] += 1
-
-
-class CommitListener(L1ManagerListener):
-    """Hears LMCache's L1 manager: the keys of each finished write reach the runtime's
-    commit queue (NOTE 3). Every callback runs under LMCache's L1 lock; the others are
-    other parts' business (removals reach the runtime through the L1 eviction policy)."""
-
-    def __init__(self, runtime: HiStateRuntime) -> None:
-        self.runtime = runtime
-
-    def on_l1_keys_write_finished(self, keys: list[ObjectKey]) -> None:
-        self.runtime.on_l1_committed(keys)
-
-    def on_l1_keys_reserved_read(self, keys: list[ObjectKey]) -> None:
-        return None
-
-    def on_l1_keys_read_finished(self, keys: list[ObjectKey]) -> None:
-        return None
-
-    def on_l1_keys_reserved_write(self, keys: list[ObjectKey]) -> None:
-        return None
-
-    def on_l1_keys_finish_write_and_reserve_read(self, keys: list[ObjectKey]) -> None:
-        return None  # a prefetch from disk: no commit
-
-    def on_l1_keys_deleted_by_manager(self, keys: list[ObjectKey]) -> None:
-        return None
-
-    def on_l1_keys_accessed(self, keys: list[ObjectKey]) -> None:
-        return None
 
 
 def _chain_hashes(ctx: Any, token_ids: Sequence[int], end: int) -> list[bytes]:

@@ -19,8 +19,8 @@ Nothing here takes the runtime lock. Running hands the disk tier the headers bef
 submits the writes, so the tier's I/O threads never read runtime state (``disk.tier`` NOTE
 2), and they never call into it either: they only queue. Taking tells the tier the disk
 deletes and writes decided, still under the lock (a bookkeeping call, no I/O): a write
-submitted before the deletes run is measured against the room they make (``disk.writes``
-NOTE 5), and a delete decided before a write of the same object does not remove its file
+submitted before the deletes run is measured against the room they make (``disk.tier``
+NOTE 9), and a delete decided before a write of the same object does not remove its file
 (``disk.tier`` NOTE 4).
 
 Threads: ``drain`` and ``take`` run within the runtime's step on whichever thread calls it
@@ -234,8 +234,8 @@ class TierActions:
             self.expect_writes(keys)
         if self.disk is not None and (self.pending.disk_delete or self.pending.headers):
             # Before the lock is released, in its order: a write the store controller
-            # submits once it is must already see these files as leaving (``disk.writes``
-            # NOTE 5), and a delete decided before a write of the same object must not
+            # submits once it is must already see these files as leaving (``disk.tier``
+            # NOTE 9), and a delete decided before a write of the same object must not
             # run (``disk.tier`` NOTE 4). What the core holds on disk now decides.
             on_disk = 1 << DISK
             self.pending.disk_delete = [k for k in dict.fromkeys(self.pending.disk_delete)

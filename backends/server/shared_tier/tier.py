@@ -37,7 +37,7 @@ reconcile (entries whose value is gone — a master restarted empty — are forg
 their bytes freed; claims and reservations of dead nodes expire) so the budget matches
 what the cluster holds.
 
-NOTE 3 (what goes here) is the store policy's: ``policies.HiStateStorePolicy`` sends the
+NOTE 3 (what goes here) is the store policy's: ``plugins.HiStateStorePolicy`` sends the
 shared tier every snapshot the core writes to disk (intermediate ones and the durable
 copy of each session's final one) and every KV chunk the core keeps: what another node
 needs to resume a session at its snapshots. Headers (kind, depth, parent, the core's
