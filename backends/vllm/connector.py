@@ -13,7 +13,7 @@ connector shipped in ``lmcache.integration.vllm`` when importable), so everythin
 mode does -- lookups, async loads, stores of every chunk's attention KV, hybrid object groups --
 is unchanged. What it adds:
 
-* **Interval-driven saves** (scheduler side, every platform; ``interval_saves``): per request,
+* **Interval-driven saves** (scheduler side, every platform; ``saves``): per request,
   the recurrent state is stored only at the chunk boundaries HiState's interval controller
   chose for the request's new segment, plus the segment's final boundary; attention KV is
   stored for every chunk. The plan comes from the LMCache server (``histate.plan`` server-module
@@ -30,7 +30,7 @@ is unchanged. What it adds:
   ``prefix_cache_retention_interval`` and a step at each planned boundary's end: HiState's
   scheduler (``step_scheduler``: it asks :meth:`HiStateConnector.planned_step_end`) at any
   budget of at least one block, or vLLM's own with steps of one block (checked at start:
-  ``interval_saves.check_vllm_settings``). Extra config keys:
+  ``connector_config.check_vllm_settings``). Extra config keys:
   ``histate.interval_saves`` (default true; false = stock LMCache saves),
   ``histate.plan_timeout_s`` (default 5), ``histate.step_price`` (default ``"measured"``: the
   step scheduler's measured price of a step end goes with each plan; a number: that fixed
@@ -53,7 +53,7 @@ scheduler polled it forever (LMCache logging ``<resume-load> ... load=0`` each s
 NOTE 2 (when a store has its data): the worker submits a step's STOREs in ``wait_for_save``;
 LMCache keeps one future per request, the latest. The worker records each new future with
 the scheduler step that planned its store and reports, per request, the oldest step whose
-store is still in flight (``store_progress``: ``StoreSteps``, ``StoreReport``, through
+store is still in flight (``saves``: ``StoreSteps``, ``StoreReport``, through
 vLLM's ``kv_connector_worker_meta``); pins of stores planned before it are released. So a
 pin lives about as long as one store, not as long as the request's prefill.
 
@@ -127,21 +127,24 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.backends.log_routing import route_logs
 from lmcache_histate.backends.vllm import cpu_support
-from lmcache_histate.backends.vllm.interval_saves import (
-    LocalPlanner,
-    RequestSaves,
+from lmcache_histate.backends.vllm.connector_config import (
     SettingsError,
     check_server_geometry,
     check_vllm_settings,
     configured_step_price,
+)
+from lmcache_histate.backends.vllm.plan_client import PendingPlan, PlanClient
+from lmcache_histate.backends.vllm.saves import (
+    LocalPlanner,
+    RequestSaves,
+    StoreReport,
+    StoreSteps,
     planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
 )
-from lmcache_histate.backends.vllm.plan_client import PendingPlan, PlanClient
 from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
 from lmcache_histate.backends.vllm.step_scheduler import is_step_scheduler
-from lmcache_histate.backends.vllm.store_progress import StoreReport, StoreSteps
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
@@ -418,8 +421,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
 
     def set_step_price(self, sigma: float) -> None:
         """The engine's measured step price ``σ`` (tokens of prefill per step end; the step
-        scheduler fits it, ``step_price``): sent with the plan requests from now on,
-        unless ``histate.step_price`` fixed the price."""
+        scheduler fits it, ``step_scheduler.StepPriceFit``): sent with the plan requests
+        from now on, unless ``histate.step_price`` fixed the price."""
         if self._saves_active and self._fixed_step_price is None:
             self._plans.step_price = sigma
 
@@ -489,7 +492,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         op = request_meta.op
         if saves is None or saves.plan is None:
             return
-        new_ids, kept, dropped, missing = rewrite_store_block_ids(
+        rewrite = rewrite_store_block_ids(
             op.block_ids,
             start=op.start,
             end=op.end,
@@ -499,13 +502,14 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             keep=saves.plan,
             offered=saves.offered,
         )
-        op.block_ids = new_ids
-        self._unpin(saves.planned(kept, op.end, self._step))
-        saves.kept += kept
-        saves.dropped += dropped
-        saves.missing += missing
-        self._count("states_kept", len(kept))
-        self._count("states_dropped", dropped)
+        op.block_ids = rewrite.block_ids
+        self._unpin(saves.planned(rewrite.kept, op.end, self._step))
+        saves.kept += rewrite.kept
+        saves.dropped += rewrite.dropped
+        saves.missing += rewrite.missing
+        missing = rewrite.missing
+        self._count("states_kept", len(rewrite.kept))
+        self._count("states_dropped", rewrite.dropped)
         if missing:
             self._count("states_missing", len(missing))
             logger.warning(

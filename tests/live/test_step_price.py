@@ -1,4 +1,4 @@
-"""The step-price fit the step scheduler feeds (``backends/vllm/step_price.py``).
+"""The step-price fit the step scheduler feeds (``step_scheduler.StepPriceFit``).
 
 Pure: the steps are fed with the clock values a scheduler would read, no engine. Every
 expected value is derived by hand in the test's docstring.
@@ -7,7 +7,7 @@ expected value is derived by hand in the test's docstring.
 from __future__ import annotations
 
 import pytest
-from lmcache_histate.backends.vllm.step_price import StepPriceFit
+from lmcache_histate.backends.vllm.step_scheduler import StepPriceFit
 
 
 def run(fit: StepPriceFit, steps: list[tuple[int, float]], start: float = 0.0) -> float:

