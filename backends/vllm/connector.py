@@ -30,11 +30,14 @@ is unchanged. What it adds:
   ``prefix_cache_retention_interval`` and a step at each planned boundary's end: HiState's
   scheduler (``step_scheduler``: it asks :meth:`HiStateConnector.planned_step_end`) at any
   budget of at least one block, or vLLM's own with steps of one block (checked at start:
-  ``connector_config.check_vllm_settings``). Extra config keys:
+  ``connector_config.check_vllm_settings``). The connector's keys of
+  ``kv_connector_extra_config`` are read once, at construction, into a
+  ``connector_config.ConnectorConfig`` (validated there, every bad key named):
   ``histate.interval_saves`` (default true; false = stock LMCache saves),
   ``histate.plan_timeout_s`` (default 5), ``histate.step_price`` (default ``"measured"``: the
   step scheduler's measured price of a step end goes with each plan; a number: that fixed
-  price in tokens, 0 = unpriced).
+  price in tokens, 0 = unpriced), ``histate.stall_polls`` (default 2000, NOTE 3),
+  ``histate.auth_token_file``.
 * **CPU support** (CPU platform only; see ``cpu_support`` and docs/vllm-cpu.md): the
   lmcache-driven transfer mode by default (``lmcache.mp.mp_transfer_mode``: LMCache's CPU
   default is the engine-driven path, which rejects more than one KV group, i.e. every hybrid
@@ -128,10 +131,11 @@ from typing import TYPE_CHECKING, Any
 from lmcache_histate.backends.log_routing import route_logs
 from lmcache_histate.backends.vllm import cpu_support
 from lmcache_histate.backends.vllm.connector_config import (
+    INTERVAL_SAVES_KEY,
+    ConnectorConfig,
     SettingsError,
     check_server_geometry,
     check_vllm_settings,
-    configured_step_price,
 )
 from lmcache_histate.backends.vllm.plan_client import PendingPlan, PlanClient
 from lmcache_histate.backends.vllm.saves import (
@@ -171,14 +175,7 @@ __all__ = ["HiStateConnector"]
 logger = logging.getLogger(__name__)
 
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
-INTERVAL_SAVES_KEY = "histate.interval_saves"
-PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
-AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
-"""The server's shared-secret file (the launcher prints its path, never the secret)."""
 REPORT_PARAM = "histate_saves"
-STALL_POLLS_KEY = "histate.stall_polls"
-STEP_PRICE_KEY = "histate.step_price"
-"""``"measured"`` (default) or a fixed step price in tokens (``configured_step_price``)."""
 STEP_ATTR = "histate_step"
 """Attribute carrying the scheduler step on the connector metadata sent to the worker."""
 
@@ -188,12 +185,6 @@ LMCACHE_CONNECTOR_LOGGER = "lmcache.integration.vllm.lmcache_mp_connector"
 
 def role_is_scheduler(role: Any) -> bool:
     return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
-
-
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
 
 
 class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
@@ -211,6 +202,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         extra: dict[str, Any] = {}
         if vllm_config.kv_transfer_config is not None:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        config = self._histate_config = ConnectorConfig.from_extra(extra)  # the one read
         if self._histate_cpu and vllm_config.kv_transfer_config is not None:
             chosen = extra.get(TRANSFER_MODE_KEY, os.environ.get("LMCACHE_MP_TRANSFER_MODE"))
             if chosen is None:
@@ -225,8 +217,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     "'lmcache_driven' (engine-driven rejects more than one KV group)",
                     chosen,
                 )
-        self._saves_enabled = _truthy(extra.get(INTERVAL_SAVES_KEY, True))
-        token_file = extra.get(AUTH_TOKEN_FILE_KEY)
+        token_file = config.auth_token_file
         self._rpc_token = read_secret(token_file) if token_file else None
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -245,13 +236,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._step = 0
         self._store_steps = StoreSteps()  # worker side: which stores have their data
         self.histate_stats: dict[str, int] = {}
-        self._watchdog = StallWatchdog(int(extra.get(STALL_POLLS_KEY, 2000)))
+        self._watchdog = StallWatchdog(config.stall_polls)
         if role_is_scheduler(role):
             logging.getLogger(LMCACHE_CONNECTOR_LOGGER).addFilter(RepeatFilter("<resume-load>"))
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        if role == KVConnectorRole.SCHEDULER and self._saves_enabled and self._can_store:
-            self._init_interval_saves(vllm_config, extra)
+        if role == KVConnectorRole.SCHEDULER and config.interval_saves and self._can_store:
+            self._init_interval_saves(vllm_config)
 
     # ================================================================ worker side
 
@@ -297,7 +288,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._histate_block_pool = gpu_block_pool
         super().bind_gpu_block_pool(gpu_block_pool)
 
-    def _init_interval_saves(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
+    def _init_interval_saves(self, vllm_config: VllmConfig) -> None:
         from vllm.v1.core.sched.output import SchedulerOutput
         from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -334,7 +325,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         # Where steps end anyway: every budget's worth of whole chunks, or every chunk.
         chunk = self._chunk_tokens
         step_tokens = max(chunk, budget - budget % chunk) if plans_step_ends else chunk
-        fixed_price = configured_step_price(extra.get(STEP_PRICE_KEY, "measured"))
+        fixed_price = self._histate_config.step_price
         self._recurrent_groups = recurrent
         # N_s (snapshot size in KV-token units) of what vLLM allocated, for the local planner.
         snapshot_bytes = 0
@@ -351,7 +342,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._local_planner = LocalPlanner(self._chunk_tokens, self._snapshot_tokens)
         self._plans = PlanClient(
             lambda: next(iter(self.scheduler_adapter.req_clients.values())),
-            token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
+            token=self._rpc_token, timeout=self._histate_config.plan_timeout_s,
             count=self._count, step_tokens=step_tokens,
         )
         self._plans.step_price = self._fixed_step_price = fixed_price

@@ -1,8 +1,13 @@
-"""The connector's configuration: the vLLM settings interval saves need, checked at start.
+"""The connector's configuration: its own keys, read once, and the vLLM settings it needs.
 
-The schema of the connector process kind (vLLM's engine with ``HiStateConnector``), checked
-in one place before the connector serves a request:
+The schema of the connector process kind (vLLM's engine with ``HiStateConnector``), every
+key checked here and nowhere else, before the connector serves a request:
 
+* :class:`ConnectorConfig`: the connector's keys of vLLM's ``kv_connector_extra_config``
+  (``histate.*``), parsed once by :meth:`ConnectorConfig.from_extra` into a frozen value the
+  connector reads; an unknown ``histate.*`` key is refused with the list of known ones (a
+  typo must not fall back to a default). The ``lmcache.*`` keys are LMCache's, which
+  validates them itself;
 * :func:`check_vllm_settings`: the vLLM settings interval saves need (prefix caching, align
   mode, a step end at every planned boundary), with an error naming the setting and the
   values that work; :func:`allowed_batched_tokens`: the step budgets that work with vLLM's
@@ -10,18 +15,29 @@ in one place before the connector serves a request:
 * :func:`check_server_geometry`: the LMCache server sized its policy for the layout this
   engine allocated.
 
-Every error is a :class:`SettingsError` whose message names the setting and what is allowed.
+Every error is a :class:`SettingsError` whose message names the key or setting and what is
+allowed; :meth:`ConnectorConfig.from_extra` reports every bad key at once.
+
+NOTE 1 (``histate.plan_timeout_s`` at most 60 s): a plan that has not arrived when the
+scheduler splits the request's first step is fetched on the scheduling loop (connector
+NOTE 6, ``plans_blocking``), which holds every running request's next step for up to the
+timeout; beyond a minute that is an engine that looks hung, and the value a unit mistake
+(milliseconds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache_histate.core.cache import check_step_price
 
 __all__ = [
+    "KEYS",
     "SCHEDULER_CLS",
+    "ConnectorConfig",
     "SettingsError",
     "allowed_batched_tokens",
     "check_server_geometry",
@@ -34,7 +50,116 @@ SCHEDULER_CLS = "lmcache_histate.backends.vllm.step_scheduler.HiStateScheduler"
 
 
 class SettingsError(ValueError):
-    """vLLM is configured so that interval saves cannot work; the message names the setting."""
+    """The connector or vLLM is configured so that HiState cannot work; the message names
+    the key or setting and what is allowed."""
+
+
+INTERVAL_SAVES_KEY = "histate.interval_saves"
+PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
+AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
+"""The server's shared-secret file (the launcher prints its path, never the secret)."""
+STALL_POLLS_KEY = "histate.stall_polls"
+STEP_PRICE_KEY = "histate.step_price"
+KEYS = (INTERVAL_SAVES_KEY, PLAN_TIMEOUT_KEY, AUTH_TOKEN_FILE_KEY, STALL_POLLS_KEY,
+        STEP_PRICE_KEY)
+"""The connector's own keys of ``kv_connector_extra_config`` (every ``histate.*`` key)."""
+MAX_PLAN_TIMEOUT_S = 60.0
+"""NOTE 1: the longest plan timeout accepted, in seconds."""
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+SHOWN = 80
+"""Characters of a bad value quoted in a message."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's keys of ``kv_connector_extra_config``, validated.
+
+    Invariants: ``0 < plan_timeout_s <= MAX_PLAN_TIMEOUT_S``; ``stall_polls >= 1``;
+    ``step_price`` is None or a finite number >= 0; ``auth_token_file`` is None or a
+    non-empty path.
+    """
+
+    interval_saves: bool = True
+    """``histate.interval_saves``: recurrent states only at planned boundaries (false: at
+    every chunk, like stock LMCache)."""
+    plan_timeout_s: float = 5.0
+    """``histate.plan_timeout_s``: how long a ``histate.plan`` RPC is waited for (NOTE 1)."""
+    auth_token_file: str | None = None
+    """``histate.auth_token_file``: the server's shared-secret file, sent with every RPC."""
+    stall_polls: int = 2000
+    """``histate.stall_polls``: scheduler polls without progress before the watchdog logs
+    a request (connector NOTE 3)."""
+    step_price: float | None = None
+    """``histate.step_price``: None for ``"measured"`` (the step scheduler's measured
+    ``σ`` goes with each plan), else a fixed price of one step end in tokens of prefill."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
+        """Read the connector's keys of ``extra`` (vLLM's ``kv_connector_extra_config``);
+        absent keys take the defaults. Raises :class:`SettingsError` listing every bad key,
+        each with the values allowed."""
+        errors: list[str] = []
+        values: dict[str, Any] = {}
+        for key in sorted(k for k in extra if isinstance(k, str) and k.startswith("histate.")):
+            if key not in KEYS:
+                errors.append(f"{key}: unknown key; the connector's keys are {', '.join(KEYS)}")
+        if INTERVAL_SAVES_KEY in extra:
+            values["interval_saves"] = _flag(INTERVAL_SAVES_KEY, extra[INTERVAL_SAVES_KEY],
+                                             errors)
+        if PLAN_TIMEOUT_KEY in extra:
+            timeout = extra[PLAN_TIMEOUT_KEY]
+            if not _is_number(timeout) or not 0 < timeout <= MAX_PLAN_TIMEOUT_S:
+                errors.append(
+                    f"{PLAN_TIMEOUT_KEY}: must be a number of seconds in (0, "
+                    f"{MAX_PLAN_TIMEOUT_S:g}] (a plan may be waited for on the scheduling "
+                    f"loop), got {_show(timeout)}"
+                )
+            else:
+                values["plan_timeout_s"] = float(timeout)
+        if extra.get(AUTH_TOKEN_FILE_KEY) is not None:
+            path = extra[AUTH_TOKEN_FILE_KEY]
+            if not isinstance(path, str) or not path.strip():
+                errors.append(f"{AUTH_TOKEN_FILE_KEY}: must be the path of the server's "
+                              f"shared-secret file, got {_show(path)}")
+            else:
+                values["auth_token_file"] = path
+        if STALL_POLLS_KEY in extra:
+            polls = extra[STALL_POLLS_KEY]
+            if isinstance(polls, bool) or not isinstance(polls, int) or polls < 1:
+                errors.append(f"{STALL_POLLS_KEY}: must be an integer >= 1 (scheduler polls), "
+                              f"got {_show(polls)}")
+            else:
+                values["stall_polls"] = polls
+        if STEP_PRICE_KEY in extra:
+            try:
+                values["step_price"] = configured_step_price(extra[STEP_PRICE_KEY])
+            except SettingsError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise SettingsError("HiState connector: bad kv_connector_extra_config:\n  "
+                                + "\n  ".join(errors))
+        return cls(**values)
+
+
+def _flag(key: str, value: Any, errors: list[str]) -> bool | None:
+    """A JSON boolean, or its spelling as a string (``"false"``, ``"0"``, ``"off"``...)."""
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    errors.append(f"{key}: must be true or false, got {_show(value)}")
+    return None
 
 
 def allowed_batched_tokens(block_size: int, chunk_size: int,
@@ -147,7 +272,7 @@ def check_vllm_settings(
         raise SettingsError(
             "HiState interval saves cannot produce the chosen snapshot boundaries with this "
             "vLLM configuration:\n  " + "\n  ".join(problems)
-            + "\n(set kv_connector_extra_config 'histate.interval_saves': false to store a "
+            + f"\n(set kv_connector_extra_config {INTERVAL_SAVES_KEY!r}: false to store a "
             "state at every chunk like stock LMCache instead)"
         )
 
@@ -183,9 +308,9 @@ def check_server_geometry(
 
 
 def configured_step_price(value: Any) -> float | None:
-    """The connector's ``histate.step_price`` setting: None for ``"measured"`` (the default:
-    the step scheduler measures ``σ``, ``step_scheduler.StepPriceFit``, and the plans carry it once
-    it can tell), else a fixed price of one step end in tokens of prefill, a finite number
+    """The value of ``histate.step_price``: None for ``"measured"`` (the default: the step
+    scheduler measures ``σ``, ``step_scheduler.StepPriceFit``, and the plans carry it once it
+    can tell), else a fixed price of one step end in tokens of prefill, a finite number
     ≥ 0, sent with every plan instead (0: step ends unpriced, ``core/interval.py`` NOTE 2).
     Anything else raises :class:`SettingsError` naming the key."""
     if value == "measured":
@@ -194,6 +319,6 @@ def configured_step_price(value: Any) -> float | None:
         return check_step_price(value)
     except ValueError:
         raise SettingsError(
-            f"kv_connector_extra_config 'histate.step_price' must be \"measured\" or a finite "
-            f"number >= 0 (tokens of prefill per step end), got {value!r}"[:300]
+            f"{STEP_PRICE_KEY}: must be \"measured\" or a finite number >= 0 (tokens of "
+            f"prefill per step end), got {_show(value)}"
         ) from None

@@ -145,7 +145,7 @@ def test_the_step_price_setting_is_measured_or_a_fixed_number() -> None:
     assert configured_step_price("measured") is None
     assert configured_step_price(0) == 0.0 and configured_step_price(25.5) == 25.5
     for bad in (-1, float("inf"), float("nan"), "25", True, None):
-        with pytest.raises(SettingsError, match=r"'histate.step_price' must be \"measured\" "
+        with pytest.raises(SettingsError, match=r"histate\.step_price: must be \"measured\" "
                                                 r"or a finite number >= 0"):
             configured_step_price(bad)
 
