@@ -144,6 +144,7 @@ import inspect
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import vllm
@@ -156,6 +157,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "HiStateAsyncScheduler",
     "HiStateScheduler",
+    "StepCost",
     "StepPlanner",
     "StepPriceFit",
     "check_vllm",
@@ -172,6 +174,16 @@ _SPLIT_PARAMS = (
     "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
     "num_external_computed_tokens",
 )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A fitted step time ``t = a + b·x`` (``x`` scheduled tokens): ``σ = a / b``."""
+
+    step_s: float
+    """``a``: the fixed seconds every step pays (negative where the cost curves)."""
+    token_s: float
+    """``b``: seconds per scheduled token."""
 
 
 class StepPriceFit:
@@ -227,9 +239,8 @@ class StepPriceFit:
         self._steps += 1
 
     @property
-    def coefficients(self) -> tuple[float, float] | None:
-        """``(a, b)``: seconds per step and per token, or None (too few steps, too little
-        spread: NOTE 4)."""
+    def coefficients(self) -> StepCost | None:
+        """The fitted line, or None (too few steps, too little spread: NOTE 4)."""
         if self._steps < self.min_steps:
             return None
         w = self._sw
@@ -238,16 +249,16 @@ class StepPriceFit:
         if not var >= self.min_spread_tokens ** 2:
             return None
         b = (self._sxy / w - mean_x * mean_t) / var
-        return mean_t - b * mean_x, b
+        return StepCost(mean_t - b * mean_x, b)
 
     @property
     def sigma(self) -> float | None:
         """``σ = a / b`` tokens of prefill per step end, at least 0; None while the fit
         cannot tell (NOTE 4) or its per-token time is not positive."""
         fit = self.coefficients
-        if fit is None or not fit[1] > 0.0:
+        if fit is None or not fit.token_s > 0.0:
             return None
-        sigma = max(0.0, fit[0] / fit[1])
+        sigma = max(0.0, fit.step_s / fit.token_s)
         return sigma if math.isfinite(sigma) else None
 
 
@@ -313,10 +324,10 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
             return outputs
         if not self._histate_priced:  # once: what the plans are priced with from now on
             self._histate_priced = True
-            a, b = steps.coefficients or (0.0, 0.0)
+            fit = steps.coefficients or StepCost(0.0, 0.0)
             logger.info("HiState: step price measured over %d busy steps: %.2f ms per step, "
-                        "%.1f us per token, sigma = %.1f tokens", steps.steps, a * 1e3,
-                        b * 1e6, sigma)
+                        "%.1f us per token, sigma = %.1f tokens", steps.steps,
+                        fit.step_s * 1e3, fit.token_s * 1e6, sigma)
         self._histate_planner.set_step_price(sigma)
         return outputs
 
