@@ -110,6 +110,13 @@ CPU and disk tiers: objects stored as values in a Redis Cluster that every node 
       claim_ttl_s: 60
       write_ttl_s: 120
       retry_s: 2.0             # while the cluster is down, how often it is probed
+
+NOTE 9 (one mapping into the core's configuration): the server's keys that set the core's
+eviction and interval rule (``CoreKnobs``) reach ``CacheConfig`` through
+``cache_config`` only; the simulator builds its HiState rows through it too
+(``sim/variants.py``: ``histate_policy``), with its own tiers and the knobs its set-up
+gives, so what the benchmarks measure is the rule the server runs. A new rule key is a
+field of ``CoreKnobs`` and of ``HiStateConfig`` under the same name.
 """
 
 from __future__ import annotations
@@ -124,9 +131,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .core.cache import HIT_POSITION_MODES, config_default
+from .core.cache import HIT_POSITION_MODES, CacheConfig, config_default
+from .core.interval import supported_intervals as every_interval
 from .core.model_geometry import GeometryError, ModelGeometry
 from .core.model_presets import load_geometry
+from .core.tiers import PlacementRules, TierSpec
 from .exposure import is_loopback, read_secret
 from .yamlfile import read_yaml
 
@@ -136,9 +145,11 @@ __all__ = [
     "POLICIES",
     "SCHEMES",
     "ConfigError",
+    "CoreKnobs",
     "HiStateConfig",
     "SharedIndexConfig",
     "SharedTierConfig",
+    "cache_config",
     "load_config",
     "parse_config",
     "parse_disk_tier",
@@ -287,6 +298,69 @@ _SHARED_INDEX_TIMES = ("connect_timeout_s", "op_timeout_s", "lease_ttl_s", "clai
 
 
 @dataclass(frozen=True)
+class CoreKnobs:
+    """The server keys that set the core's eviction and interval rule: ``CacheConfig``
+    knobs of the same names, defaults ``CacheConfig``'s (NOTE 9).
+
+    ``supported_intervals``: the intervals the YAML lists, in tokens (None: every multiple
+    of the chunk up to ``max_interval_chunks`` chunks).
+    """
+
+    tau: float | None = config_default("tau")
+    refresh_all: bool = config_default("refresh_all")
+    exposed_ends: bool = config_default("exposed_ends")
+    hit_positions: str = config_default("hit_positions")
+    end_probability_prior: float = config_default("end_probability_prior")
+    ema_alpha: float = config_default("ema_alpha")
+    initial_pressure_factor: float = config_default("initial_pressure_factor")
+    max_interval_chunks: int = config_default("max_interval_chunks")
+    supported_intervals: tuple[int, ...] | None = None
+
+
+CORE_KNOBS = tuple(f.name for f in fields(CoreKnobs))
+"""The server keys :class:`CoreKnobs` holds."""
+
+
+def cache_config(
+    knobs: CoreKnobs,
+    *,
+    chunk_tokens: int,
+    kv_chunk_bytes: int,
+    snapshot_bytes: int,
+    tiers: Sequence[TierSpec],
+    rules: PlacementRules,
+    **engine: Any,
+) -> CacheConfig:
+    """The core's configuration from the server schema's rule (NOTE 9): the one mapping
+    into ``CacheConfig``, which the server and the simulator's HiState rows both use.
+
+    ``chunk_tokens`` / ``kv_chunk_bytes`` / ``snapshot_bytes``: the model's sizes;
+    ``tiers`` and ``rules``: the process's tiers and where each part goes; ``engine``: the
+    ``CacheConfig`` fields no server key sets (the engine's step grid and price, the cost
+    model's ``attention_tokens``, ``recency_tiers``; the simulator's ablation knobs). The
+    supported intervals are the listed ones that are multiples of ``chunk_tokens`` (None
+    if none is), or every multiple up to ``max_interval_chunks`` chunks.
+    """
+    listed = knobs.supported_intervals
+    intervals = (
+        tuple(i for i in listed if i % chunk_tokens == 0) or None
+        if listed
+        else every_interval(chunk_tokens, knobs.max_interval_chunks)
+    )
+    rule = {name: getattr(knobs, name) for name in CORE_KNOBS}
+    rule["supported_intervals"] = intervals
+    return CacheConfig(
+        chunk_tokens=chunk_tokens,
+        kv_chunk_bytes=kv_chunk_bytes,
+        snapshot_bytes=snapshot_bytes,
+        tiers=tuple(tiers),
+        rules=rules,
+        **rule,
+        **engine,
+    )
+
+
+@dataclass(frozen=True)
 class HiStateConfig:
     """A validated single-instance HiState server configuration (see configs/histate.yaml)."""
 
@@ -369,6 +443,11 @@ class HiStateConfig:
         if self.supported_intervals:
             return self.supported_intervals
         return tuple(self.chunk_tokens * k for k in range(1, self.max_interval_chunks + 1))
+
+    @property
+    def knobs(self) -> CoreKnobs:
+        """The keys that set the core's rule (:func:`cache_config` maps them)."""
+        return CoreKnobs(**{name: getattr(self, name) for name in CORE_KNOBS})
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

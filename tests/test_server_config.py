@@ -350,34 +350,31 @@ def test_disk_adapter_gets_the_servers_values() -> None:
         HiStateDiskAdapterConfig.from_dict({"disk_path": "/tmp/histate-test-disk"})
 
 
-# What the server's core and the simulator's ``histate`` row may differ in, and why: the
-# sizes and tiers (the server has CPU + disk, the simulator the engine's GPU pool above
-# them, ranked by recency), the supported intervals (multiples of each one's chunk), the
-# step grid and price (the server learns them from the connector's plan requests), and the
-# recompute's attention term (the simulator's cost model knows the GPU; the server counts
-# tokens). Every other knob is the eviction and interval rule itself.
-NOT_THE_RULE = {
-    "chunk_tokens", "kv_chunk_bytes", "snapshot_bytes", "tiers", "rules", "recency_tiers",
-    "supported_intervals", "step_tokens", "step_price", "attention_tokens",
-}
-
-
-def test_the_server_runs_the_simulators_histate_rule() -> None:
-    """``configs/histate.yaml``'s defaults build the core with the knobs of the simulator's
-    ``histate`` row (``sim/variants.py``), so what the benchmarks measure is what ships. A
-    new ``CacheConfig`` knob must be placed in ``NOT_THE_RULE`` or set alike on both sides."""
-    from dataclasses import fields
-
+def test_the_server_and_the_simulator_map_the_rule_through_one_function() -> None:
+    """``config.cache_config`` is the one mapping from the server schema's rule keys into
+    ``CacheConfig`` (``config`` NOTE 9): the server's core and the simulator's HiState rows
+    are built through it, so the same rule keys land in the core alike. Expected values by
+    hand: the keys set on both sides, the YAML's or ``CacheConfig``'s default for the rest,
+    and the intervals 1..4 chunks of 528 tokens."""
     from lmcache_histate.backends.server.runtime.objects import core_config
 
-    from lmcache_histate.core.cache import CacheConfig
-    from lmcache_histate.sim.config import load_setup
-    from lmcache_histate.sim.variants import histate_variants
+    from lmcache_histate.config import CORE_KNOBS
+    from lmcache_histate.sim.config import SimSetup
+    from lmcache_histate.sim.variants import histate_policy
 
-    root = Path(__file__).resolve().parents[1]
-    server = core_config(load_config(root / "configs" / "histate.yaml"), 512, 2**20, 2**22,
-                         2**30)
-    sim = histate_variants(load_setup(root / "configs" / "sim-paper-load.yaml"))["histate"]()
-    rule = [f.name for f in fields(CacheConfig) if f.name not in NOT_THE_RULE]
-    assert "exposed_ends" in rule and "tau" in rule and "refresh_all" in rule
-    assert {k: getattr(server, k) for k in rule} == {k: getattr(sim.cache.config, k) for k in rule}
+    set_both = {"tau": 120.0, "ema_alpha": 0.2, "max_interval_chunks": 4}
+    extra = {"end_probability_prior": 0.5, "initial_pressure_factor": 1.0}
+    yaml = load_config(REPO / "configs" / "histate.yaml").with_overrides(**set_both, **extra)
+    server = core_config(yaml, 528, 2**20, 2**22, 2**30)
+    sim = histate_policy(SimSetup.paper(**set_both), "histate-fixed-tau", **extra).cache.config
+    expected = {
+        "tau": 120.0, "refresh_all": True, "exposed_ends": True, "hit_positions": "uniform",
+        "end_probability_prior": 0.5, "ema_alpha": 0.2, "initial_pressure_factor": 1.0,
+        "max_interval_chunks": 4, "supported_intervals": (528, 1056, 1584, 2112),
+    }
+    assert set(expected) == set(CORE_KNOBS)
+    for side, config in (("server", server), ("simulator", sim)):
+        assert {key: getattr(config, key) for key in expected} == expected, side
+    # Each side's own part: its tiers (the simulator's GPU pool ranks by recency).
+    assert [t.name for t in server.tiers] == ["cpu", "disk"] and server.recency_tiers == 0
+    assert [t.name for t in sim.tiers] == ["gpu", "cpu", "disk"] and sim.recency_tiers == 1

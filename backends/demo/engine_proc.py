@@ -81,10 +81,10 @@ def engine_kwargs(
     for the tiny model). HiState's scheduler (``step_scheduler``) with vLLM's default step
     budget: a prefill step ends early only where the request's plan keeps a snapshot;
     ``prefix_cache_retention_interval=None``: vLLM hands every boundary state to the
-    connector (see ``interval_saves``). Pass the same number as
+    connector (see ``saves``). Pass the same number as
     ``EngineProcess(block_size=...)`` so a disagreeing engine fails at start.
     """
-    from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+    from lmcache_histate.backends.vllm.connector_config import SCHEDULER_CLS
 
     kwargs: dict[str, Any] = {
         "model": str(model),

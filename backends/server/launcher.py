@@ -108,7 +108,7 @@ def vllm_flags(cfg: HiStateConfig) -> list[str]:
     keeps its default step budget, and HiState's scheduler ends a prefill step early only
     where the request's plan keeps a snapshot (``step_scheduler``).
     """
-    from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+    from lmcache_histate.backends.vllm.connector_config import SCHEDULER_CLS
 
     n = cfg.chunk_tokens
     engine = [f"--{key.replace('_', '-')}" + f"={getattr(cfg, key)}"

@@ -13,7 +13,7 @@ connector shipped in ``lmcache.integration.vllm`` when importable), so everythin
 mode does -- lookups, async loads, stores of every chunk's attention KV, hybrid object groups --
 is unchanged. What it adds:
 
-* **Interval-driven saves** (scheduler side, every platform; ``interval_saves``): per request,
+* **Interval-driven saves** (scheduler side, every platform; ``saves``): per request,
   the recurrent state is stored only at the chunk boundaries HiState's interval controller
   chose for the request's new segment, plus the segment's final boundary; attention KV is
   stored for every chunk. The plan comes from the LMCache server (``histate.plan`` server-module
@@ -30,11 +30,14 @@ is unchanged. What it adds:
   ``prefix_cache_retention_interval`` and a step at each planned boundary's end: HiState's
   scheduler (``step_scheduler``: it asks :meth:`HiStateConnector.planned_step_end`) at any
   budget of at least one block, or vLLM's own with steps of one block (checked at start:
-  ``interval_saves.check_vllm_settings``). Extra config keys:
+  ``connector_config.check_vllm_settings``). The connector's keys of
+  ``kv_connector_extra_config`` are read once, at construction, into a
+  ``connector_config.ConnectorConfig`` (validated there, every bad key named):
   ``histate.interval_saves`` (default true; false = stock LMCache saves),
   ``histate.plan_timeout_s`` (default 5), ``histate.step_price`` (default ``"measured"``: the
   step scheduler's measured price of a step end goes with each plan; a number: that fixed
-  price in tokens, 0 = unpriced).
+  price in tokens, 0 = unpriced), ``histate.stall_polls`` (default 2000, NOTE 3),
+  ``histate.auth_token_file``.
 * **CPU support** (CPU platform only; see ``cpu_support`` and docs/vllm-cpu.md): the
   lmcache-driven transfer mode by default (``lmcache.mp.mp_transfer_mode``: LMCache's CPU
   default is the engine-driven path, which rejects more than one KV group, i.e. every hybrid
@@ -53,7 +56,7 @@ scheduler polled it forever (LMCache logging ``<resume-load> ... load=0`` each s
 NOTE 2 (when a store has its data): the worker submits a step's STOREs in ``wait_for_save``;
 LMCache keeps one future per request, the latest. The worker records each new future with
 the scheduler step that planned its store and reports, per request, the oldest step whose
-store is still in flight (``store_progress``: ``StoreSteps``, ``StoreReport``, through
+store is still in flight (``saves``: ``StoreSteps``, ``StoreReport``, through
 vLLM's ``kv_connector_worker_meta``); pins of stores planned before it are released. So a
 pin lives about as long as one store, not as long as the request's prefill.
 
@@ -127,21 +130,25 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.backends.log_routing import route_logs
 from lmcache_histate.backends.vllm import cpu_support
-from lmcache_histate.backends.vllm.interval_saves import (
-    LocalPlanner,
-    RequestSaves,
+from lmcache_histate.backends.vllm.connector_config import (
+    INTERVAL_SAVES_KEY,
+    ConnectorConfig,
     SettingsError,
     check_server_geometry,
     check_vllm_settings,
-    configured_step_price,
+)
+from lmcache_histate.backends.vllm.plan_client import PendingPlan, PlanClient
+from lmcache_histate.backends.vllm.saves import (
+    LocalPlanner,
+    RequestSaves,
+    StoreReport,
+    StoreSteps,
     planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
 )
-from lmcache_histate.backends.vllm.plan_client import PendingPlan, PlanClient
 from lmcache_histate.backends.vllm.stall_watchdog import RepeatFilter, StallWatchdog
 from lmcache_histate.backends.vllm.step_scheduler import is_step_scheduler
-from lmcache_histate.backends.vllm.store_progress import StoreReport, StoreSteps
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
     LMCacheMPConnector,
@@ -168,14 +175,7 @@ __all__ = ["HiStateConnector"]
 logger = logging.getLogger(__name__)
 
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
-INTERVAL_SAVES_KEY = "histate.interval_saves"
-PLAN_TIMEOUT_KEY = "histate.plan_timeout_s"
-AUTH_TOKEN_FILE_KEY = "histate.auth_token_file"
-"""The server's shared-secret file (the launcher prints its path, never the secret)."""
 REPORT_PARAM = "histate_saves"
-STALL_POLLS_KEY = "histate.stall_polls"
-STEP_PRICE_KEY = "histate.step_price"
-"""``"measured"`` (default) or a fixed step price in tokens (``configured_step_price``)."""
 STEP_ATTR = "histate_step"
 """Attribute carrying the scheduler step on the connector metadata sent to the worker."""
 
@@ -185,12 +185,6 @@ LMCACHE_CONNECTOR_LOGGER = "lmcache.integration.vllm.lmcache_mp_connector"
 
 def role_is_scheduler(role: Any) -> bool:
     return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
-
-
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
 
 
 class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
@@ -208,6 +202,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         extra: dict[str, Any] = {}
         if vllm_config.kv_transfer_config is not None:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        config = self._histate_config = ConnectorConfig.from_extra(extra)  # the one read
         if self._histate_cpu and vllm_config.kv_transfer_config is not None:
             chosen = extra.get(TRANSFER_MODE_KEY, os.environ.get("LMCACHE_MP_TRANSFER_MODE"))
             if chosen is None:
@@ -222,8 +217,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
                     "'lmcache_driven' (engine-driven rejects more than one KV group)",
                     chosen,
                 )
-        self._saves_enabled = _truthy(extra.get(INTERVAL_SAVES_KEY, True))
-        token_file = extra.get(AUTH_TOKEN_FILE_KEY)
+        token_file = config.auth_token_file
         self._rpc_token = read_secret(token_file) if token_file else None
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -242,13 +236,13 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._step = 0
         self._store_steps = StoreSteps()  # worker side: which stores have their data
         self.histate_stats: dict[str, int] = {}
-        self._watchdog = StallWatchdog(int(extra.get(STALL_POLLS_KEY, 2000)))
+        self._watchdog = StallWatchdog(config.stall_polls)
         if role_is_scheduler(role):
             logging.getLogger(LMCACHE_CONNECTOR_LOGGER).addFilter(RepeatFilter("<resume-load>"))
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        if role == KVConnectorRole.SCHEDULER and self._saves_enabled and self._can_store:
-            self._init_interval_saves(vllm_config, extra)
+        if role == KVConnectorRole.SCHEDULER and config.interval_saves and self._can_store:
+            self._init_interval_saves(vllm_config)
 
     # ================================================================ worker side
 
@@ -294,7 +288,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._histate_block_pool = gpu_block_pool
         super().bind_gpu_block_pool(gpu_block_pool)
 
-    def _init_interval_saves(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
+    def _init_interval_saves(self, vllm_config: VllmConfig) -> None:
         from vllm.v1.core.sched.output import SchedulerOutput
         from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -331,7 +325,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         # Where steps end anyway: every budget's worth of whole chunks, or every chunk.
         chunk = self._chunk_tokens
         step_tokens = max(chunk, budget - budget % chunk) if plans_step_ends else chunk
-        fixed_price = configured_step_price(extra.get(STEP_PRICE_KEY, "measured"))
+        fixed_price = self._histate_config.step_price
         self._recurrent_groups = recurrent
         # N_s (snapshot size in KV-token units) of what vLLM allocated, for the local planner.
         snapshot_bytes = 0
@@ -348,7 +342,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         self._local_planner = LocalPlanner(self._chunk_tokens, self._snapshot_tokens)
         self._plans = PlanClient(
             lambda: next(iter(self.scheduler_adapter.req_clients.values())),
-            token=self._rpc_token, timeout=float(extra.get(PLAN_TIMEOUT_KEY, 5.0)),
+            token=self._rpc_token, timeout=self._histate_config.plan_timeout_s,
             count=self._count, step_tokens=step_tokens,
         )
         self._plans.step_price = self._fixed_step_price = fixed_price
@@ -418,8 +412,8 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
 
     def set_step_price(self, sigma: float) -> None:
         """The engine's measured step price ``σ`` (tokens of prefill per step end; the step
-        scheduler fits it, ``step_price``): sent with the plan requests from now on,
-        unless ``histate.step_price`` fixed the price."""
+        scheduler fits it, ``step_scheduler.StepPriceFit``): sent with the plan requests
+        from now on, unless ``histate.step_price`` fixed the price."""
         if self._saves_active and self._fixed_step_price is None:
             self._plans.step_price = sigma
 
@@ -489,7 +483,7 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
         op = request_meta.op
         if saves is None or saves.plan is None:
             return
-        new_ids, kept, dropped, missing = rewrite_store_block_ids(
+        rewrite = rewrite_store_block_ids(
             op.block_ids,
             start=op.start,
             end=op.end,
@@ -499,13 +493,14 @@ class HiStateConnector(LMCacheMPConnector):  # type: ignore[misc,valid-type]
             keep=saves.plan,
             offered=saves.offered,
         )
-        op.block_ids = new_ids
-        self._unpin(saves.planned(kept, op.end, self._step))
-        saves.kept += kept
-        saves.dropped += dropped
-        saves.missing += missing
-        self._count("states_kept", len(kept))
-        self._count("states_dropped", dropped)
+        op.block_ids = rewrite.block_ids
+        self._unpin(saves.planned(rewrite.kept, op.end, self._step))
+        saves.kept += rewrite.kept
+        saves.dropped += rewrite.dropped
+        saves.missing += rewrite.missing
+        missing = rewrite.missing
+        self._count("states_kept", len(rewrite.kept))
+        self._count("states_dropped", rewrite.dropped)
         if missing:
             self._count("states_missing", len(missing))
             logger.warning(

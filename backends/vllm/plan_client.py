@@ -41,7 +41,7 @@ class PlanClient:
         step scheduler, one chunk without), sent with every plan request so a server can
         price step ends (``core.interval``); a server that does not read it ignores it.
         :attr:`step_price` (``σ``, tokens of prefill per step end; None: not measured yet)
-        goes with it once the step scheduler has measured it (``step_price``)."""
+        goes with it once the step scheduler has measured it (``step_scheduler.StepPriceFit``)."""
         self._client = client  # the adapter's request client, looked up per call
         self._token = token
         self._step_tokens = step_tokens

@@ -30,8 +30,8 @@ class StallWatchdog:
     """Counts polls without progress per request; logs once and asks for a bypass."""
 
     def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"histate.stall_polls must be >= 1, got {limit}")
+        """``limit``: polls without progress before a request is reported, at least 1
+        (``histate.stall_polls``, checked by ``connector_config.ConnectorConfig``)."""
         self.limit = limit
         self.polls: dict[str, int] = {}
         self.reported: set[str] = set()

@@ -37,11 +37,51 @@ through the connector it owns (``self.connector``); there is no shared state.
 The step price. The plan prices each extra step end at ``σ`` tokens of prefill time
 (``core/interval.py``), which only the engine can measure: the scheduler times the period
 between consecutive ``update_from_output`` calls while the engine stayed busy against each
-step's ``total_num_scheduled_tokens`` (``step_price``: ``σ`` = fixed step time /
+step's ``total_num_scheduled_tokens`` (:class:`StepPriceFit`: ``σ`` = fixed step time /
 per-token time) and hands every estimate to the same connector
 (``HiStateConnector.set_step_price``), which sends it with its next ``histate.plan``
-requests. Until the fit can tell (``step_price`` NOTE 2) nothing is sent and the
-server keeps the price it has.
+requests. Until the fit can tell (NOTE 4) nothing is sent and the server keeps the price
+it has. Only the engine can measure the price (``CacheConfig.step_price``;
+``core/interval.py``: ``cost(I) = I/2 + F·N_s·L/I + σ·(L/I)·(ceil(I/B) − I/B)``);
+:class:`StepPriceFit` is pure: the caller passes the clock values.
+
+Algorithm of the fit. A step of ``x`` scheduled tokens takes ``t = a + b·x`` seconds: ``a``
+the fixed time every step pays whatever it computes (scheduler pass, input preparation, the
+sync that ends the step), ``b`` the time per token. Splitting a prefill at one more point adds
+one step and no tokens, so it costs ``a`` seconds, ``a / b`` tokens of prefill time:
+
+    σ = a / b   (tokens)
+
+For each step the engine ran back to back with the one before (NOTE 3) the period between
+their outputs ``t`` is fitted against the step's token count ``x`` by exponentially
+weighted least squares: each new step multiplies the weights of the earlier ones by
+``decay``, so a step ``k`` steps old weighs ``decay**k`` and the fit follows a drifting
+machine. With the weighted sums ``W = Σw``, ``Sx = Σw·x``, ``Sy = Σw·t``, ``Sxx = Σw·x²``,
+``Sxy = Σw·x·t``, the weighted means ``x̄ = Sx/W``, ``t̄ = Sy/W`` and variance
+``var = Sxx/W − x̄²``:
+
+    b = (Sxy/W − x̄·t̄) / var,   a = t̄ − b·x̄.
+
+Invariants: :attr:`StepPriceFit.sigma` is None or a finite number ≥ 0 (a negative
+intercept is a curved cost, not a negative price, and reads 0); it is None until
+``min_steps`` steps were fitted with a token spread (weighted standard deviation of ``x``)
+of at least ``min_spread_tokens`` (NOTE 4) and while the fitted per-token time is not
+positive; a step that followed an idle engine, or scheduled no token, never enters the
+sums (NOTE 3).
+
+Worked example (decay 1): three back-to-back steps of 100, 200 and 400 tokens taking 0.2,
+0.3 and 0.5 s lie on ``t = 0.1 + 0.001·x``: ``W`` = 3, ``x̄`` = 233.3, ``t̄`` = 0.3333,
+``var`` = 70,000/3 − 233.3² = 15,555.6, ``Sxy/W`` = 93.333, ``b`` = (93.333 − 77.778) /
+15,555.6 = 0.001, ``a`` = 0.3333 − 0.2333 = 0.1, so ``σ`` = 100 tokens: one more step end
+costs as much as prefilling 100 more tokens. What the figure means on a GPU: the
+simulator's H100 estimate is 2 ms fixed per step over 80 µs per prefill token, ``σ`` = 25
+tokens (``core/interval.py``'s worked example; ``sim/capture.py`` ``STEP_OVERHEAD_S``);
+vLLM-CPU on the tiny model measured 12.5 ms over 77.9 µs, ``σ`` ≈ 160
+(``benchmarks/live/results-step-overhead/step_overhead.md``).
+
+What the line leaves out: attention's work grows with the context a step attends to, so a
+step's time is not linear in its new tokens alone; the fit averages over the contexts the
+engine saw recently.
 
 Async scheduling. ``SchedulerConfig.get_scheduler_cls`` (``vllm/config/scheduler.py`` 228-253)
 returns a configured class as is, so naming this class would drop vLLM's
@@ -76,6 +116,21 @@ grid (the raise runs in the engine core's process with the ``uni`` executor); th
 benchmark's ``vllm-grid`` stack is vLLM alone with this class and no connector, its ``vllm``
 stack vLLM's own scheduler with the CPU grid (``benchmarks/live/stacks.py`` NOTE 6).
 
+NOTE 3 (busy steps only). The period between two step outputs is the later step's time
+only while the engine went straight from one to the next: after the scheduler ran out of
+unfinished requests the engine waited for the next one, and that gap is idle time, not
+step time (fitted, it would add seconds to ``a``). A step that scheduled no token (every
+request waiting for a load) runs no forward pass, so it says nothing about either
+coefficient. With asynchronous scheduling the engine schedules step ``n + 1`` before it
+processes step ``n``'s output, so consecutive outputs are still one step period apart.
+
+NOTE 4 (a spread of token counts). A line through steps of one size is undetermined
+(``var`` = 0), and through sizes a few tokens apart (decode batches) its slope is the
+steps' timing jitter: at 80 µs per token, a spread of 4 tokens moves a step by 0.3 ms,
+inside one step's noise, and ``σ = a / b`` divides by that slope. So the fit answers only
+once its steps span ``min_spread_tokens`` (weighted standard deviation), which prefill
+steps of different lengths do, and only after ``min_steps`` of them.
+
 Version guard: written against vLLM 0.32.0's ``Scheduler._mamba_block_aligned_split(request,
 num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)``, which 0.33.0
 and 0.34.0 keep (their callers gain ``num_hash_lookahead_tokens``, not the method; checked
@@ -87,13 +142,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import vllm
 from lmcache_histate.backends.upstream.versions import VLLM
-from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
-from lmcache_histate.backends.vllm.step_price import StepPriceFit
+from lmcache_histate.backends.vllm.connector_config import SCHEDULER_CLS
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -101,7 +157,9 @@ __all__ = [
     "SUPPORTED_VLLM",
     "HiStateAsyncScheduler",
     "HiStateScheduler",
+    "StepCost",
     "StepPlanner",
+    "StepPriceFit",
     "check_vllm",
     "is_step_scheduler",
     "state_block_size",
@@ -116,6 +174,92 @@ _SPLIT_PARAMS = (
     "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
     "num_external_computed_tokens",
 )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A fitted step time ``t = a + b·x`` (``x`` scheduled tokens): ``σ = a / b``."""
+
+    step_s: float
+    """``a``: the fixed seconds every step pays (negative where the cost curves)."""
+    token_s: float
+    """``b``: seconds per scheduled token."""
+
+
+class StepPriceFit:
+    """Exponentially weighted least-squares fit of step time against scheduled tokens."""
+
+    __slots__ = (
+        "_busy", "_last", "_steps", "_sw", "_sx", "_sxx", "_sxy", "_sy", "decay",
+        "min_spread_tokens", "min_steps",
+    )
+
+    def __init__(self, decay: float = 0.98, min_steps: int = 8,
+                 min_spread_tokens: float = 64.0) -> None:
+        """``decay``: the weight a step keeps per newer step (in (0, 1]; 0.98 halves it
+        after 34 steps); ``min_steps`` / ``min_spread_tokens``: what the fit needs before
+        it answers (NOTE 4)."""
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if min_steps < 2 or min_spread_tokens <= 0.0:
+            raise ValueError(
+                f"min_steps must be at least 2 and min_spread_tokens positive, got "
+                f"{min_steps} and {min_spread_tokens}"
+            )
+        self.decay = decay
+        self.min_steps = min_steps
+        self.min_spread_tokens = min_spread_tokens
+        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._steps = 0
+        self._last: float | None = None
+        self._busy = False
+
+    @property
+    def steps(self) -> int:
+        """Steps fitted so far."""
+        return self._steps
+
+    def step_ended(self, now: float, tokens: int, busy: bool) -> None:
+        """A step of ``tokens`` scheduled tokens gave its output at ``now`` (seconds, any
+        monotonic clock); ``busy``: whether unfinished requests remained once it was
+        processed. The step is fitted when the previous one left the engine busy (NOTE 3)."""
+        if self._busy and self._last is not None and tokens > 0:
+            self.add(float(tokens), now - self._last)
+        self._last = now
+        self._busy = busy
+
+    def add(self, tokens: float, seconds: float) -> None:
+        """Fit one step: earlier steps' weights times ``decay``, this one's 1."""
+        d = self.decay
+        self._sw = d * self._sw + 1.0
+        self._sx = d * self._sx + tokens
+        self._sy = d * self._sy + seconds
+        self._sxx = d * self._sxx + tokens * tokens
+        self._sxy = d * self._sxy + tokens * seconds
+        self._steps += 1
+
+    @property
+    def coefficients(self) -> StepCost | None:
+        """The fitted line, or None (too few steps, too little spread: NOTE 4)."""
+        if self._steps < self.min_steps:
+            return None
+        w = self._sw
+        mean_x, mean_t = self._sx / w, self._sy / w
+        var = self._sxx / w - mean_x * mean_x
+        if not var >= self.min_spread_tokens ** 2:
+            return None
+        b = (self._sxy / w - mean_x * mean_t) / var
+        return StepCost(mean_t - b * mean_x, b)
+
+    @property
+    def sigma(self) -> float | None:
+        """``σ = a / b`` tokens of prefill per step end, at least 0; None while the fit
+        cannot tell (NOTE 4) or its per-token time is not positive."""
+        fit = self.coefficients
+        if fit is None or not fit.token_s > 0.0:
+            return None
+        sigma = max(0.0, fit.step_s / fit.token_s)
+        return sigma if math.isfinite(sigma) else None
 
 
 class StepPlanner(Protocol):
@@ -180,10 +324,10 @@ class HiStateScheduler(Scheduler):  # type: ignore[misc]
             return outputs
         if not self._histate_priced:  # once: what the plans are priced with from now on
             self._histate_priced = True
-            a, b = steps.coefficients or (0.0, 0.0)
+            fit = steps.coefficients or StepCost(0.0, 0.0)
             logger.info("HiState: step price measured over %d busy steps: %.2f ms per step, "
-                        "%.1f us per token, sigma = %.1f tokens", steps.steps, a * 1e3,
-                        b * 1e6, sigma)
+                        "%.1f us per token, sigma = %.1f tokens", steps.steps,
+                        fit.step_s * 1e3, fit.token_s * 1e6, sigma)
         self._histate_planner.set_step_price(sigma)
         return outputs
 

@@ -73,8 +73,8 @@ from typing import Any
 from lmcache_histate.backends.demo.process_group import stop_group
 from lmcache_histate.backends.demo.runs import server_config
 from lmcache_histate.backends.demo.servers import ServerProcess, free_ports
+from lmcache_histate.backends.vllm.connector_config import SCHEDULER_CLS
 from lmcache_histate.backends.vllm.engine_facts import OFFLINE_ENV, EngineFacts
-from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
 
 STACKS = ("vllm", "vllm-grid", "vllm-offload", "lmcache", "histate", "histate-final")
 DEFAULT_STACKS = ("vllm", "vllm-grid", "vllm-offload", "lmcache", "histate")

@@ -76,10 +76,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from ..config import CORE_KNOBS, CoreKnobs, cache_config
 from ..core.interval import supported_intervals
-from ..core.tiers import PlacementRules, SimTier
+from ..core.tiers import PlacementRules, SimTier, TierSpec
 from .capture import SMALL_STEP_ROWS
 from .config import SimSetup
 from .policy import HiStatePolicy, Policy
@@ -135,6 +137,11 @@ VARIANT_LINES: dict[str, str] = {
 }
 
 
+THREE_TIER_RULES = PlacementRules(kv_tier=_GPU, snapshot_tier=_DISK, final_tier=_GPU)
+"""HiState's placement over gpu/cpu/disk: KV and final snapshots on the GPU first,
+intermediate snapshots on disk (``TIER_MODEL``)."""
+
+
 def three_tier_policy(
     name: str,
     *,
@@ -148,7 +155,8 @@ def three_tier_policy(
 ) -> HiStatePolicy:
     """The real core over gpu/cpu/disk with HiState's placement and GPU promotion.
 
-    Every HiState row and the baselines' ``lru`` rows are this, with different knobs.
+    The baselines' ``lru`` rows are this, with their knobs; the HiState rows are built the
+    same way through the server's mapping (``histate_policy``).
     """
     knobs.setdefault("supported_intervals", supported_intervals(chunk_tokens))
     # The GPU tier is vLLM's own block pool: it ranks by recency (``rank`` NOTE 6).
@@ -159,7 +167,7 @@ def three_tier_policy(
         kv_bytes_per_token=kv_bytes_per_token,
         snapshot_bytes=snapshot_bytes,
         tiers=[("gpu", gpu_bytes), ("cpu", cpu_bytes), ("disk", disk_bytes)],
-        rules=PlacementRules(kv_tier=_GPU, snapshot_tier=_DISK, final_tier=_GPU),
+        rules=THREE_TIER_RULES,
         promote_tier=_GPU,
         **knobs,
     )
@@ -167,6 +175,13 @@ def three_tier_policy(
 
 def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> HiStatePolicy:
     """HiState over the set-up's gpu/cpu/disk tiers, with knob ``overrides``.
+
+    The core's configuration comes from the server's mapping (``config.cache_config``,
+    ``config`` NOTE 9): the set-up's ``tau``, ``ema_alpha`` and ``max_interval_chunks`` are
+    the server keys of the same names, every other rule knob the server's default unless an
+    override sets it; overrides of knobs the server has no key for (``refresh_used``,
+    ``fixed_interval``, ...) and the engine's figures go beside the rule. The GPU tier is
+    vLLM's own block pool, which ranks by recency (``score`` NOTE 3).
 
     ``fixed_interval_chunks`` (chunks) is accepted as a convenience for
     ``fixed_interval`` (tokens). The rows plan on the engine's step grid at its step
@@ -177,31 +192,25 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     step, price = setup.cost.step_grid(setup.chunk_tokens)
     if name in SMALL_STEP_ROWS:
         step = setup.chunk_tokens
-    knobs: dict[str, Any] = {
-        "tau": setup.tau,
-        "refresh_all": True,
-        "exposed_ends": True,
-        "ema_alpha": setup.ema_alpha,
-        "step_tokens": step,
-        "step_price": price,
-        "supported_intervals": supported_intervals(
-            setup.chunk_tokens, setup.max_interval_chunks
-        ),
-    }
     chunks = overrides.pop("fixed_interval_chunks", None)
     if chunks is not None:
         overrides["fixed_interval"] = chunks * setup.chunk_tokens
-    knobs.update(overrides)
-    return three_tier_policy(
-        name,
+    rule = {key: overrides.pop(key) for key in list(overrides) if key in CORE_KNOBS}
+    knobs = replace(CoreKnobs(tau=setup.tau, ema_alpha=setup.ema_alpha,
+                              max_interval_chunks=setup.max_interval_chunks), **rule)
+    engine: dict[str, Any] = {"step_tokens": step, "step_price": price,
+                              "recency_tiers": _GPU + 1, **overrides}
+    config = cache_config(
+        knobs,
         chunk_tokens=setup.chunk_tokens,
-        kv_bytes_per_token=setup.kv_bytes_per_token,
+        kv_chunk_bytes=setup.kv_chunk_bytes,
         snapshot_bytes=setup.snapshot_bytes,
-        gpu_bytes=setup.gpu_bytes,
-        cpu_bytes=setup.cpu_bytes,
-        disk_bytes=setup.disk_bytes,
-        **knobs,
+        tiers=(TierSpec("gpu", setup.gpu_bytes), TierSpec("cpu", setup.cpu_bytes),
+               TierSpec("disk", setup.disk_bytes)),
+        rules=THREE_TIER_RULES,
+        **engine,
     )
+    return HiStatePolicy(name, config, promote_tier=_GPU)
 
 
 def attention_tokens(setup: SimSetup) -> float:

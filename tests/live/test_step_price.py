@@ -1,4 +1,4 @@
-"""The step-price fit the step scheduler feeds (``backends/vllm/step_price.py``).
+"""The step-price fit the step scheduler feeds (``step_scheduler.StepPriceFit``).
 
 Pure: the steps are fed with the clock values a scheduler would read, no engine. Every
 expected value is derived by hand in the test's docstring.
@@ -7,7 +7,7 @@ expected value is derived by hand in the test's docstring.
 from __future__ import annotations
 
 import pytest
-from lmcache_histate.backends.vllm.step_price import StepPriceFit
+from lmcache_histate.backends.vllm.step_scheduler import StepCost, StepPriceFit
 
 
 def run(fit: StepPriceFit, steps: list[tuple[int, float]], start: float = 0.0) -> float:
@@ -35,8 +35,7 @@ def test_steps_on_a_line_give_its_intercept_over_its_slope() -> None:
     fit = StepPriceFit()
     run(fit, line(0.1, 0.001, SPREAD))
     assert fit.steps == 8
-    a, b = fit.coefficients or (0.0, 0.0)
-    assert a == pytest.approx(0.1) and b == pytest.approx(0.001)
+    assert fit.coefficients == StepCost(pytest.approx(0.1), pytest.approx(0.001))
     assert fit.sigma == pytest.approx(100.0)
 
 
@@ -86,7 +85,7 @@ def test_a_negative_intercept_prices_a_step_end_at_zero() -> None:
     their tokens) has no σ at all."""
     fit = StepPriceFit()
     run(fit, line(-0.01, 0.001, SPREAD))
-    assert (fit.coefficients or (0.0, 0.0))[0] == pytest.approx(-0.01)
+    assert (fit.coefficients or StepCost(0.0, 0.0)).step_s == pytest.approx(-0.01)
     assert fit.sigma == 0.0
     flat = StepPriceFit()
     run(flat, line(0.5, 0.0, SPREAD))
@@ -108,8 +107,7 @@ def test_decay_weighs_older_steps_less_and_forgets_them() -> None:
     for x, t in points:
         halved.add(x, t)
         equal.add(x, t)
-    a, b = halved.coefficients or (0.0, 0.0)
-    assert a == pytest.approx(6 / 65) and b == pytest.approx(9 / 6500)
+    assert halved.coefficients == StepCost(pytest.approx(6 / 65), pytest.approx(9 / 6500))
     assert halved.sigma == pytest.approx(200 / 3)
     assert equal.sigma == pytest.approx(400 / 9)
 

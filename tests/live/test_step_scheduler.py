@@ -233,7 +233,7 @@ def test_the_scheduler_is_guarded_to_the_vllm_it_was_written_for() -> None:
 def test_the_scheduler_class_follows_vllms_async_choice_and_is_recognised() -> None:
     from types import SimpleNamespace
 
-    from lmcache_histate.backends.vllm.interval_saves import SCHEDULER_CLS
+    from lmcache_histate.backends.vllm.connector_config import SCHEDULER_CLS
     from lmcache_histate.backends.vllm.step_scheduler import (
         HiStateAsyncScheduler,
         HiStateScheduler,

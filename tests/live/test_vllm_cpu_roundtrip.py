@@ -298,7 +298,7 @@ def test_layout_rules_give_the_hand_derived_rows() -> None:
 
 def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None:
     """A server geometry sized for the other layout stops vLLM with both numbers named."""
-    from lmcache_histate.backends.vllm.interval_saves import SettingsError, check_server_geometry
+    from lmcache_histate.backends.vllm.connector_config import SettingsError, check_server_geometry
 
     # float32 layout on the server, bfloat16 state in the engine (AVX2): 411,648 vs 215,040.
     server = {"model": "tiny", "snapshot_bytes": 411_648, "kv_bytes_per_token": 512.0,

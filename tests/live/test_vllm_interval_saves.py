@@ -1,7 +1,7 @@
 """Interval-driven saves: the connector's policy (pure) and the stored objects on a live stack.
 
-Pure part (no vLLM): ``lmcache_histate.backends.vllm.interval_saves`` -- the settings check, plan
-sanitising, the STORE block-id rewrite.
+Pure part: ``backends/vllm/connector_config.py`` and ``saves.py`` -- the settings check,
+plan sanitising, the STORE block-id rewrite.
 
 Live part (module-scoped: one ``histate-server`` and one vLLM CPU engine for all tests):
 
@@ -30,14 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lmcache_histate.backends.vllm.interval_saves import (
+from lmcache_histate.backends.vllm.connector_config import (
     SCHEDULER_CLS,
-    LocalPlanner,
-    RequestSaves,
     SettingsError,
     allowed_batched_tokens,
     check_vllm_settings,
     configured_step_price,
+)
+from lmcache_histate.backends.vllm.saves import (
+    LocalPlanner,
+    RequestSaves,
+    StoreRewrite,
     planned_step_end,
     rewrite_store_block_ids,
     sanitize_plan,
@@ -142,7 +145,7 @@ def test_the_step_price_setting_is_measured_or_a_fixed_number() -> None:
     assert configured_step_price("measured") is None
     assert configured_step_price(0) == 0.0 and configured_step_price(25.5) == 25.5
     for bad in (-1, float("inf"), float("nan"), "25", True, None):
-        with pytest.raises(SettingsError, match=r"'histate.step_price' must be \"measured\" "
+        with pytest.raises(SettingsError, match=r"histate\.step_price: must be \"measured\" "
                                                 r"or a finite number >= 0"):
             configured_step_price(bad)
 
@@ -179,20 +182,21 @@ def test_rewrite_nulls_unchosen_recurrent_chunks_and_uses_offered_blocks() -> No
         saves.offer(g, block, 2 * CHUNK)  # exact blocks offered for boundary 768
     for g, block in ((0, 104), (1, 204)):  # group 2 missing for 1536
         saves.offer(g, block, 4 * CHUNK)
-    out, kept, dropped, missing = rewrite_store_block_ids(
+    rewrite = rewrite_store_block_ids(
         ids, start=0, end=4 * CHUNK, chunk_tokens=CHUNK, group_tokens_per_block=[CHUNK] * 4,
         recurrent_groups=[0, 1, 2], keep=[2 * CHUNK, 4 * CHUNK], offered=saves.offered,
     )
+    out = rewrite.block_ids
     assert out[3] == ids[3]  # attention KV of every chunk
     assert out[0] == [0, 102, 0, 0] and out[1] == [0, 202, 0, 0] and out[2] == [0, 302, 0, 0]
-    assert kept == [2 * CHUNK] and dropped == 3 and missing == [4 * CHUNK]
+    assert rewrite == StoreRewrite(out, kept=[2 * CHUNK], dropped=3, missing=[4 * CHUNK])
     # Two blocks per chunk (chunk = 2 blocks): the state goes in the chunk's last slot.
-    out, kept, _, _ = rewrite_store_block_ids(
+    rewrite = rewrite_store_block_ids(
         [[1, 2, 3, 4], [5, 6, 7, 8]], start=CHUNK * 2, end=CHUNK * 6, chunk_tokens=2 * CHUNK,
         group_tokens_per_block=[CHUNK, CHUNK], recurrent_groups=[0],
         keep=[6 * CHUNK], offered={6 * CHUNK: {0: 99}},
     )
-    assert out == [[0, 0, 0, 99], [5, 6, 7, 8]] and kept == [6 * CHUNK]
+    assert rewrite.block_ids == [[0, 0, 0, 99], [5, 6, 7, 8]] and rewrite.kept == [6 * CHUNK]
 
 
 # ------------------------------------------------------------------------------ live

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_histate.backends.server.disk import file_format as df
 
-from lmcache_histate.config import HiStateConfig
+from lmcache_histate.config import HiStateConfig, cache_config
 from lmcache_histate.core.cache import CacheConfig, HiStateCache
 from lmcache_histate.core.model_geometry import snapshot_tokens
 from lmcache_histate.core.tiers import (
@@ -80,27 +80,19 @@ _PART_OF_KIND = {ATTENTION: KV, RECURRENT: SNAPSHOT}
 def core_config(
     cfg: HiStateConfig, chunk: int, kv_chunk_bytes: int, snapshot_bytes: int, disk_bytes: int
 ) -> CacheConfig:
-    """The core's configuration for one model: the YAML's rule knobs over the server's two
-    tiers (KV and final snapshots in CPU memory, intermediate snapshots and final copies on
-    disk; the engine's own block pool is not a tier here). ``disk_bytes``: the disk tier's
-    payload capacity (``payload_capacity``). The rule is the simulator's ``histate`` row's
-    (``tests/test_server_config.py`` holds the two to it)."""
-    return CacheConfig(
+    """The core's configuration for one model: the YAML's rule knobs (``config.cache_config``,
+    the mapping the simulator's HiState rows use too: ``config`` NOTE 9) over the server's
+    two tiers (KV and final snapshots in CPU memory, intermediate snapshots and final copies
+    on disk; the engine's own block pool is not a tier here). ``disk_bytes``: the disk
+    tier's payload capacity (``payload_capacity``)."""
+    return cache_config(
+        cfg.knobs,
         chunk_tokens=chunk,
         kv_chunk_bytes=kv_chunk_bytes,
         snapshot_bytes=snapshot_bytes,
         tiers=(TierSpec("cpu", int(cfg.cpu_bytes * cfg.cpu_fill)), TierSpec("disk", disk_bytes)),
         rules=PlacementRules(kv_tier=ServerTier.CPU, snapshot_tier=ServerTier.DISK,
                              final_tier=ServerTier.CPU, final_copy_tier=ServerTier.DISK),
-        tau=cfg.tau,
-        refresh_all=cfg.refresh_all,
-        exposed_ends=cfg.exposed_ends,
-        hit_positions=cfg.hit_positions,
-        supported_intervals=tuple(i for i in cfg.intervals if i % chunk == 0) or None,
-        max_interval_chunks=cfg.max_interval_chunks,
-        ema_alpha=cfg.ema_alpha,
-        end_probability_prior=cfg.end_probability_prior,
-        initial_pressure_factor=cfg.initial_pressure_factor,
     )
 
 

@@ -153,6 +153,7 @@ def baseline_policies(
     caps = {"gpu_bytes": gpu_bytes, "cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes}
     interval = {
         "supported_intervals": supported_intervals(chunk_tokens, max_interval_chunks),
+        "max_interval_chunks": max_interval_chunks,
         "ema_alpha": ema_alpha,
         "step_tokens": step_grid[0],
         "step_price": step_grid[1],
