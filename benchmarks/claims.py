@@ -51,6 +51,7 @@ BENCH = ROOT / "benchmarks"
 LIVE = BENCH / "live"
 sys.path.insert(0, str(LIVE))
 import run_live  # noqa: E402  (benchmarks/live is a folder of scripts, not a package)
+import stacks  # noqa: E402
 
 DEMO = ROOT / "docs" / "demo.md"
 SOURCES = {
@@ -69,7 +70,9 @@ PAGES = (ROOT / "README.md", BENCH / "README.md")
 SIM_HEADINGS = ("### Simulator at the paper's load", "### Try the simulator",
                 "### Under memory pressure", "### At the paper's load",
                 "### The whole shared Weka folder", "### The eviction rule across capacities",
-                "### Rewrite test", "### Several nodes")
+                "### Rewrite test", "### Several nodes",
+                # benchmarks/README.md's live runs, whose verdicts the live-* blocks render
+                "## live — ", "### The same benchmark on ")
 # README sections whose text outside the blocks may carry neither a ranking word nor a number.
 SOURCED_HEADINGS = ("### What `make demo` shows", "### Live")
 RANKING = re.compile(r"\b(ahead|beats?|outperforms?|wins?|faster|slower|lower|higher|lowest|"
@@ -357,8 +360,20 @@ def render_live_table(data: Mapping[str, Any]) -> str:
                  f"prompt tokens ({100 * reach / max(prompt, 1):.1f} %)")
     lines = [f"{data['requests']} requests ({len(data['sensitive'])} reuse-sensitive, {first} "
              f"first turns), {'/'.join(map(str, sorted(reps)))} repetitions{reachable}.", "",
-             *run_live.spread_table(dict(data))]
+             *run_live.spread_table(dict(data)), ""]
+    for stack in data["repetitions"]:
+        if stack != "histate":
+            said = "; ".join(
+                f"{label} {run_live.versus(*(_per_rep(data, k, stat) for k in ('histate', stack)))}"
+                for stat, label in LIVE_MORE)
+            lines.append(f"* HiState against {stacks.TITLES[stack]}: {said}.")
+    lines += ["", "(Each verdict: HiState's value higher or lower than the row's in every "
+              "repetition against every repetition, else tie; `run_live.py` `versus`.)"]
     return "\n".join(lines) + "\n"
+
+
+LIVE_MORE = (("cached_tokens", "hit tokens"), ("sensitive_mean_s", "reuse-sensitive mean"),
+             ("first_turns_mean_s", "first turns"))
 
 
 def render_demo(docs: Mapping[str, Any]) -> str:
@@ -452,7 +467,7 @@ def _sim_sections(text: str, headings: tuple[str, ...] = SIM_HEADINGS,
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if any(line == h if exact else line.startswith(h) for h in headings):
-            level = len(line) - len(line.lstrip("#"))
+            level = max(len(line) - len(line.lstrip("#")), 3)  # to the next subsection
             body = []
             for nxt in lines[i + 1:]:
                 if nxt.startswith("#") and len(nxt) - len(nxt.lstrip("#")) <= level:
