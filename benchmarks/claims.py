@@ -66,6 +66,13 @@ SOURCES = {
     "fleet": BENCH / "sim_fleet" / "fleet.json",
 }
 PAGES = (ROOT / "README.md", BENCH / "README.md")
+# Detail pages whose tables are single runs: the sections that read them may carry no ranking
+# word (their numbers are labelled single runs; ranked comparisons live in the blocks above).
+SINGLE_RUN_SECTIONS = {
+    BENCH / "sim_weka.md": ("### Sensitivity to the capture cost", "### What it means"),
+    BENCH / "sim_eviction.md": ("### The shared subset at the paper's load",
+                                "### The whole shared folder at 1/8", "## What it means"),
+}
 # Headings of the simulator sections (a section runs to the next heading of its level).
 SIM_HEADINGS = ("### Simulator at the paper's load", "### Try the simulator",
                 "### Under memory pressure", "### At the paper's load",
@@ -530,9 +537,19 @@ def check_live_pages() -> list[Problem]:
             if run_live.rendered(folder) != (folder / "live.md").read_text()]
 
 
+def check_single_runs(text: str, name: str, headings: tuple[str, ...]) -> list[Problem]:
+    """No ranking word in the prose of a detail page's single-run sections."""
+    return [Problem(name, f"ranking word {m.group(0)!r} in a single-run section: "
+                          f"{line.strip()[:80]!r}")
+            for section in _sim_sections(text, headings) for line in _prose(section)
+            if (m := RANKING.search(line))]
+
+
 def check(pages: tuple[Path, ...] = PAGES, docs: Mapping[str, Any] | None = None) -> list[Problem]:
     docs = load_docs() if docs is None else docs
     problems = check_live_pages()
+    for page, headings in SINGLE_RUN_SECTIONS.items():
+        problems += check_single_runs(page.read_text(), str(page.relative_to(ROOT)), headings)
     for page in pages:
         problems += check_page(page.name if page.parent == ROOT else str(page.relative_to(ROOT)),
                                page.read_text(), docs)

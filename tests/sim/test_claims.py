@@ -148,3 +148,12 @@ def test_the_demo_block_is_cut_from_the_recorded_output_and_live_prose_has_no_nu
         "\"* HiState's p99 is 1.2 s in 4 repetitions.\"",
         "P.md: 'lower' outside a claims block where every number and rank comes from a file: "
         "'* It is lower.'"]
+
+
+def test_a_single_run_section_may_state_numbers_but_rank_nothing() -> None:
+    claims = _claims()
+    page = ("## What it means\n\n| row | p99 |\n|---|---:|\n| lru | 4.7 |\n\n"
+            "* A single run: `lru` 4.7 s against 4.8 s.\n* HiState is lower here.\n\n"
+            "## Other\n\n* HiState is lower.\n")
+    assert [str(p) for p in claims.check_single_runs(page, "D.md", ("## What it means",))] == [
+        "D.md: ranking word 'lower' in a single-run section: '* HiState is lower here.'"]
