@@ -285,6 +285,19 @@ def render_fleet(docs: Mapping[str, Any]) -> str:
               "requests and on both halves of the sessions, the fleet page's halves: sorted "
               "session ids, first half and second; else tie. In brackets: the row's mean ÷ "
               "HiState + shared tier's, all requests.)"]
+    # Session affinity: each session stays on its node, so the shared tier is rarely read.
+    affinity = {c["row"]: c for c in docs["fleet"] if c["router"] == "session-affinity"}
+    if {"histate", FLEET_BASE} <= affinity.keys():
+        aff = [{row: {m: Spread.of(affinity[row]["values"][f"{part}:{m}"])
+                      for m in FLEET_METRICS} for row in ("histate", FLEET_BASE)}
+               for part in ("all", "A", "B")]
+        share = Spread.of(affinity[FLEET_BASE]["values"]["all:shared_hit_share"])
+        said = "; ".join(f"{name} {compare(aff, FLEET_BASE, 'histate', metric)}"
+                         for metric, name in FLEET_METRICS.items())
+        lines += ["", f"* Session affinity (a session's turns stay on one node): HiState + "
+                  f"shared tier against HiState, each node's own tiers: {said}; the shared "
+                  f"tier served {100 * share.lo:.2f}–{100 * share.hi:.2f} % of the requests "
+                  "per repeat."]
     return "\n".join(lines) + "\n"
 
 
