@@ -18,6 +18,17 @@ sessions (halves not run)" where they rank rows.
 Outside the blocks, the simulator sections may carry no comparative word (``RANKING``):
 ``check`` flags one, so a sentence that ranks rows cannot be added by hand.
 
+The live numbers follow the same scheme. README's live table and its verdicts
+(``render_live``) and each live table of ``benchmarks/README.md`` (``render_live_table``,
+blocks ``live-SUFFIX`` for ``benchmarks/live/results-SUFFIX``) are rendered from the
+recorded ``live.json`` files through ``run_live.py``'s own statistics: each statistic on
+each repetition on its own, median [min – max] over the interleaved repetitions, and a
+rank only where the ranges do not touch (``run_live.versus``), else "tie". Every
+``live.md`` must be what ``run_live.py --render`` writes from its ``live.json``. README's
+demo summary (block ``demo``) is cut from the demo's recorded output in ``docs/demo.md``
+(``render_demo``). Outside the blocks, README's live and demo sections may carry no
+ranking word and no number (``SOURCED_HEADINGS``): each number there comes from a file.
+
 Usage: ``python benchmarks/claims.py [--write]`` (from the repository root).
 """
 
@@ -37,6 +48,12 @@ from lmcache_histate.sim.repeats import Spread, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
+LIVE = BENCH / "live"
+sys.path.insert(0, str(LIVE))
+import run_live  # noqa: E402  (benchmarks/live is a folder of scripts, not a package)
+import stacks  # noqa: E402
+
+DEMO = ROOT / "docs" / "demo.md"
 SOURCES = {
     "paper-load": BENCH / "sim_weka" / "paper_load_r5.json",
     "paper-load-a": BENCH / "sim_weka" / "paper_load_half_a.json",
@@ -49,11 +66,22 @@ SOURCES = {
     "fleet": BENCH / "sim_fleet" / "fleet.json",
 }
 PAGES = (ROOT / "README.md", BENCH / "README.md")
+# Detail pages whose tables are single runs: the sections that read them may carry no ranking
+# word (their numbers are labelled single runs; ranked comparisons live in the blocks above).
+SINGLE_RUN_SECTIONS = {
+    BENCH / "sim_weka.md": ("### Sensitivity to the capture cost", "### What it means"),
+    BENCH / "sim_eviction.md": ("### The shared subset at the paper's load",
+                                "### The whole shared folder at 1/8", "## What it means"),
+}
 # Headings of the simulator sections (a section runs to the next heading of its level).
 SIM_HEADINGS = ("### Simulator at the paper's load", "### Try the simulator",
                 "### Under memory pressure", "### At the paper's load",
                 "### The whole shared Weka folder", "### The eviction rule across capacities",
-                "### Rewrite test", "### Several nodes")
+                "### Rewrite test", "### Several nodes",
+                # benchmarks/README.md's live runs, whose verdicts the live-* blocks render
+                "## live — ", "### The same benchmark on ")
+# README sections whose text outside the blocks may carry neither a ranking word nor a number.
+SOURCED_HEADINGS = ("### What `make demo` shows", "### Live")
 RANKING = re.compile(r"\b(ahead|beats?|outperforms?|wins?|faster|slower|lower|higher|lowest|"
                      r"highest)\b", re.I)
 BLOCK = re.compile(r"<!-- claims:([a-z0-9-]+) -->\n(.*?)<!-- /claims -->", re.S)
@@ -257,7 +285,155 @@ def render_fleet(docs: Mapping[str, Any]) -> str:
               "requests and on both halves of the sessions, the fleet page's halves: sorted "
               "session ids, first half and second; else tie. In brackets: the row's mean ÷ "
               "HiState + shared tier's, all requests.)"]
+    # Session affinity: each session stays on its node, so the shared tier is rarely read.
+    affinity = {c["row"]: c for c in docs["fleet"] if c["router"] == "session-affinity"}
+    if {"histate", FLEET_BASE} <= affinity.keys():
+        aff = [{row: {m: Spread.of(affinity[row]["values"][f"{part}:{m}"])
+                      for m in FLEET_METRICS} for row in ("histate", FLEET_BASE)}
+               for part in ("all", "A", "B")]
+        share = Spread.of(affinity[FLEET_BASE]["values"]["all:shared_hit_share"])
+        said = "; ".join(f"{name} {compare(aff, FLEET_BASE, 'histate', metric)}"
+                         for metric, name in FLEET_METRICS.items())
+        lines += ["", f"* Session affinity (a session's turns stay on one node): HiState + "
+                  f"shared tier against HiState, each node's own tiers: {said}; the shared "
+                  f"tier served {100 * share.lo:.2f}–{100 * share.hi:.2f} % of the requests "
+                  "per repeat."]
     return "\n".join(lines) + "\n"
+
+
+# README's live table: (workload, the results folder's suffix), and the rows of each cell.
+LIVE_README = (("bundled sample", "avx512"), ("shared Weka folder", "weka-cc-avx512"),
+               ("bundled sample", "production-avx512"),
+               ("Weka folder", "production-weka-avx512"))
+LIVE_CELL = ("histate", "lmcache", "vllm-grid")
+LIVE_VERSUS = ("lmcache", "vllm-grid")
+LIVE_STATS = (("cached_tokens", "hit tokens"), ("mean_s", "TTFT mean"), ("p99_s", "p99"),
+              ("first_turns_mean_s", "first turns"))
+MODEL_WORDS = {"tiny": "tiny model", "production": "production-size model"}
+
+
+def _per_rep(data: Mapping[str, Any], stack: str, stat: str) -> list[float]:
+    return [r[stat] for r in data["repetitions"][stack]]
+
+
+def _median(data: Mapping[str, Any], stack: str, stat: str) -> float:
+    return run_live.spread(_per_rep(data, stack, stat))[0]
+
+
+def _range(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+
+
+def render_live(docs: Mapping[str, Any]) -> str:
+    """README's live table: per workload (``LIVE_README``) the median over the repetitions of
+    each statistic of each repetition (``run_live.spread``), HiState / the LMCache row / vLLM
+    alone on the state grid; then each of HiState's statistics against the other two rows,
+    ranked only beyond the spread (``run_live.versus``), and the objects each server refused
+    for lack of L1 room per repetition."""
+    sets = [(label, docs[f"live-{suffix}"]) for label, suffix in LIVE_README]
+    reps = sorted({len(d["repetitions"]["histate"]) for _, d in sets})
+    isas = sorted({d["layout"]["isa"] for _, d in sets})
+    lines = [f"Recorded on {' / '.join(isas)} with {' / '.join(map(str, reps))} interleaved "
+             "repetitions of every stack. Each cell: HiState / LMCache's LRU server / vLLM "
+             "alone (split on the state grid, as on a GPU), each statistic computed on each "
+             "repetition on its own (p99: that repetition's own p99) and given as the median "
+             "over the repetitions; hit tokens as a share of the prompt tokens, in brackets "
+             "the reachable share (a cache that never evicts):", "",
+             "| workload | hit tokens (reachable) | TTFT mean (s) | p99 (s) | first turns (s) |",
+             "|---|---:|---:|---:|---:|"]
+    for label, d in sets:
+        prompt = next(iter(d["summary"].values()))["prompt_tokens"]
+        hits = " / ".join(f"{100 * _median(d, k, 'cached_tokens') / prompt:.1f}"
+                          for k in LIVE_CELL)
+        cells = [" / ".join(f"{_median(d, k, stat):.3f}" for k in LIVE_CELL)
+                 for stat in ("mean_s", "p99_s", "first_turns_mean_s")]
+        pool = d["budget"]["gpu_pool_bytes"] / 2**20
+        lines.append(f"| {MODEL_WORDS[d['model_size']]}, {label}, {d['requests']} req., "
+                     f"{pool:g} MiB KV pool | {hits} % "
+                     f"({100 * d['reachable_tokens'] / prompt:.1f} %) | " + " | ".join(cells)
+                     + " |")
+    lines += ["", "HiState against the LMCache row / vLLM alone (state grid): higher or lower "
+              "where every repetition of one lies beyond every repetition of the other, else "
+              "tie (`run_live.py` `versus`); and the objects of STOREs each server refused for "
+              "lack of L1 room, over the repetitions:", "",
+              "| workload | " + " | ".join(h for _, h in LIVE_STATS)
+              + " | refused objects, LMCache / HiState |",
+              "|---|" + "---|" * len(LIVE_STATS) + "---|"]
+    for label, d in sets:
+        cells = [" / ".join(run_live.versus(_per_rep(d, "histate", stat), _per_rep(d, k, stat))
+                            for k in LIVE_VERSUS) for stat, _ in LIVE_STATS]
+        refused = " / ".join(_range(d["l1_refused"][k]) for k in ("lmcache", "histate"))
+        lines.append(f"| {MODEL_WORDS[d['model_size']]}, {label} | " + " | ".join(cells)
+                     + f" | {refused} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_live_table(data: Mapping[str, Any]) -> str:
+    """One run of ``benchmarks/README.md``'s live section: its sizes and reachable hits, and
+    ``run_live.spread_table`` (the table its ``live.md`` leads with)."""
+    prompt = next(iter(data["summary"].values()))["prompt_tokens"]
+    first = next(iter(data["repetitions"].values()))[0]["first_turns"]
+    reps = {len(r) for r in data["repetitions"].values()}
+    reach = data.get("reachable_tokens")  # not recorded by the earliest runs
+    reachable = ("" if reach is None else f"; reachable hit tokens {reach:,} of {prompt:,} "
+                 f"prompt tokens ({100 * reach / max(prompt, 1):.1f} %)")
+    lines = [f"{data['requests']} requests ({len(data['sensitive'])} reuse-sensitive, {first} "
+             f"first turns), {'/'.join(map(str, sorted(reps)))} repetitions{reachable}.", "",
+             *run_live.spread_table(dict(data)), ""]
+    for stack in data["repetitions"]:
+        if stack != "histate":
+            said = "; ".join(
+                f"{label} {run_live.versus(*(_per_rep(data, k, stat) for k in ('histate', stack)))}"
+                for stat, label in LIVE_MORE)
+            lines.append(f"* HiState against {stacks.TITLES[stack]}: {said}.")
+    lines += ["", "(Each verdict: HiState's value higher or lower than the row's in every "
+              "repetition against every repetition, else tie; `run_live.py` `versus`.)"]
+    return "\n".join(lines) + "\n"
+
+
+LIVE_MORE = (("cached_tokens", "hit tokens"), ("sensitive_mean_s", "reuse-sensitive mean"),
+             ("first_turns_mean_s", "first turns"))
+
+
+def render_demo(docs: Mapping[str, Any]) -> str:
+    """README's demo block: from the recorded output in ``docs/demo.md`` (its ``Summary``
+    table), the header, the rows ``DEMO_ROWS`` and the closing rule, then the line comparing
+    HiState with the LRU run, verbatim."""
+    out: list[str] = docs["demo"]
+    at = next(i for i, line in enumerate(out) if line.strip() == "Summary")
+    end = next(i for i in range(at, len(out)) if out[i].startswith("└"))
+    table = [line for line in out[at + 1:end]
+             if line.startswith(("┏", "┃", "┡"))
+             or any(line.startswith(f"│ {row} ") for row in DEMO_ROWS)]
+    verdict_at = next(i for i in range(end, len(out)) if out[i].startswith("HiState vs "))
+    said = out[verdict_at:next(i for i in range(verdict_at + 1, len(out))
+                               if out[i].startswith("HiState server:"))]
+    settings = dict(re.findall(r"(\w+)=([^,\s]+)", " ".join(out).split("Settings:", 1)[1]))
+    return (f"Its summary as `docs/demo.md` records it ({settings['sessions']} sessions, "
+            f"{settings['requests']} requests, {settings['cpu_isa']}, block "
+            f"{settings['chunk']}):\n\n```text\n" + "\n".join([*table, out[end], *said])
+            + "\n```\n")
+
+
+DEMO_ROWS = ("cached tokens (hit rate)", "tokens computed", "TTFT mean (ms)", "TTFT p90 (ms)",
+             "disk tier at the end (files / MB)")
+
+
+def demo_output(text: str) -> list[str]:
+    """The lines of the recorded output on ``docs/demo.md``: its first ``text`` fence after
+    the ``## Output`` heading."""
+    body = text.split("\n## Output\n", 1)[1]
+    return body.split("```text\n", 1)[1].split("\n```", 1)[0].splitlines()
+
+
+def live_results() -> dict[str, Path]:
+    """``live-SUFFIX`` -> ``benchmarks/live/results-SUFFIX``, every folder whose live.json
+    keeps its per-request records (``runs``; two early folders have none and are not
+    quoted)."""
+    return {f"live-{p.name.removeprefix('results-')}": p
+            for p in sorted(LIVE.glob("results-*"))
+            if (p / "live.json").is_file() and '"runs"' in (p / "live.json").read_text()}
 
 
 RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
@@ -266,7 +442,17 @@ RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "rewrite": render_rewrite,
     "rewrite-retention": lambda docs: render_rewrite(docs, "rewrite-retention"),
     "fleet": render_fleet,
+    "live": render_live,
+    "demo": render_demo,
 }
+
+
+def renderer(block: str) -> Callable[[Mapping[str, Any]], str] | None:
+    """The function that renders ``block``: ``RENDER``'s, or for ``live-SUFFIX`` the live
+    table of ``benchmarks/live/results-SUFFIX`` (``render_live_table``)."""
+    if block.startswith("live-"):
+        return lambda docs: render_live_table(docs[block])
+    return RENDER.get(block)
 
 
 @dataclass(frozen=True)
@@ -284,17 +470,24 @@ OPTIONAL = ("pressure-a", "pressure-b")
 
 
 def load_docs(sources: Mapping[str, Path] = SOURCES) -> dict[str, Any]:
-    return {k: json.loads(p.read_text()) for k, p in sources.items()
-            if k not in OPTIONAL or p.is_file()}
+    """The result files: ``sources``' JSON, every live run (``run_live.load``) and the
+    demo's recorded output (``demo_output``)."""
+    docs: dict[str, Any] = {k: json.loads(p.read_text()) for k, p in sources.items()
+                            if k not in OPTIONAL or p.is_file()}
+    docs.update({k: run_live.load(p) for k, p in live_results().items()})
+    docs["demo"] = demo_output(DEMO.read_text())
+    return docs
 
 
-def _sim_sections(text: str) -> list[str]:
-    """The text of every simulator section of a page (``SIM_HEADINGS``)."""
+def _sim_sections(text: str, headings: tuple[str, ...] = SIM_HEADINGS,
+                  exact: bool = False) -> list[str]:
+    """The text of every section of a page under one of ``headings`` (the simulator's by
+    default; with ``exact`` a heading must be the whole line)."""
     out = []
     lines = text.splitlines()
     for i, line in enumerate(lines):
-        if any(line.startswith(h) for h in SIM_HEADINGS):
-            level = len(line) - len(line.lstrip("#"))
+        if any(line == h if exact else line.startswith(h) for h in headings):
+            level = max(len(line) - len(line.lstrip("#")), 3)  # to the next subsection
             body = []
             for nxt in lines[i + 1:]:
                 if nxt.startswith("#") and len(nxt) - len(nxt.lstrip("#")) <= level:
@@ -308,10 +501,11 @@ def check_page(name: str, text: str, docs: Mapping[str, Any]) -> list[Problem]:
     """Every block of ``text`` as its file renders it; no ranking word outside blocks."""
     problems = []
     for block, body in BLOCK.findall(text):
-        if block not in RENDER:
+        render = renderer(block)
+        if render is None or (block.startswith("live-") and block not in docs):
             problems.append(Problem(name, f"unknown claims block {block!r}"))
             continue
-        want = RENDER[block](docs)
+        want = render(docs)
         if body != want:
             got_lines, want_lines = body.splitlines(), want.splitlines()
             diff = next((f"line {i + 1}: page {g!r}, file {w!r}" for i, (g, w)
@@ -326,12 +520,49 @@ def check_page(name: str, text: str, docs: Mapping[str, Any]) -> list[Problem]:
             if m:
                 problems.append(Problem(name, f"ranking word {m.group(0)!r} outside a claims "
                                               f"block: {line.strip()[:80]!r}"))
+    for section in _sim_sections(BLOCK.sub("", text), SOURCED_HEADINGS, exact=True):
+        for line in _prose(section):
+            m = RANKING.search(line) or NUMBER.search(line)
+            if m:
+                problems.append(Problem(name, f"{m.group(0)!r} outside a claims block where "
+                                              f"every number and rank comes from a file: "
+                                              f"{line.strip()[:80]!r}"))
     return problems
+
+
+NUMBER = re.compile(r"(?<![\w-])\d+(?:[.,]\d+)*(?![\w-])")  # not p99, L1, AVX-512
+
+
+def _prose(section: str) -> list[str]:
+    """The prose lines of ``section``: no fenced code, table or image line; inline code and
+    link targets removed."""
+    prose = "\n".join(section.split("```")[0::2])
+    return [re.sub(r"`[^`]*`|\]\([^)]*\)", "", line) for line in prose.splitlines()
+            if not line.startswith(("|", "!"))]
+
+
+def check_live_pages() -> list[Problem]:
+    """Every quoted run's ``live.md`` is what ``run_live.py --render`` writes from its
+    ``live.json`` (``run_live.rendered``)."""
+    return [Problem(str((folder / "live.md").relative_to(ROOT)),
+                    "differs from what `run_live.py --render` writes from its live.json")
+            for folder in live_results().values()
+            if run_live.rendered(folder) != (folder / "live.md").read_text()]
+
+
+def check_single_runs(text: str, name: str, headings: tuple[str, ...]) -> list[Problem]:
+    """No ranking word in the prose of a detail page's single-run sections."""
+    return [Problem(name, f"ranking word {m.group(0)!r} in a single-run section: "
+                          f"{line.strip()[:80]!r}")
+            for section in _sim_sections(text, headings) for line in _prose(section)
+            if (m := RANKING.search(line))]
 
 
 def check(pages: tuple[Path, ...] = PAGES, docs: Mapping[str, Any] | None = None) -> list[Problem]:
     docs = load_docs() if docs is None else docs
-    problems = []
+    problems = check_live_pages()
+    for page, headings in SINGLE_RUN_SECTIONS.items():
+        problems += check_single_runs(page.read_text(), str(page.relative_to(ROOT)), headings)
     for page in pages:
         problems += check_page(page.name if page.parent == ROOT else str(page.relative_to(ROOT)),
                                page.read_text(), docs)
@@ -342,8 +573,8 @@ def write(pages: tuple[Path, ...] = PAGES) -> None:
     docs = load_docs()
     for page in pages:
         text = page.read_text()
-        new = BLOCK.sub(lambda m: f"<!-- claims:{m.group(1)} -->\n{RENDER[m.group(1)](docs)}"
-                                  "<!-- /claims -->", text)
+        new = BLOCK.sub(lambda m: f"<!-- claims:{m.group(1)} -->\n"
+                                  f"{renderer(m.group(1))(docs)}<!-- /claims -->", text)
         if new != text:
             page.write_text(new)
             print(f"rewrote the claims blocks of {page.relative_to(ROOT)}")

@@ -147,12 +147,14 @@ def test_shipped_configs_are_valid(name: str) -> None:
     assert cfg.chunk_size > 0
 
 
-def test_the_example_config_fits_a_small_machine_beside_vllm() -> None:
-    """``configs/histate.yaml`` starts as shipped on a 2-core / 24 GiB machine: its CPU tier
-    (allocated whole at start) takes at most a sixth of 24 GiB, leaving the rest to vLLM and
-    the OS, and its disk tier fits a small VM disk (at most 16 GiB). Checked by hand on such a
-    machine: ``histate-server --config configs/histate.yaml`` answers /healthcheck."""
-    cfg = load_config(REPO / "configs" / "histate.yaml")
+@pytest.mark.parametrize("name", ["histate.yaml", "lru-baseline.yaml"])
+def test_the_example_config_fits_a_small_machine_beside_vllm(name: str) -> None:
+    """``configs/histate.yaml`` and its baseline ``lru-baseline.yaml`` start as shipped on a
+    2-core / 24 GiB machine: the CPU tier (allocated whole at start) takes at most a sixth of
+    24 GiB, leaving the rest to vLLM and the OS, and the disk tier fits a small VM disk (at
+    most 16 GiB). Checked by hand on such a machine: ``histate-server --config configs/NAME``
+    answers /healthcheck."""
+    cfg = load_config(REPO / "configs" / name)
     assert cfg.cpu_gib <= 24 / 6 and cfg.disk_gib <= 16
 
 

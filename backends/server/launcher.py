@@ -330,17 +330,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
+    if not args.dry_run:
+        # Sizes, folders and ports against this machine before anything is printed: a
+        # server that cannot start prints its one-line error and no command line or flags.
+        # (A dry run prints the flags for a machine that may be another.)
+        try:
+            preflight.check(cfg)
+        except ConfigError as exc:
+            print(f"histate-server: {exc}", file=sys.stderr)
+            return 2
     print("lmcache " + shlex.join(lmcache_args), flush=True)
     print("vLLM --kv-transfer-config: "
           + json.dumps(kv_transfer_config(cfg), separators=(",", ":")), flush=True)
     print("vLLM flags: " + shlex.join(vllm_flags(cfg)), flush=True)
     if args.dry_run:
         return 0
-    try:
-        preflight.check(cfg)
-    except ConfigError as exc:
-        print(f"histate-server: {exc}", file=sys.stderr)
-        return 2
     return run(cfg, lmcache_args, bindings)
 
 

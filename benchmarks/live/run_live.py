@@ -440,6 +440,8 @@ def runs_lines(keys: list[str]) -> list[str]:
 def reachable_line(data: dict[str, Any]) -> list[str]:
     """The hit tokens no stack can exceed (``workload.reachable_hit_tokens``), beside the
     prompt tokens: where stacks reach it, hits cannot tell their policies apart."""
+    if "reachable_tokens" not in data:  # the earliest records (AVX2) did not count them
+        return []
     reach, share = data["reachable_tokens"], data.get("shareable_tokens", 0)
     prompt = next(iter(data["summary"].values()))["prompt_tokens"]
     # Concurrent sessions may arrive out of workload order (NOTE 5): say so where it matters.
@@ -570,19 +572,30 @@ def _guard_cell(v: dict[str, Any]) -> str:
                else ""))
 
 
-def render(out: Path) -> str:
-    """``out/live.md`` written again from ``out/live.json`` by today's ``markdown``, with the
-    per-repetition statistics recomputed from the per-request records (``runs``) and the
-    command line the page already names: no stack is run."""
+def load(out: Path) -> dict[str, Any]:
+    """``out/live.json`` with the per-repetition statistics recomputed from its per-request
+    records (``runs``) by today's ``summarize``."""
     data = json.loads((out / "live.json").read_text())
     data["repetitions"] = {k: [summarize(rows, set(data["sensitive"])) for rows in reps]
                            for k, reps in data["runs"].items()}
     data.setdefault("model_size", "tiny")
+    return data
+
+
+def rendered(out: Path) -> str:
+    """What ``out/live.md`` says when written from ``out/live.json`` (``load``) by today's
+    ``markdown``, with the command line the page already names: no stack is run."""
     old = (out / "live.md").read_text()
     command = re.search(r"^Command: `(.*)`$", old, re.M)
     if command is None:
         raise SystemExit(f"{out / 'live.md'}: no `Command:` line to keep")
-    text = markdown(data, command.group(1)) + f"\nWall time {data['wall_s']:.0f} s.\n"
+    data = load(out)
+    return markdown(data, command.group(1)) + f"\nWall time {data['wall_s']:.0f} s.\n"
+
+
+def render(out: Path) -> str:
+    """``out/live.md`` written again (``rendered``)."""
+    text = rendered(out)
     (out / "live.md").write_text(text)
     return text
 

@@ -207,7 +207,8 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
 ]
 
 
-def run(tmp: Path, values: dict[str, Any], argv: list[str] = ()) -> tuple[int, str]:
+def run(tmp: Path, values: dict[str, Any], argv: list[str] = ()) -> tuple[int, str, str]:
+    """Exit status, stderr and stdout of ``histate-server --config bad.yaml ARGV``."""
     (tmp / "file").write_text("x")
     port, http_port = free_ports(2)
     cfg = {"model": "tiny-qwen3-next", "chunk_size": 16, "cpu_gib": 0.05,
@@ -219,7 +220,7 @@ def run(tmp: Path, values: dict[str, Any], argv: list[str] = ()) -> tuple[int, s
     path.write_text(yaml.safe_dump(cfg))
     result = subprocess.run([sys.executable, "-m", LAUNCHER, "--config", str(path), *argv],
                             capture_output=True, text=True, timeout=120, check=False)
-    return result.returncode, result.stderr
+    return result.returncode, result.stderr, result.stdout
 
 
 def only_line(stderr: str) -> str:
@@ -232,9 +233,12 @@ def only_line(stderr: str) -> str:
 def test_bad_config_is_one_line(
     tmp_path: Path, redis_acl: RedisServer, make: Case, expected: str
 ) -> None:
-    status, stderr = run(tmp_path, make(tmp_path, redis_acl))
+    status, stderr, stdout = run(tmp_path, make(tmp_path, redis_acl))
     line = only_line(stderr)
     assert status == 2, stderr
+    # Nothing before the error: no lmcache command line or vLLM flags for a server that
+    # does not start (a too-large cpu_gib was found only after printing them).
+    assert stdout == "", stdout
     assert expected.format(t=tmp_path, redis=redis_acl.port,
                            redis_dir=redis_acl.workdir) in line, line
     assert PASSWORD not in stderr
@@ -243,8 +247,9 @@ def test_bad_config_is_one_line(
 @pytest.mark.parametrize(("argv", "expected"), [c[1:] for c in CLI_CASES],
                          ids=[c[0] for c in CLI_CASES])
 def test_bad_command_line_is_one_line(tmp_path: Path, argv: list[str], expected: str) -> None:
-    status, stderr = run(tmp_path, {}, argv)
+    status, stderr, stdout = run(tmp_path, {}, argv)
     assert status == 2 and expected in only_line(stderr), stderr
+    assert stdout == "", stdout
 
 
 def test_documented_rights_pass_the_start_up_check(

@@ -45,6 +45,7 @@ def test_session_stored_via_a_restores_via_b_identical_to_recompute(
 ) -> None:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
+    from support.load_counts import reconciled_loads
 
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
@@ -80,10 +81,12 @@ def test_session_stored_via_a_restores_via_b_identical_to_recompute(
                 a = engine_a.generate(prompts["A"], max_tokens=MAX_TOKENS,
                                       kv_transfer_params=ask, reset=True)
                 settle(server_a)
+                loaded_a = reconciled_loads(server_a, engine_a)
             with engine_on(server_b, "engine-b") as engine_b:
                 b = engine_b.generate(prompts["B"], max_tokens=MAX_TOKENS,
                                       logprobs=TOP_LOGPROBS, kv_transfer_params=ask, reset=True)
                 final_b = settle(server_b)
+                loaded_b = reconciled_loads(server_b, engine_b)
     finally:
         redis_server.stop()
 
@@ -92,6 +95,7 @@ def test_session_stored_via_a_restores_via_b_identical_to_recompute(
     # B: k chunks (an interval snapshot at kC, below the divergence at 8.6 chunks) from
     # A's files: k KV chunks + 1 snapshot loaded by server B's disk tier.
     assert b["num_cached_tokens"] == k * chunk
+    assert (loaded_a, loaded_b) == (0, k * chunk)  # server B's count is what vLLM took
     stats = b["kv_transfer_params"]["cached_token_stats"]
     assert stats["num_lmcache_cached_tokens"] == k * chunk
     loads = {n: v for n, v in final_b["disk"]["stats"].items() if n.startswith("loads")}

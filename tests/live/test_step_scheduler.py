@@ -114,6 +114,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
 ) -> None:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
+    from support.load_counts import reconciled_loads
 
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
@@ -162,6 +163,7 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
         z = engine.generate(ps["Z"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
                             kv_transfer_params=ask, reset=True)
         served = server.status()["histate"]
+        loaded = reconciled_loads(server, engine)
 
     length = len(ps["A"])
     saves = a["kv_transfer_params"]["histate_saves"]
@@ -211,6 +213,8 @@ def test_steps_end_only_at_planned_boundaries_and_restores_are_exact(
     # 3. Negative control: the same kind of hit with the restored state zeroed differs.
     assert z["num_cached_tokens"] == plan[0]
     assert z["logprobs"] != reference["Z"]["logprobs"], "zeroed state left outputs unchanged"
+    # 6. The server counted as loaded what vLLM took: each B's b, D's and Z's first boundary.
+    assert loaded == sum(plan) + 2 * plan[0]
 
 
 @needs_live

@@ -318,6 +318,7 @@ def test_restored_prefix_is_bit_identical_to_recompute(
 ) -> None:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
+    from support.load_counts import reconciled_loads
 
     row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
@@ -369,6 +370,7 @@ def test_restored_prefix_is_bit_identical_to_recompute(
                             kv_transfer_params=ask, reset=True)
         final = settle(server)
         status = server.status()
+        loaded = reconciled_loads(server, engine)
     t_cached = time.monotonic() - t1
 
     saves = a["kv_transfer_params"]["histate_saves"]
@@ -427,3 +429,5 @@ def test_restored_prefix_is_bit_identical_to_recompute(
     ref_c = reference["C"]
     assert c["num_cached_tokens"] == expected
     assert c["logprobs"] != ref_c["logprobs"], "zeroed recurrent state left the outputs unchanged"
+    # What the server counted as loaded is what vLLM took: B's and C's k chunks, A none.
+    assert loaded == 2 * expected

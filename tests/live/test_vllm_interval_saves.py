@@ -45,6 +45,7 @@ from lmcache_histate.backends.vllm.saves import (
     rewrite_store_block_ids,
     sanitize_plan,
 )
+from support.load_counts import reconciled_loads
 from test_vllm_cpu_roundtrip import (
     CPU_MODULE,
     LAUNCHER,
@@ -328,6 +329,8 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     print("\nturns:", json.dumps(stack.turns, indent=1))
     counts = [len(t["plan"]) for t in stack.turns]
     assert counts == [3, 2, 1]  # sparser snapshots as the pressure factor grows
+    # The server counted as loaded what vLLM took: turns 2 and 3 resumed at 7C and 14C.
+    assert reconciled_loads(stack.server, stack.engine) == 7 * chunk + 14 * chunk
 
 
 @needs_live
@@ -346,6 +349,7 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
              ((2 * first - 1) * chunk // 2, 7 * chunk),
              ((2 * first + 1) * chunk // 2, first * chunk), (chunk * 182 // 10, 14 * chunk)]
     seen = []
+    before = reconciled_loads(stack.server, stack.engine)
     for diverge, want in cases:
         tail = [rng.randrange(4, 2048) for _ in range(300)]
         if tail[0] == full[diverge]:
@@ -358,6 +362,7 @@ def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: St
         assert stats["num_lmcache_cached_tokens"] == want  # from LMCache (the disk tier)
         assert stats["num_vllm_cached_tokens"] == 0
     print("\nrewrites (divergence, hit, expected):", seen)
+    assert reconciled_loads(stack.server, stack.engine) - before == sum(w for _, w in cases)
     # Where snapshots are sparse the hit is the snapshot, not the chunk below the divergence.
     assert seen[-1][1] < 18 * chunk
 

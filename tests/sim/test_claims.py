@@ -93,3 +93,67 @@ def test_a_pressure_cell_lists_a_row_only_where_both_halves_agree() -> None:
     alone = claims.render_pressure({"pressure": whole}).splitlines()[2]
     assert alone.startswith("| 24 × 0.125 (all only) | 572 |")
     assert alone.endswith("| lru; none; none | none; none; none |")
+
+
+def _live_run(reps: dict[str, dict[str, list[float]]]) -> dict[str, object]:
+    """A hand-made ``run_live.load`` record: per stack and statistic, one value a repetition."""
+    stats = ("cached_tokens", "mean_s", "p99_s", "first_turns_mean_s")
+    return {"model_size": "tiny", "layout": {"isa": "AVX2"}, "requests": 10,
+            "reachable_tokens": 800, "budget": {"gpu_pool_bytes": 5 << 20},
+            "summary": {"histate": {"prompt_tokens": 1000}},
+            "l1_refused": {"lmcache": [3, 7], "histate": [0, 0]},
+            "repetitions": {k: [dict(zip(stats, vals, strict=True))
+                                for vals in zip(*(v[s] for s in stats), strict=True)]
+                            for k, v in reps.items()}}
+
+
+def test_the_live_table_gives_medians_and_ranks_only_beyond_the_repetitions() -> None:
+    """Two repetitions a stack. HiState's hits 800 / 800 against the LMCache row's 700 / 800
+    (the ranges touch: tie) and vLLM's 100 / 200 (higher); its mean 0.20 / 0.25 against
+    0.26 / 0.30 (lower) and 0.50 / 0.60 (lower); p99 1.0 / 1.4 against 1.2 / 1.3 (tie) and
+    0.9 / 1.1 (tie); medians: hits 80.0 / 75.0 / 15.0 % of 1,000 prompt tokens."""
+    claims = _claims()
+    run = _live_run({
+        "histate": {"cached_tokens": [800, 800], "mean_s": [0.20, 0.25], "p99_s": [1.0, 1.4],
+                    "first_turns_mean_s": [0.9, 1.0]},
+        "lmcache": {"cached_tokens": [700, 800], "mean_s": [0.26, 0.30], "p99_s": [1.2, 1.3],
+                    "first_turns_mean_s": [0.9, 1.0]},
+        "vllm-grid": {"cached_tokens": [100, 200], "mean_s": [0.50, 0.60],
+                      "p99_s": [0.9, 1.1], "first_turns_mean_s": [1.1, 1.2]}})
+    docs = {f"live-{suffix}": run for _, suffix in claims.LIVE_README}
+    lines = claims.render_live(docs).splitlines()
+    assert lines[0].startswith("Recorded on AVX2 with 2 interleaved repetitions")
+    assert lines[4] == ("| tiny model, bundled sample, 10 req., 5 MiB KV pool | 80.0 / 75.0 / "
+                        "15.0 % (80.0 %) | 0.225 / 0.280 / 0.550 | 1.200 / 1.250 / 1.000 | "
+                        "0.950 / 0.950 / 1.150 |")
+    assert lines[13] == ("| tiny model, bundled sample | tie / higher | lower / lower "
+                         "| tie / tie | tie / lower | 3–7 / 0 |")
+
+
+def test_the_demo_block_is_cut_from_the_recorded_output_and_live_prose_has_no_number() -> None:
+    claims = _claims()
+    recorded = ["Summary", "┏━┓", "┃ x ┃", "┡━┩", "│ requests                 │ 40 │",
+                "│ TTFT mean (ms)           │ 9 │", "└─┘",
+                "HiState vs stock LMCache (LRU): the hits tie", "so no ratio.",
+                "HiState server: pressure factor 0.00; Settings: sessions=5,",
+                "requests=40, cpu_isa=AVX2, chunk=256, gap_s=1.0"]
+    block = claims.render_demo({"demo": recorded})
+    assert block == ("Its summary as `docs/demo.md` records it (5 sessions, 40 requests, AVX2, "
+                     "block 256):\n\n```text\n┏━┓\n┃ x ┃\n┡━┩\n│ TTFT mean (ms)           │ 9 │\n"
+                     "└─┘\nHiState vs stock LMCache (LRU): the hits tie\nso no ratio.\n```\n")
+    page = ("### Live\n\n`run_live.py --repeats 4` (a command may carry numbers).\n\n"
+            "* HiState's p99 is 1.2 s in 4 repetitions.\n* It is lower.\n\n## Next\n")
+    assert [str(p) for p in claims.check_page("P.md", page, {})] == [
+        "P.md: '1.2' outside a claims block where every number and rank comes from a file: "
+        "\"* HiState's p99 is 1.2 s in 4 repetitions.\"",
+        "P.md: 'lower' outside a claims block where every number and rank comes from a file: "
+        "'* It is lower.'"]
+
+
+def test_a_single_run_section_may_state_numbers_but_rank_nothing() -> None:
+    claims = _claims()
+    page = ("## What it means\n\n| row | p99 |\n|---|---:|\n| lru | 4.7 |\n\n"
+            "* A single run: `lru` 4.7 s against 4.8 s.\n* HiState is lower here.\n\n"
+            "## Other\n\n* HiState is lower.\n")
+    assert [str(p) for p in claims.check_single_runs(page, "D.md", ("## What it means",))] == [
+        "D.md: ranking word 'lower' in a single-run section: '* HiState is lower here.'"]
