@@ -14,11 +14,16 @@ How it counts: the server process runs with a profile hook on every thread
 while recording, it notes the file of every Python function entered. A HiState module is a
 file of the package (``lmcache_histate/`` and ``backends/``, installed as
 ``lmcache_histate.backends``). The store is the engine client's whole request, as vLLM's
-connector sends it (LOOKUP, STORE, END_SESSION). Two threads are left out: the janitor's
-periodic tick and the HTTP API on the main thread (the client's ``/status`` polls while
-it waits for the server to settle); neither is part of a store. Recording is switched by
-a control file a thread of the server polls, so the client's start and stop bracket
-exactly the store and its settling.
+connector sends it (LOOKUP, STORE, END_SESSION). Three kinds of thread are left out, none
+part of a store: the janitor's periodic tick; the HTTP API on the main thread (uvicorn's
+event loop runs the ASGI app there: the client's ``/status`` polls while it waits for the
+server to settle); and that event loop's default executor, ``uvloop_N`` (uvloop 0.23.0
+``loop.pyx``:2755, ``run_in_executor``: ``ThreadPoolExecutor(thread_name_prefix='uvloop')``),
+where ``data_plane.DataPlaneGate`` runs each poll's ``DataPlaneProbe.check`` through
+``asyncio.to_thread``. An executor thread is left out only while every function it entered
+is in ``data_plane.py`` (the gate's probe); otherwise it is counted and its functions are
+printed. Recording is switched by a control file a thread of the server polls, so the
+client's start and stop bracket exactly the store and its settling.
 
 ``--code DIR`` runs another checkout's package code (a ``git worktree`` of the base
 branch, for a before/after comparison) with this script and the test harness unchanged.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -45,6 +51,8 @@ CTL_ENV = "STORE_MODULES_CTL"  # the control file the server polls
 # Not the store's: the janitor's periodic tick, and the HTTP API on the main thread (the
 # client's ``/status`` polls while it waits for the server to settle).
 SKIP_THREADS = ("histate-janitor", "MainThread")
+# The HTTP event loop's default executor, left out while it runs the data-plane probe only.
+PROBE_THREADS, PROBE_MODULE = "uvloop_", "backends/server/data_plane.py"
 CHUNK = 16
 
 
@@ -58,10 +66,14 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         root = self.roots.get(fullname)
-        if root is None:
-            return None
-        return importlib.util.spec_from_file_location(
-            fullname, root / "__init__.py", submodule_search_locations=[str(root)])
+        if root is not None:
+            return importlib.util.spec_from_file_location(
+                fullname, root / "__init__.py", submodule_search_locations=[str(root)])
+        if fullname.startswith("lmcache_histate.") and path is not None:
+            # Ahead of the editable install's finder, which maps names to this checkout
+            # and would miss a module only the other checkout has.
+            return importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        return None
 
 
 def use_checkout(code: str | None) -> None:
@@ -181,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     seen = measure(opts.code)
     per_thread = {t: sorted({f.partition(":")[0] for f in funcs})
                   for t, funcs in seen.items() if not t.startswith(SKIP_THREADS)}
+    for t, paths in list(per_thread.items()):
+        if t.startswith(PROBE_THREADS):
+            if paths == [PROBE_MODULE]:
+                del per_thread[t]
+            else:
+                print(f"counted: {t} ran more than the data-plane probe: {sorted(seen[t])}")
     modules = sorted({m for paths in per_thread.values() for m in paths})
     backends = [m for m in modules if m.startswith("backends/")]
     print(f"HiState modules entered by one store: {len(modules)} "
