@@ -8,9 +8,9 @@ here drops such a record and counts it through a :class:`RateLimitedLine`: the f
 logs one line, later ones one summary line per ``window_s`` while they go on.
 
 The request thread's frames are told apart by the exception the upstream patch raises
-(``upstream.lmcache_request_loop.MalformedRequest``) and, for the unknown operation (two
-``logger.error`` lines, no exception), by LMCache's message template; everything else
-passes unchanged.
+(``upstream.lmcache_patches.MalformedRequest``, ``lmcache_patches`` NOTE 4) and, for the
+unknown operation (two ``logger.error`` lines, no exception), by LMCache's message
+template; everything else passes unchanged.
 """
 
 from __future__ import annotations

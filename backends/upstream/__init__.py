@@ -4,9 +4,8 @@
   :data:`CHECKED_VERSIONS`, a lock, idempotent);
 * ``lmcache_patches``: L1 eviction-policy routing (launcher), the strided fallback copy
   kernel (CPU server module), the CPU shared-memory KV wrapper (connector, worker side), the
-  release of an engine's shared-memory mappings on session close (launcher);
-* ``lmcache_request_loop``: the request thread kept alive through malformed frames, and
-  stopped without tracebacks (launcher);
+  release of an engine's shared-memory mappings on session close (launcher), the request
+  thread kept alive through malformed frames and stopped without tracebacks (launcher);
 * ``vllm_patches``: the in-process CPU engine start-up fix (engine child).
 
 Where an upstream symbol moved or is new between the checked versions, the code calls one
@@ -20,12 +19,13 @@ docs/design.md §5.
 """
 
 from .lmcache_patches import (
+    MalformedRequest,
+    install_request_loop_guard,
     install_shm_release,
     install_strided_fallback_kernel,
     route_cpu_shm_wrapping,
     route_l1_eviction_policy,
 )
-from .lmcache_request_loop import MalformedRequest, install_request_loop_guard
 from .patching import CHECKED_VERSIONS, UpstreamVersionError, patch
 from .vllm_patches import install_vllm_cpu_inprocess_fix
 

@@ -18,6 +18,9 @@ idempotent) and is called from one entry point, never at import time:
 * :func:`install_shm_release` -- bug: the server never unmaps an engine's shared-memory KV
   tensors (one mapping and one fd per tensor per engine registration, for the server's
   life). Called by the launcher (``launcher.run``) for every policy.
+* :func:`install_request_loop_guard` -- bugs: one malformed ZMQ frame ends the request
+  thread, decode errors are logged with full tracebacks, and a closed event notifier still
+  writes to fd -1 at shutdown (NOTEs 3-5). Called by the launcher (``launcher.run``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch
 from .patching import patch
 
 __all__ = [
+    "MalformedRequest",
+    "install_request_loop_guard",
     "install_shm_release",
     "install_strided_fallback_kernel",
     "route_cpu_shm_wrapping",
@@ -302,3 +307,117 @@ def install_shm_release() -> None:
           mark="_histate_shm_release_wrappers")
     patch(cache_context.CPUCacheContext, "close", make_close, package="lmcache",
           mark="_histate_shm_release_close")
+
+
+# ----------------------------------------------------------------- ZMQ request loop guard
+
+
+class MalformedRequest(ValueError):
+    """A request frame the server cannot decode (a client's fault, not the server's)."""
+
+
+def _malformed(what: str) -> Callable[[Any], Any]:
+    """A ``patch`` builder: ``original``'s decode errors raised as :class:`MalformedRequest`."""
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def decode(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except MalformedRequest:
+                raise
+            except (TypeError, ValueError) as exc:
+                raise MalformedRequest(f"{what}: {type(exc).__name__}: {exc}"[:300]) from None
+
+        return decode
+
+    return make
+
+
+def install_request_loop_guard(
+    report: Callable[[str], None], on_death: Callable[[BaseException], None]
+) -> None:
+    """Keep LMCache's ZMQ request thread alive through malformed frames, and let it stop
+    without tracebacks. Idempotent; installed by the launcher (``launcher.run``).
+
+    Three upstream functions are patched (the bugs, with a reproduction, are written up for
+    upstream in docs/reliability.md, "Upstream issue: one ZMQ frame stops the request
+    thread"):
+
+    NOTE 3 (one frame ends the request thread).
+    ``lmcache/v1/multiprocess/transport/zmq_impl/mq.py: MessageQueueServer._main_loop`` is the
+    loop of the ``mq-server-thread``, the one thread that reads every engine request. It ends
+    each received message with ``assert len(msg) >= 3, "Expected at least 3 message parts
+    ..."`` outside any ``try``: a DEALER that sends one frame (any local user can) raises
+    ``AssertionError`` out of the loop, the thread dies, the process lives and every later
+    RPC times out. The replacement runs the original loop again after that one error (the
+    offending message was already consumed by ``recv_multipart``; the loop keeps all of its
+    state on ``self``: poller, streams, output queue), reporting the drop through ``report``.
+    Any other exception still ends the thread, reported once through ``on_death`` (the
+    launcher logs it as CRITICAL); the launcher's health check
+    (``backends/server/data_plane.py``) then fails.
+
+    NOTE 4 (decode errors are a client's fault). ``mq.py``'s module names
+    ``decode_operation`` and ``unwrap_request_payloads`` (the operation id and the payloads of
+    a request): their decode errors are raised as :class:`MalformedRequest` (a
+    ``ValueError``, so the loop's own ``except`` clauses still catch them). Upstream logs each
+    with a full traceback (``logger.exception``); the launcher's log filter
+    (``backends/server/quiet_log.py``) turns a record whose exception is a
+    :class:`MalformedRequest` into one rate-limited line. Nothing else changes: a request with
+    garbage payloads gets no answer, as before.
+
+    NOTE 5 (a closed notifier is closed). ``lmcache/v1/platform/event_notifier.py:
+    EventfdNotifier.notify``: the class invariant says every method treats a closed notifier
+    (``_efd == -1``) as closed, but ``notify`` writes to ``-1``. At shutdown
+    ``MessageQueueServer.close`` closes the notifier while a pool thread still finishes a
+    request, whose ``_notify_response`` callback then logs ``ValueError: file descriptor
+    cannot be a negative integer (-1)`` with a traceback (4 on a SIGTERM under load). The
+    replacement returns at once when closed: the response has nowhere to go, the loop that
+    would send it has ended.
+
+    Versions checked: lmcache 0.5.6 (``patching.CHECKED_VERSIONS``).
+
+    Args:
+        report: Called with a one-line reason for every frame dropped by the loop guard.
+        on_death: Called with the exception that ends the request thread otherwise.
+    """
+    from lmcache.v1.multiprocess.transport.zmq_impl import mq
+    from lmcache.v1.platform import event_notifier
+
+    def make_loop(original: Any) -> Any:
+        @functools.wraps(original)
+        def _main_loop(self: Any) -> None:
+            while True:
+                try:
+                    original(self)
+                    return
+                except AssertionError as exc:  # the message-part check (NOTE 3)
+                    report(f"dropped a request with too few frames ({exc})")
+                except BaseException as exc:
+                    if not self.is_finished.is_set():
+                        on_death(exc)
+                    return
+
+        return _main_loop
+
+    patch(mq.MessageQueueServer, "_main_loop", make_loop, package="lmcache",
+          mark="_histate_request_loop_guard")
+    patch(mq, "decode_operation", _malformed("operation id"),
+          package="lmcache", mark="_histate_malformed_operation")
+    patch(mq, "unwrap_request_payloads", _malformed("payloads"),
+          package="lmcache", mark="_histate_malformed_payloads")
+
+    notifier = getattr(event_notifier, "EventfdNotifier", None)
+    if notifier is not None and hasattr(notifier, "notify"):
+
+        def make_notify(original: Any) -> Any:
+            @functools.wraps(original)
+            def notify(self: Any) -> None:
+                if getattr(self, "_efd", 0) < 0:
+                    return  # closed (NOTE 5)
+                original(self)
+
+            return notify
+
+        patch(notifier, "notify", make_notify, package="lmcache",
+              mark="_histate_notify_after_close")
