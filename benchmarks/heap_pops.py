@@ -1,4 +1,4 @@
-"""Why ``core/heap.py`` keeps plain floats in its ``heapq`` (NOTE 1): µs per ``heappop``.
+"""Why ``IndexedHeap`` keeps plain floats in its ``heapq`` (``eviction`` NOTE 9): µs per pop.
 
 Fills one list per entry shape with ``--entries`` random priorities in random memory order
 (shuffled before ``heapify``, as entries pushed over a long run end up), then times

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_histate.core.heap import IndexedHeap
+from lmcache_histate.core.eviction import IndexedHeap
 
 
 @given(
@@ -85,7 +85,7 @@ def test_pop_from_an_empty_heap_says_so() -> None:
 
 def test_a_key_moved_away_and_back_keeps_its_insertion_place() -> None:
     """a and b at (1, tie 0), a inserted first. a moves to 2 and back to 1: it keeps its
-    insertion number, so it still goes before b (NOTE 1)."""
+    insertion number, so it still goes before b (``eviction`` NOTE 10)."""
     heap: IndexedHeap[str] = IndexedHeap()
     heap.set("a", 1.0)
     heap.set("b", 1.0)
@@ -113,7 +113,8 @@ def at_the_floor(live: int) -> IndexedHeap[int]:
     """``live`` keys at distinct priorities −1 … −live, then re-set in turn (the i-th
     re-set gives key ``i % live`` priority ``i + 1``) until the heap holds 128 =
     2·COMPACT_MIN priorities, none rebuilt: 128 is not above the floor. Each key is alone
-    at its priority, so a re-set drops its old entry at once (NOTE 3): ``live`` entries."""
+    at its priority, so a re-set drops its old entry at once (``eviction`` NOTE 11):
+    ``live`` entries."""
     heap: IndexedHeap[int] = IndexedHeap()
     for k in range(live):
         heap.set(k, -1.0 - k)
@@ -189,7 +190,7 @@ def test_equal_priorities_match_a_model_of_the_whole_order(
     """Few distinct priorities, so entries share buckets and stale ones sit inside them,
     and enough re-sets to compact (over 128 entries): every pop is the model's minimum
     by ``(priority, tie, insertion)``, where a moved key keeps its insertion number and
-    a discarded one gets a new one when it is set again (NOTE 2)."""
+    a discarded one gets a new one when it is set again (``eviction`` NOTE 10)."""
     heap: IndexedHeap[int] = IndexedHeap()
     model: dict[int, tuple[float, int, int]] = {}
     inserted = 0

@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.heap import IndexedHeap
+from ...core.eviction import IndexedHeap
 from ...core.index import Match, Node, PrefixIndex
 from ...core.rank import tail_chain
 
