@@ -105,8 +105,16 @@ class FakeL1:
 
 @dataclass
 class StorageManager:
+    """What the runtime reads of LMCache 0.5.6's ``StorageManager`` (runtime NOTE 2): its
+    single L1 manager, ``is_multi_l1`` and the public ``l2_adapters()``, the ``(descriptor,
+    adapter)`` pairs in adapter-id order (here the id stands for the descriptor)."""
+
     _l1_manager: FakeL1
-    _l2_adapters: dict[int, Any] = field(default_factory=dict)
+    adapters: dict[int, Any] = field(default_factory=dict)
+    is_multi_l1: bool = False
+
+    def l2_adapters(self) -> list[tuple[Any, Any]]:
+        return sorted(self.adapters.items())
 
 
 @dataclass
@@ -165,6 +173,19 @@ def commit(rt: Any, key: IPCCacheServerKey, kv: list[int], snaps: list[int]) -> 
 
 def toks(n: int, seed: int) -> list[int]:
     return [seed * 1000 + i for i in range(n * CHUNK)]
+
+
+def test_attach_server_refuses_a_storage_manager_with_several_l1s(tmp_path: Path) -> None:
+    """HiState drives one L1 manager (runtime NOTE 2): a storage manager with several is
+    refused with one clear error, before anything is registered on it."""
+    cfg = parse_config(
+        {"model": "tiny-qwen3-next", "chunk_size": CHUNK, "cpu_gib": 1, "cpu_fill": 0.5,
+         "disk_path": str(tmp_path), "disk_gib": 1}
+    )
+    runtime = HiStateRuntime(cfg)
+    with pytest.raises(RuntimeError, match=r"^HiState needs LMCache's single-L1 storage manager"):
+        runtime.attach_server(Ctx(StorageManager(FakeL1(), is_multi_l1=True)))
+    assert runtime.actions.l1 is None
 
 
 def test_store_routes_snapshots_and_keeps_finals(rt: Any) -> None:

@@ -89,11 +89,17 @@ threads), and a session's re-access gap would come out negative: a lone negative
 calibrates ``τ`` to exactly 0. So ``step`` reads ``now`` once the lock is held and hands it
 to the caller, and events reach the core in the order of their stamps.
 
-NOTE 2 (finding the disk tier). LMCache builds the disk tier from ``--l2-adapter`` with
-its config only, before any server module exists, and exposes no public list of a storage
-manager's L2 adapters in 0.5.6; ``attach_server`` reads ``_l2_adapters`` (as it reads
-``_l1_manager``). A stock ``lmcache server`` attaches nothing: the tier then has no
-driver: it queues no reports and writes the ``UNKNOWN_META`` header.
+NOTE 2 (finding the disk tier and the L1 manager). LMCache builds the disk tier from
+``--l2-adapter`` with its config only, before any server module exists; ``attach_server``
+finds it among the storage manager's L2 adapters through the public
+``StorageManager.l2_adapters()`` (lmcache 0.5.6 ``v1/distributed/storage_manager.py``:1229,
+the ``(descriptor, adapter)`` pairs in adapter-id order). The L1 manager has no public
+accessor in 0.5.6 (the storage manager's public L1 calls, ``delete_l1_keys``:701 and
+``get_l1_usage``:862, return counts only, and HiState needs per-key deletes and read locks),
+so ``attach_server`` reads ``_l1_manager`` (set at :152, the first of its L1 managers) and
+refuses a storage manager with several (``is_multi_l1``:1277, public). A stock ``lmcache
+server`` attaches nothing: the tier then has no driver: it queues no reports and writes the
+``UNKNOWN_META`` header.
 
 NOTE 3 (commits are placed when first seen). LMCache serves a LOOKUP from every object in
 L1, but hands committed objects to the store policy later, on its store controller's
@@ -248,11 +254,11 @@ class HiStateRuntime:
         L1 commit (``plugins.CommitListener``, NOTE 3), registered once on the L1 manager."""
         self.ctx = ctx
         sm = ctx.storage_manager
-        # LMCache 0.5.6 exposes no public per-key L1 delete/read-lock API on the storage
-        # manager (delete_l1_keys returns counts only); the single L1 manager is needed
-        # for per-key results and for read-locking objects while they are demoted.
+        # NOTE 2: the single L1 manager (no public accessor in 0.5.6), for per-key deletes
+        # and for read-locking objects while they are demoted.
         l1 = getattr(sm, "_l1_manager", None)
-        if l1 is None or not callable(getattr(l1, "delete", None)):
+        if (l1 is None or not callable(getattr(l1, "delete", None))
+                or getattr(sm, "is_multi_l1", False)):
             raise RuntimeError("HiState needs LMCache's single-L1 storage manager (0.5.6)")
         self.actions.l1 = l1
         if commits is not None and not self._listening and callable(
@@ -260,12 +266,11 @@ class HiStateRuntime:
             l1.register_listener(commits)  # NOTE 3
             self._listening = True
         # NOTE 2: the disk tier LMCache built from ``--l2-adapter``, among its L2 adapters.
-        disks = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
-                 if isinstance(a, HiStateDiskAdapter)]
+        adapters = [adapter for _desc, adapter in sm.l2_adapters()]
+        disks = [a for a in adapters if isinstance(a, HiStateDiskAdapter)]
         if disks and self.actions.disk is None:
             self._drive_disk_tier(disks[0])
-        shared = [a for a in dict(getattr(sm, "_l2_adapters", None) or {}).values()
-                  if isinstance(a, HiStateSharedAdapter)]
+        shared = [a for a in adapters if isinstance(a, HiStateSharedAdapter)]
         if shared:
             self.shared_tier = shared[0]
         if ctx.chunk_size != self.model.chunk:
