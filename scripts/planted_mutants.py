@@ -71,7 +71,7 @@ MUTANTS = (
         "internal += to_end * (session.end_tokens - p) / session.end_tokens",
         "internal += to_end * (session.end_tokens - p)",
         "expected recompute: dropping the 1/num_sessions factor (today C has no 1/N by "
-        "design, score NOTE; nearest: dropping the 1/P_s hit density of a session)",
+        "design, rank docstring; nearest: dropping the 1/P_s hit density of a session)",
     ),
     Mutant(
         "cost-swaps-p-end-weights",

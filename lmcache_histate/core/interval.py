@@ -64,7 +64,7 @@ scheduler has measured it, or behind an engine without that scheduler) the choic
 among the intervals that cost no step end (multiples of ``B``, the longest supported one
 if none is); without a step grid it is one state per chunk. The live engine measures
 ``σ`` as the fixed time of a step over its time per prefill token, from its own busy
-steps (``backends/vllm/step_price.py``), and sends it with each plan request
+steps (``backends/vllm/step_scheduler.py``: ``StepPriceFit``), and sends it with each plan request
 (``HiStateCache.set_step_grid``). The first snapshot that leaves starts the average and
 the paper's cost follows it.
 Snapshots leaving while no KV has is evidence the snapshot side is the tighter one, but

@@ -181,7 +181,7 @@ def histate_policy(setup: SimSetup, name: str = "histate", **overrides: Any) -> 
     the server keys of the same names, every other rule knob the server's default unless an
     override sets it; overrides of knobs the server has no key for (``refresh_used``,
     ``fixed_interval``, ...) and the engine's figures go beside the rule. The GPU tier is
-    vLLM's own block pool, which ranks by recency (``score`` NOTE 3).
+    vLLM's own block pool, which ranks by recency (``rank`` NOTE 6).
 
     ``fixed_interval_chunks`` (chunks) is accepted as a convenience for
     ``fixed_interval`` (tokens). The rows plan on the engine's step grid at its step

@@ -1,5 +1,5 @@
 """Deployment-wide ``H``: the core's score inputs, published to a real redis-server, rank
-the shared disk tier as ``core/score.py`` ranks it; the deployment's EMAs reach another
+the shared disk tier as ``core/rank.py`` ranks it; the deployment's EMAs reach another
 server's interval controller.
 
 The core of ``stored()`` (as in ``tests/core/test_cache_facade.py``): chunks of 4 tokens,

@@ -32,7 +32,7 @@ class CpuEvictor:
         The core re-ranks a unit when it changes or is accessed, and lazily re-checks a
         candidate whose ``H`` *rose*; but every stored ``H`` also depends on two inputs
         shared by all units, the score's scale ``tau`` (calibrated online from session
-        re-access gaps, ``core/score.py``) and ``p_end``, which drift for every unit at
+        re-access gaps, ``core/rank.py`` NOTE 4) and ``p_end``, which drift for every unit at
         once (a fresh server starts from its priors). When either drifted noticeably since
         the last full re-rank (tau by 10 %, p_end by 0.02), a sweep re-ranks every node,
         ``budget`` nodes at a time (janitor ticks), or all at once (``budget=None``)

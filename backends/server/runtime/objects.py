@@ -363,7 +363,7 @@ class ObjectMap:
 
     def map_recovered(self, nk: int, link: Link, part: str, keys: Sequence[ObjectKey]) -> None:
         """A part found again on disk after a restart (``recovery``), which the core now
-        holds (``HiStateCache.adopt``): its chunk's link and its objects."""
+        holds (``HiStateCache.recover``): its chunk's link and its objects."""
         self.links[nk] = link
         for key in keys:
             self.register(nk, part, key)

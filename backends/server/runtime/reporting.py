@@ -78,7 +78,7 @@ class StatusReport:
                 # measured step price, as the latest plan request reported them.
                 "step_tokens": stats.step_tokens,
                 "step_price": stats.step_price,
-                # The eviction score's scale (core/score.py): tau in use, calibrated or
+                # The eviction score's scale (core/rank.py NOTE 4): tau in use, calibrated or
                 # configured, and the session re-access gap it is calibrated from.
                 "eviction_tau_s": stats.tau_s,
                 "eviction_tau_calibrated": stats.tau_calibrated,

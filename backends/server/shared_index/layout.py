@@ -95,7 +95,7 @@ class ObjectRecord:
     """One object on the shared disk tier, as a server registers it.
 
     ``cost`` and ``freed`` are the registering server's ``C`` and ``M`` of the eviction
-    unit the object heads (``core/score.py``); ``H`` is computed from them in Redis with
+    unit the object heads (``core/rank.py``); ``H`` is computed from them in Redis with
     the deployment's ``tau`` and the entry's last access.
     """
 

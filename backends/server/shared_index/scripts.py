@@ -7,7 +7,7 @@ deleted under a lease" hold (``claim`` checks the leases and moves the entry out
 declares the namespace's ``used`` key as ``KEYS[1]`` and derives the prefix from it
 (``layout`` NOTE 1). Times come from Redis (``TIME``), so servers' clocks never meet.
 
-``H`` is computed in Redis with the same formula as ``lmcache_histate/core/score.py``
+``H`` is computed in Redis with the same formula as ``lmcache_histate/core/rank.py``
 (``H = t + tau * ln(max(C/M, MIN_RATIO))``, ``tau <= 0`` gives ``t``): the owner publishes
 ``C`` and ``M``, a lookup refreshes ``t``, and ``tau`` is either fixed (a number ``>= 0``)
 or the deployment's re-access gap EMA (``tau < 0`` = auto). NOTE 1 (lazy re-rank, as the
