@@ -183,6 +183,7 @@ def hits(out: dict[str, Any]) -> tuple[int, int, int]:
             stats["num_lmcache_cached_tokens"])
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_local_prefix_on_the_block_grid_joins_a_deeper_snapshot(mixed: Mixed) -> None:
     c, k = mixed.chunk, mixed.k
@@ -196,6 +197,7 @@ def test_a_local_prefix_on_the_block_grid_joins_a_deeper_snapshot(mixed: Mixed) 
     assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_local_prefix_inside_a_block_gives_way_to_a_deeper_snapshot(mixed: Mixed) -> None:
     c, k = mixed.chunk, mixed.k
@@ -216,6 +218,7 @@ def test_a_local_prefix_inside_a_block_gives_way_to_a_deeper_snapshot(mixed: Mix
     assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_local_prefix_longer_than_the_snapshot_is_served_by_vllm(mixed: Mixed) -> None:
     c = mixed.chunk
@@ -232,6 +235,7 @@ def test_a_local_prefix_longer_than_the_snapshot_is_served_by_vllm(mixed: Mixed)
     assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_preempted_request_resumes_exactly_from_both_caches(mixed: Mixed) -> None:
     """Two new prompts (10 chunks + 50, then 9 chunks) at once on a pool that holds one:
@@ -262,6 +266,7 @@ def test_a_preempted_request_resumes_exactly_from_both_caches(mixed: Mixed) -> N
         assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_zeroed_restored_state_changes_the_mixed_answer(mixed: Mixed) -> None:
     """Negative control: case (a) with the restored recurrent state zeroed by the server."""

@@ -290,6 +290,7 @@ def test_the_interval_rule_gives_the_hand_derived_choices() -> None:
     assert first_interval_chunks(256, 432.0, 7) == 5
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     """Each turn adds a 7-chunk segment; the server's controller picks its snapshots with the
@@ -326,6 +327,7 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     assert counts == [3, 2, 1]  # sparser snapshots as the pressure factor grows
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: Stack) -> None:
     if len(stack.turns) != len(FACTORS):
@@ -402,6 +404,7 @@ def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
     assert "chunk_size: auto" in message
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_without_a_histate_server_module_the_connector_plans_locally(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any
