@@ -36,6 +36,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "live: may start a real part (lmcache server, vLLM engine, redis-server, a mount); "
         "-m 'not live' is the fast tier, make test-fast (docs/testing.md)",
     )
+    config.addinivalue_line(
+        "markers",
+        "vllm_layout: the outcome depends on the layout vLLM picks per CPU ISA (block size, "
+        "state dtypes, kernels); make test-avx2 runs these again on vLLM's AVX2 path "
+        "(docs/testing.md 3.3)",
+    )
     config.pluginmanager.register(_GUARD, "histate-live-guard")
     _GUARD.install()
 

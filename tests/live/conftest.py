@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,24 +50,38 @@ def tiny_layout(tiny_model: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def reference_run(tiny_model: Path, tiny_layout: Any,
-                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``test_vllm_cpu_roundtrip``'s prompts B and C computed from zero by an engine with no
-    connector (greedy tokens, top logprobs), and that engine's ``info``.
+def plain_engine(tiny_model: Path, tiny_layout: Any,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A vLLM engine with no connector and the tests' default arguments: the reference that
+    computes prompts from zero. Callers pass ``reset=True`` to ``generate`` so that nothing
+    another test ran is reused (the answers are then those of a fresh engine).
 
-    One engine serves every test that compares a restore with recompute on those prompts or
-    checks what a plain engine allocates: each start costs ~13 s of the suite on 2 cores.
+    One engine serves the whole session (``reference_run``, ``test_mixed_hits``): each start
+    costs ~13 s of the suite on 2 cores; idle, it uses no CPU.
     """
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
-    from test_vllm_cpu_roundtrip import MAX_TOKENS, TOP_LOGPROBS, make_prompts
 
     chunk = tiny_layout.block_size
-    config = json.loads((tiny_model / "config.json").read_text())
-    prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
     with EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk),
                        workdir=tmp_path_factory.mktemp("reference"), name="reference",
-                       block_size=chunk) as ref:
-        out = {name: ref.generate(prompts[name], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
-               for name in ("B", "C")}
-        out["info"] = ref.info
+                       block_size=chunk) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_model: Path, tiny_layout: Any, plain_engine: Any) -> dict[str, Any]:
+    """``test_vllm_cpu_roundtrip``'s prompts B and C computed from zero by ``plain_engine``
+    (greedy tokens, top logprobs), and that engine's ``info``.
+
+    Every test that compares a restore with recompute on those prompts or checks what a
+    plain engine allocates shares it.
+    """
+    from test_vllm_cpu_roundtrip import MAX_TOKENS, TOP_LOGPROBS, make_prompts
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=tiny_layout.block_size)
+    out = {name: plain_engine.generate(prompts[name], max_tokens=MAX_TOKENS,
+                                       logprobs=TOP_LOGPROBS, reset=True)
+           for name in ("B", "C")}
+    out["info"] = plain_engine.info
     return out

@@ -178,7 +178,12 @@ def test_cpu_seconds_count_a_process_and_its_children() -> None:
     assert stacks.cpu_seconds(0) == 0.0
 
 
-def test_short_live_benchmark(tmp_path: Path, tiny_layout: Any) -> None:
+def test_short_live_benchmark(tmp_path: Path, tiny_model: Path, tiny_layout: Any,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # run_live takes the session's model (same seed and size: the same folder) and so the
+    # layout the session already probed (engine_facts caches it per process): no second
+    # model generation and no second probe engine.
+    monkeypatch.setenv("HISTATE_CACHE_DIR", str(tiny_model.parent))
     sys.path.insert(0, str(ROOT / "benchmarks" / "live"))
     try:
         import run_live

@@ -10,8 +10,9 @@ the request that hits; here nothing is reset between the request that fills vLLM
 and the one that joins the two.
 
 Real parts only: ``histate-server`` (disk tier, the test zero-restore hook), one vLLM CPU
-engine with ``HiStateConnector`` for every case (module-scoped), and one engine without a
-connector computing each request from scratch (the reference).
+engine with ``HiStateConnector`` for every case (module-scoped), and the session's engine
+without a connector computing each request from scratch (the reference, ``plain_engine``
+in tests/live/conftest.py).
 
 Setup (hand-derived, ``LAYOUTS`` in test_vllm_cpu_roundtrip): prompt X of 10 chunks + 50
 tokens is stored with the server's plan at pressure factor 1, ``[kC, 10C]`` (``k`` = 7 at
@@ -127,7 +128,7 @@ class Mixed:
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-          tiny_layout: Any) -> Iterator[Mixed]:
+          tiny_layout: Any, plain_engine: Any) -> Iterator[Mixed]:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
 
@@ -157,11 +158,9 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
                           scheduler_reserve_full_isl=False),
             workdir=work, name="engine", block_size=chunk,
         ) as engine,
-        EngineProcess(engine_kwargs(tiny_model, chunk_tokens=chunk), workdir=work,
-                      name="reference", block_size=chunk) as reference,
     ):
         assert engine.info["num_blocks"] == POOL_BLOCKS
-        state = Mixed(server, engine, reference, chunk, row["first_interval_chunks"],
+        state = Mixed(server, engine, plain_engine, chunk, row["first_interval_chunks"],
                       [rng.randrange(4, vocab) for _ in range(10 * chunk + 50)], vocab,
                       zero_flag, rng)
         stored = engine.generate(state.x, kv_transfer_params=ASK, reset=True)
@@ -183,6 +182,7 @@ def hits(out: dict[str, Any]) -> tuple[int, int, int]:
             stats["num_lmcache_cached_tokens"])
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_local_prefix_on_the_block_grid_joins_a_deeper_snapshot(mixed: Mixed) -> None:
     c, k = mixed.chunk, mixed.k
@@ -196,6 +196,7 @@ def test_a_local_prefix_on_the_block_grid_joins_a_deeper_snapshot(mixed: Mixed) 
     assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_local_prefix_inside_a_block_gives_way_to_a_deeper_snapshot(mixed: Mixed) -> None:
     c, k = mixed.chunk, mixed.k
@@ -216,6 +217,7 @@ def test_a_local_prefix_inside_a_block_gives_way_to_a_deeper_snapshot(mixed: Mix
     assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_local_prefix_longer_than_the_snapshot_is_served_by_vllm(mixed: Mixed) -> None:
     c = mixed.chunk
@@ -232,6 +234,7 @@ def test_a_local_prefix_longer_than_the_snapshot_is_served_by_vllm(mixed: Mixed)
     assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_preempted_request_resumes_exactly_from_both_caches(mixed: Mixed) -> None:
     """Two new prompts (10 chunks + 50, then 9 chunks) at once on a pool that holds one:
@@ -262,6 +265,7 @@ def test_a_preempted_request_resumes_exactly_from_both_caches(mixed: Mixed) -> N
         assert_exact(out, mixed.recompute(prompt))
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_a_zeroed_restored_state_changes_the_mixed_answer(mixed: Mixed) -> None:
     """Negative control: case (a) with the restored recurrent state zeroed by the server."""

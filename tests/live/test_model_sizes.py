@@ -85,6 +85,7 @@ PRODUCTION_LAYOUTS = {
 assert PRODUCTION_LAYOUTS["float32"]["row"] == ROW
 
 
+@pytest.mark.vllm_layout
 def test_engine_layout_of_production_size(tmp_path: Path) -> None:
     """The engine's block, state shapes and footprint for the production size match the
     hand-derived layout of the SSM state dtype vLLM chose on this CPU (table above)."""

@@ -267,6 +267,7 @@ def test_tiny_model_is_deterministic_and_parses(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_engine_layout_probe_matches_the_running_engine(
     tiny_layout: Any, reference_run: dict[str, Any]
@@ -312,6 +313,7 @@ def test_the_engine_refuses_a_chunk_that_disagrees_with_its_block_size() -> None
     assert "411,648" in message and "215,040" in message and "chunk_size: auto" in message
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_restored_prefix_is_bit_identical_to_recompute(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any, reference_run: dict[str, Any]

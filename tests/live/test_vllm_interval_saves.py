@@ -295,6 +295,7 @@ def test_the_interval_rule_gives_the_hand_derived_choices() -> None:
     assert first_interval_chunks(256, 432.0, 7) == 5
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     """Each turn adds a 7-chunk segment; the server's controller picks its snapshots with the
@@ -333,6 +334,7 @@ def test_snapshots_per_segment_follow_the_pressure_factor(stack: Stack) -> None:
     assert reconciled_loads(stack.server, stack.engine) == 7 * chunk + 14 * chunk
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_rewrite_hits_the_last_interval_snapshot_before_the_divergence(stack: Stack) -> None:
     if len(stack.turns) != len(FACTORS):
@@ -411,6 +413,7 @@ def test_a_server_chunk_that_is_not_a_multiple_of_the_block_size_stops_vllm(
     assert "chunk_size: auto" in message
 
 
+@pytest.mark.vllm_layout
 @needs_live
 def test_without_a_histate_server_module_the_connector_plans_locally(
     tmp_path: Path, tiny_model: Path, tiny_layout: Any
