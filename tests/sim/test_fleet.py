@@ -135,6 +135,24 @@ def test_histate_shared_tier_stays_within_its_budget() -> None:
     assert 0 < fr.shared_used_bytes <= budget
 
 
+def test_histate_shares_final_states_and_kv_not_interval_snapshots() -> None:
+    # Turn 0 (400 tokens = 100 chunks) on node 0, turn 1 (480 = 120 chunks) on node 1.
+    # Each node keeps its own interval snapshots; the shared tier gets every KV chunk (120)
+    # and each turn's final state only: after chunk 100 (depth 99: resumed by node 1, then
+    # historical) and after chunk 120 (depth 119).
+    s = setup()
+    fleet = FleetSetup(nodes=2, shared_bytes=1 << 40, network=NET)
+    t = trace(Session("a", None, (req("a", 0, 400), req("a", 1, 480, think=100.0))))
+    row = fleet_rows(s, fleet)[HISTATE_SHARED]()
+    fr = simulate_fleet(t, row, ByTurn(2), s)
+    assert by_key(fr)[("a", 1)].hit_tokens == 400
+    shared = row.shared.policy.cache.nodes()
+    assert sum(1 for n in shared if n.kv_tiers) == 120
+    assert sorted(n.depth for n in shared if n.snap_tiers) == [99, 119]
+    node0 = row.nodes[0].local.cache.nodes()
+    assert sum(1 for n in node0 if n.snap_tiers) > 2  # its own plan has interval snapshots
+
+
 def test_least_loaded_picks_the_node_with_least_queued_work() -> None:
     assert LeastLoaded(3).route(req("x", 0, 4), lambda: [3.0, 1.0, 1.0]) == 1
     # s0 (40 tokens: 0.125 + 20 + 8 = 28.1 s of prefill) lands on node 0 (tie → lowest);

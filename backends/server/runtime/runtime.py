@@ -102,12 +102,13 @@ from lmcache.v1.distributed.internal_api import L1ManagerListener
 
 from lmcache_histate.config import HiStateConfig
 from lmcache_histate.core.cache import HiStateCache
-from lmcache_histate.core.tiers import KV, ServerTier
+from lmcache_histate.core.tiers import ServerTier
 
 from ..disk.entries import ObjectMeta
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
+from ..shared_tier.plan import to_shared
 from ..shared_tier.tier import HiStateSharedAdapter
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
 from .model_core import ModelCore
@@ -382,10 +383,10 @@ class HiStateRuntime:
         return out
 
     def shared_route(self, keys: Sequence[ObjectKey], route: set[ObjectKey]) -> list[ObjectKey]:
-        """Which committed ``keys`` go to the shared tier (``shared_tier.tier`` NOTE 3):
-        every snapshot (and KV) the core writes to disk (``route``) and every KV chunk the
-        core keeps, i.e. what another node needs to resume at a snapshot. Their headers
-        go to the shared tier before the store controller submits the write."""
+        """Which committed ``keys`` go to the shared tier: of those the core holds (kept
+        or routed to disk, ``route``), what ``shared_tier.plan.to_shared`` picks — every
+        KV chunk and the snapshots at a session's end. Their headers go to the shared
+        tier before the store controller submits the write."""
         shared = self.shared_tier
         if shared is None:
             return []
@@ -393,15 +394,24 @@ class HiStateRuntime:
         metas: dict[ObjectKey, ObjectMeta] = {}
         with self.lock:
             for key in keys:
-                if not self.model.ours(key):
+                part = self.model.part(key)
+                if part is None or not self.model.ours(key):
                     continue
-                if key in route or (self.model.part(key) == KV and self.objects.key_tiers(key)):
+                if not (key in route or self.objects.key_tiers(key)):
+                    continue
+                if to_shared(part, session_end=self._ends_session(key)):
                     out.append(key)
                     metas[key] = ObjectMeta(*self.objects.object_meta(key),
                                             score=self._unit_score(key))
         shared.expect_headers(metas)
         self.stats["shared_tier.routed"] += len(out)
         return out
+
+    def _ends_session(self, key: ObjectKey) -> bool:
+        """Whether ``key``'s chunk is where a session ends (under the lock)."""
+        core, where = self.model.core, self.objects.where(key)
+        node = core.node(where[0]) if core is not None and where is not None else None
+        return node is not None and bool(node.ends)
 
     def _unit_score(self, key: ObjectKey) -> tuple[float, float] | None:
         """The core's ``(C, M)`` of the unit ``key`` leaves its lowest tier with (under the

@@ -37,11 +37,12 @@ reconcile (entries whose value is gone — a master restarted empty — are forg
 their bytes freed; claims and reservations of dead nodes expire) so the budget matches
 what the cluster holds.
 
-NOTE 3 (what goes here) is the store policy's: ``policies.HiStateStorePolicy`` sends the
-shared tier every snapshot the core writes to disk (intermediate ones and the durable
-copy of each session's final one) and every KV chunk the core keeps: what another node
-needs to resume a session at its snapshots. Headers (kind, depth, parent, the core's
-``C`` and ``M``) come down from the runtime as for the disk tier (``expect_headers``).
+NOTE 3 (what goes here) is ``plan.to_shared``'s, applied by the store policy
+(``policies.HiStateStorePolicy`` through the runtime's ``shared_route``): every KV chunk
+the core holds and each session's final snapshot, what another node needs to resume a
+session at its deepest boundary; the node's interval snapshots stay on its own tiers.
+Headers (kind, depth, parent, the core's ``C`` and ``M``) come down from the runtime as
+for the disk tier (``expect_headers``).
 """
 
 from __future__ import annotations
