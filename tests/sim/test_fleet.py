@@ -188,14 +188,20 @@ def test_fleet_trace_copies_are_independent_and_interleaved() -> None:
     }
 
 
-def test_halves_split_sorted_ids_with_subagents_and_copies() -> None:
+def test_halves_split_by_crc32_parity_with_subagents_and_copies() -> None:
+    # zlib.crc32 of the ids, worked out by hand: trace_0002 1,170,861,099 (odd, B),
+    # trace_0004 2,896,840,990 (even, A), trace_0006 1,118,054,450 (even, A).
     t = fleet_trace(trace(
-        Session("c", None, (req("c", 0, 8),)), Session("a", None, (req("a", 0, 8),)),
-        Session("b", None, (req("b", 0, 8),)), Session("c-sub", "c", (req("c-sub", 0, 8),)),
+        Session("trace_0002", None, (req("trace_0002", 0, 8),)),
+        Session("trace_0004", None, (req("trace_0004", 0, 8),)),
+        Session("trace_0006", None, (req("trace_0006", 0, 8),)),
+        Session("sub", "trace_0002", (req("sub", 0, 8),)),
     ), 2, 10.0)
     halves = session_halves(t)
-    assert {k for k, v in halves.items() if v == "A"} == {"a@0", "a@1", "b@0", "b@1"}
-    assert {k for k, v in halves.items() if v == "B"} == {"c@0", "c@1", "c-sub@0", "c-sub@1"}
+    assert {k for k, v in halves.items() if v == "A"} == {
+        "trace_0004@0", "trace_0004@1", "trace_0006@0", "trace_0006@1"}
+    assert {k for k, v in halves.items() if v == "B"} == {
+        "trace_0002@0", "trace_0002@1", "sub@0", "sub@1"}
 
 
 def cell(row: str, values: dict[str, list[float]]) -> FleetCell:
