@@ -28,6 +28,7 @@ from lmcache_histate.sim.fleet import (
     make_router,
     simulate_fleet,
 )
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.report import percentile, token_hit_rate
 from lmcache_histate.sim.runner import load_sim_trace
 from lmcache_histate.sim.shared_tier import HiStateShared, LRUShared, SharedTierNode
@@ -58,8 +59,9 @@ def main() -> None:
     ap.add_argument("--config", default="configs/sim-fleet.yaml")
     args = ap.parse_args()
     setup, fleet = load_fleet(args.config)
-    trace = fleet_trace(load_sim_trace(args.trace, setup, args.max_input_tokens),
-                        fleet.copies, setup.session_gap_s)
+    one = load_sim_trace(args.trace, setup, args.max_input_tokens)
+    setup, _ = with_target_load(one, setup)  # per node, as benchmarks/sim_fleet.py
+    trace = fleet_trace(one, fleet.copies, setup.session_gap_s)
     rows = fleet_rows(setup, fleet)
 
     def variant(shared_of) -> FleetRow:  # type: ignore[no-untyped-def]
