@@ -73,6 +73,7 @@ from ..shared_index.layout import KeySpace, ObjectRecord
 from . import values
 from .cluster import cluster_client
 from .config import HiStateSharedAdapterConfig
+from .scores import SharedScores, Update
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -130,6 +131,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
         self._releases: list[str] = []
         self.stats: Counter[str] = Counter()
         self._headers = ExpectedHeaders(self.stats)
+        self.scores = SharedScores()
         self.tasks = TaskBoard()
         self.last_reconcile: dict[str, int] = {}
         self._reconcile_due = threading.Event()
@@ -247,6 +249,16 @@ class HiStateSharedAdapter(L2AdapterInterface):
             for v in victims:
                 p.delete(v.path)
             return len(p.execute(raise_on_error=False))
+
+    def rescore(self, updates: list[Update]) -> bool:
+        """This node's current ``(C, M, age)`` of objects it wrote (``scores``), through
+        the index's ``rescore`` script; False (to be collected again) when not sent."""
+        if not updates:
+            return True
+        ok = not self.conn.degraded and self.index.rescore(updates) is not None
+        self.scores.sent(updates, ok)
+        self.stats["rescored" if ok else "rescore_deferred"] += len(updates)
+        return ok
 
     # ------------------------------------------------------------ lookup / lock
     def submit_lookup_and_lock_task(
