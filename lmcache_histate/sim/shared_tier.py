@@ -139,11 +139,11 @@ class HiStateShared(SharedStore):
 
     def store(self, request: Request, lookup: Lookup, states: list[int], now: float) -> int:
         """The live rule (``shared_tier.plan.to_shared``): the prompt's KV and, of the
-        states, the one at the request's end (the plan's last, ``interval`` invariant),
-        which the session ends at."""
+        states, the final one, at the request's end (the plan's last, ``interval``
+        invariant)."""
         before = self.policy.counter.written_bytes[SHARED]
         end = states[-1] if states else None
-        kept = [s for s in states if to_shared(SNAPSHOT, session_end=s == end)]
+        kept = [s for s in states if to_shared(SNAPSHOT, final=s == end)]
         self.policy.cache.complete(lookup.handle, request.input_tokens, now, boundaries=kept)
         return self.policy.counter.written_bytes[SHARED] - before
 

@@ -387,7 +387,9 @@ class HiStateRuntime:
         """Which committed ``keys`` go to the shared tier: of those the core holds (kept
         or routed to disk, ``route``), what ``shared_tier.plan.to_shared`` picks — every
         KV chunk and the snapshots at a session's end. Their headers go to the shared
-        tier before the store controller submits the write, with the core's ``(C, M)``
+        tier before the store controller submits the write (a snapshot is final when it
+        ends the request whose STORE carried it: an interval STORE ends inside the
+        request), with the core's ``(C, M)``
         of the unit each leaves its lowest tier with (``shared_tier.scores``: re-scored
         at every janitor tick after that)."""
         shared = self.shared_tier
@@ -401,10 +403,12 @@ class HiStateRuntime:
                 where = self.objects.where(key)
                 if core is None or where is None or not self.model.ours(key):
                     continue
-                node = core.node(where[0])
-                if not (key in route or self.objects.key_tiers(key)) or node is None:
+                if not (key in route or self.objects.key_tiers(key)):
                     continue
-                if to_shared(where[1], session_end=bool(node.ends)):
+                link = self.objects.link_of(key)
+                final = (link is not None and link.record is not None
+                         and link.depth + 1 == link.record.request_chunks)
+                if to_shared(where[1], final=final):
                     out.append(key)
                     found = unit_inputs(core, *where)
                     metas[key] = ObjectMeta(*self.objects.object_meta(key),

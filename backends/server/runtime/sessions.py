@@ -64,7 +64,8 @@ class SessionTracker:
     def record_store(self, key: Any, hashes: Sequence[bytes]) -> None:
         """STORE received (before its objects are committed): record its chain."""
         chunk = self.model.chunk
-        record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key))
+        record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key),
+                             len(key.token_ids) // chunk)
         record.chain = tuple(self.objects.link_chain(hashes, key.cache_salt, record, record.start))
 
     def lookup(self, core: HiStateCache, key: Any, chain: Sequence[int], now: float) -> None:
