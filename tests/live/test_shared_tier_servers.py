@@ -179,21 +179,6 @@ def test_node_a_killed_then_a_master_killed_mid_run_serves_no_wrong_byte(
             assert {(e["kind"], float(e["freed"])) for e in rows} == {("0", 16384.0),
                                                                         ("1", 8192.0)}
             assert all(0 < float(e["cost"]) != float(e["size"]) for e in rows)
-            # Re-scored after commit: session 0's next turn on A (4 more chunks, final
-            # snapshot after chunk 8) retires its old final snapshot to A's disk, so its 4
-            # old KV chunks leave A's CPU tier alone, M = 4 x 2,048 = 8,192 (was 16,384);
-            # every other KV entry, the new chunks' too, stays a 4-chunk bundle's 16,384.
-            engine_a.store_chunks(sessions[0] + tokens.tokens(4 * CHUNK), snapshot_chunks=[7])
-            settle(a)
-
-            def kv_freed() -> list[tuple[str, float]]:
-                return sorted((e["depth"], float(e["freed"]))
-                              for e in entries(redis_cluster) if e["kind"] == "0")
-
-            wait_until(lambda: [d for d, m in kv_freed() if m == 8192.0] == ["0", "1", "2", "3"],
-                       "A to re-score session 0's old chunks")
-            assert sum(m == 16384.0 for _, m in kv_freed()) == 4 * (len(sessions) - 1) + 4
-            assert shared(a)["stats"]["rescored"] > 0
             a.kill()
         with HybridEngineClient(b.endpoints.zmq_url, GEOMETRY, seed=1) as engine_b:
             for i, s in enumerate(sessions):  # node A is gone
@@ -224,7 +209,7 @@ def test_node_a_killed_then_a_master_killed_mid_run_serves_no_wrong_byte(
         assert status["mode"] == "connected"
         assert status["stats"].get("corrupt_values", 0) == 0
         lost = status["stats"]["values_gone"]
-        assert lost > 0  # a master holds about a third of the 35 values
+        assert lost > 0  # a master holds about a third of the 30 values
         assert status["used_bytes"] <= status["budget_bytes"]
         print(f"\nsessions resumable after the kill: {sum(survived)} of {len(sessions)}; "
               f"reconcile: {status['last_reconcile']}; hits during the fault: {hits}")
