@@ -39,20 +39,31 @@ from lmcache_histate.sim.fleet_report import (
     run_fleet_repeat,
     write_fleet_json,
 )
+from lmcache_histate.sim.load import Calibration, with_target_load
 from lmcache_histate.sim.runner import load_sim_trace
 
 NOTES_MARKER = "<!-- notes below this line are kept when the page is rewritten -->"
 _WORKER: dict[str, Any] = {}
 
 
-def _trace(args: argparse.Namespace) -> tuple[Any, Any, FleetSetup]:
+def _trace(args: argparse.Namespace,
+           think_cap_s: float | None = None) -> tuple[Any, Any, FleetSetup, Calibration | None]:
+    """The node set-up, the fleet trace, the fleet. The node config's load rule
+    (``sim/load.py``) sets each node's load: the think cap that gives one copy of the
+    trace on one node the node config's target rate (``think_cap_s``: already derived),
+    so ``copies`` copies on ``nodes`` nodes run at that rate per node."""
     setup, fleet = load_fleet(args.config)
     trace = load_sim_trace(args.trace, setup, args.max_input_tokens)
-    return setup, fleet_trace(trace, fleet.copies, setup.session_gap_s), fleet
+    cal = None
+    if think_cap_s is None:
+        setup, cal = with_target_load(trace, setup)
+    else:
+        setup = setup.with_(max_think_s=think_cap_s)
+    return setup, fleet_trace(trace, fleet.copies, setup.session_gap_s), fleet, cal
 
 
-def _init(args: argparse.Namespace) -> None:
-    _WORKER["state"] = _trace(args)
+def _init(args: argparse.Namespace, think_cap_s: float) -> None:
+    _WORKER["state"] = _trace(args, think_cap_s)[:3]
 
 
 def _unit(router: str, repeat: int, repeats: int, jitter: float,
@@ -119,7 +130,7 @@ def main() -> None:
         router, _, names = spec.partition("=")
         router_rows[router.strip()] = _rows(ap, names)
     t0 = time.perf_counter()
-    setup, trace, fleet = _trace(args)
+    setup, trace, fleet, cal = _trace(args)
     routers = ([r.strip() for r in args.routers.split(",")] if args.routers
                else list(fleet.routers))
     for r in routers:
@@ -134,7 +145,8 @@ def main() -> None:
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TextColumn("router × repeat"),
                         TimeElapsedColumn())
-    with progress, ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(args,)) as pool:
+    with progress, ProcessPoolExecutor(args.jobs, initializer=_init,
+                                       initargs=(args, setup.max_think_s)) as pool:
         task = progress.add_task(f"fleet ×{fleet.nodes} nodes", total=len(units))
         futures = {pool.submit(_unit, r, k, args.repeats, args.jitter,
                                router_rows.get(r, rows)): (r, k) for r, k in units}
@@ -144,7 +156,7 @@ def main() -> None:
             progress.update(task, advance=1, description=f"{r} #{k + 1}")
             # Every finished unit rewrites the results: a cut run keeps what it did.
             tables = _write(args, setup, trace, fleet, routers, outcomes, out, page, old, t0,
-                            f"{done} of {len(units)} router × repeat units")
+                            f"{done} of {len(units)} router × repeat units", cal)
     print(tables)
 
 
@@ -172,7 +184,7 @@ def _rows(ap: argparse.ArgumentParser, spec: str) -> list[str]:
 
 def _write(args: argparse.Namespace, setup: Any, trace: Any, fleet: FleetSetup,
            routers: list[str], outcomes: list[RowOutcome], out: Path, page: Path, old: str,
-           t0: float, done: str) -> str:
+           t0: float, done: str, cal: Calibration | None) -> str:
     cells = aggregate_cells(outcomes)
     write_fleet_json(out / "fleet.json", cells)
     plot_fleet(cells, routers, out / "fleet.png")
@@ -186,14 +198,18 @@ def _write(args: argparse.Namespace, setup: Any, trace: Any, fleet: FleetSetup,
                  f"(GPU {setup.gpu_bytes / gib:.1f}, CPU {setup.cpu_bytes / gib:.1f}, disk "
                  f"{setup.disk_bytes / gib:.1f} GiB; ≤ {setup.max_sessions} sessions per node, "
                  f"{fleet.nodes * setup.max_sessions} in the fleet)",
+        "load per node": (cal.line() + " (one copy of the trace on one node, "
+                          "`sim/load.py`)") if cal is not None
+                         else f"think gaps capped at {setup.max_think_s:.0f} s",
         "shared tier": f"one budget of {fleet.shared_bytes / gib:.0f} GiB for the fleet; a read "
                        f"costs bytes / {fleet.network.bytes_per_s * 8 / 1e9:g} Gb/s + "
                        f"{fleet.network.object_latency_s * 1e3:g} ms per object "
                        "(`sim/shared_tier.py` NOTE 1)",
         "repeats": f"{args.repeats}, timing jittered ±{100 * args.jitter:g} % "
                    "(`sim/repeats.py`), the same timings for every row of a router",
-        "halves": "sessions sorted by their trace id, first half A, the rest B (subagents and "
-                  "copies with their conversation); a claim must hold on both",
+        "halves": "CRC-32 of the session's trace id even: half A, odd: B (`sim/halves.py`, "
+                  "as every simulator page; subagents and copies with their conversation); "
+                  "a claim must hold on both",
         "reuse-sensitive": "requests whose hit rate under `unlimited` (one cache the whole fleet "
                            "reads) is ≥ 5 points above the local vllm-cpu-disk-offload row's",
         "wall time": f"{(time.perf_counter() - t0) / 60:.1f} min with --jobs {args.jobs} "

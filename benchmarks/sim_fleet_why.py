@@ -5,8 +5,9 @@ per row: token hits, the requests resumed from the shared tier, TTFT mean / p99,
 bytes written to the shared tier, and what it holds at the end (KV chunks, states). The
 two diagnostic variants of ``histate+shared`` (not rows of the fleet table) change one
 thing each: ``shared τ=0`` ranks the shared tier by recency (the core's own LRU knobs,
-``baselines.LRU_ROWS["lru"]``), ``shared finals only`` writes only each request's final
-state to the shared tier (no intermediate snapshots).
+``baselines.LRU_ROWS["lru"]``), ``shared every state`` writes every state the node
+captured to the shared tier, interval snapshots included (not ``shared_tier.plan``'s
+rule: the final state only).
 
 Usage: ``nice -n 5 python benchmarks/sim_fleet_why.py [--trace ../shared/traces/weka-cc]
 [--config configs/sim-fleet.yaml]``.
@@ -28,16 +29,19 @@ from lmcache_histate.sim.fleet import (
     make_router,
     simulate_fleet,
 )
+from lmcache_histate.sim.load import with_target_load
 from lmcache_histate.sim.report import percentile, token_hit_rate
 from lmcache_histate.sim.runner import load_sim_trace
 from lmcache_histate.sim.shared_tier import HiStateShared, LRUShared, SharedTierNode
 
 
-class FinalsOnly(HiStateShared):
-    """Diagnostic: the shared tier gets each request's KV and its final state only."""
+class EveryState(HiStateShared):
+    """Diagnostic: the shared tier gets each request's KV and every state captured."""
 
     def store(self, request, lookup, states, now):  # type: ignore[no-untyped-def]
-        return super().store(request, lookup, states[-1:], now)
+        before = self.policy.counter.written_bytes["shared"]
+        self.policy.cache.complete(lookup.handle, request.input_tokens, now, boundaries=states)
+        return self.policy.counter.written_bytes["shared"] - before
 
 
 def holds(row: FleetRow) -> tuple[int, int]:
@@ -58,8 +62,9 @@ def main() -> None:
     ap.add_argument("--config", default="configs/sim-fleet.yaml")
     args = ap.parse_args()
     setup, fleet = load_fleet(args.config)
-    trace = fleet_trace(load_sim_trace(args.trace, setup, args.max_input_tokens),
-                        fleet.copies, setup.session_gap_s)
+    one = load_sim_trace(args.trace, setup, args.max_input_tokens)
+    setup, _ = with_target_load(one, setup)  # per node, as benchmarks/sim_fleet.py
+    trace = fleet_trace(one, fleet.copies, setup.session_gap_s)
     rows = fleet_rows(setup, fleet)
 
     def variant(shared_of) -> FleetRow:  # type: ignore[no-untyped-def]
@@ -76,13 +81,13 @@ def main() -> None:
         config = replace(s.policy.cache.config, **LRU_ROWS["lru"])
         return HiStateShared(type(s.policy)(s.policy.name, config))
 
-    def finals(s: HiStateShared) -> HiStateShared:
-        return FinalsOnly(s.policy)
+    def every(s: HiStateShared) -> HiStateShared:
+        return EveryState(s.policy)
 
     variants = {
         HISTATE_SHARED: rows[HISTATE_SHARED],
         "histate+shared, shared τ=0": lambda: variant(tau0),
-        "histate+shared, shared finals only": lambda: variant(finals),
+        "histate+shared, shared every state": lambda: variant(every),
         LMCACHE_SHARED: rows[LMCACHE_SHARED],
     }
     print("| variant | token hit % | resumed from shared | TTFT mean (s) | p99 (s) "

@@ -10,9 +10,10 @@ reported as mean [min–max] over the repeats (``repeats.Spread``).
   the local ``vllm-cpu-disk-offload`` row's (``report.reuse_sensitive`` with the offload
   row in HiState's place): the requests that a better cache could speed up, chosen by
   neither HiState row.
-* **Halves.** The trace's sessions are split by their id: sorted, the first half of the
-  ids is half A, the rest half B (a subagent goes with its conversation, every copy of a
-  session with it, ``session_halves``). Each metric is also computed on each half.
+* **Halves.** The trace's sessions are split by the simulator's one rule
+  (``halves.in_half``: CRC-32 of the root session's trace id, even A, odd B); a subagent
+  goes with its conversation, every copy of a session with it (``session_halves``). Each
+  metric is also computed on each half.
 * **Verdict** of a row against ``histate+shared`` on a metric (``claim``): ``+``
   (histate+shared lower) only if the repeats' ranges do not overlap (``repeats.verdict``)
   on all requests AND on each half; ``−`` likewise the other way; otherwise ``tie``.
@@ -42,6 +43,7 @@ from .fleet import (
     simulate_fleet,
     stable_hash,
 )
+from .halves import in_half
 from .repeats import Spread, jitter_trace, verdict
 from .report import GIB, PolicySummary, pyplot, reuse_sensitive, summarize
 from .server import RunResult
@@ -69,12 +71,11 @@ def _base_id(session_id: str) -> str:
 
 
 def session_halves(trace: Trace) -> dict[str, str]:
-    """Session id → ``"A"`` or ``"B"`` (module docstring: sorted root ids, first half A)."""
+    """Session id → ``"A"`` or ``"B"``: its root session's trace id in half ``a`` or ``b``
+    of ``halves.in_half`` (module docstring)."""
     ids = {s.id for s in trace.sessions}
     root = {s.id: (s.parent if s.parent in ids else s.id) for s in trace.sessions}
-    bases = sorted({_base_id(r) for r in root.values()})
-    first = set(bases[: (len(bases) + 1) // 2])
-    return {sid: ("A" if _base_id(r) in first else "B") for sid, r in root.items()}
+    return {sid: ("A" if in_half(_base_id(r), "a") else "B") for sid, r in root.items()}
 
 
 @dataclass(slots=True)

@@ -14,10 +14,13 @@ for SGLang HiCache's L3. ``SharedTierNode`` composes the two:
   bandwidth plus a round-trip latency per object read (NOTE 1).
 * **Store** (``complete``): the node stores what the request computed in its own tiers,
   exactly as on one node, and writes it through to the shared tier: the prompt's KV and
-  the states the node captured (its own plan, from the hit on: a state it did not compute
-  is never written anywhere). The shared tier's own engine decides what stays within its
-  one budget: HiState's core (``HiStateShared``) or LRU (``LRUShared``). Writes run off
-  the request path (LMCache and HiCache store asynchronously) and are not charged.
+  states the node captured (its own plan, from the hit on: a state it did not compute
+  is never written anywhere). Which states: stock LMCache and HiCache write every one
+  (``LRUShared``: every key to every adapter); HiState writes the one at the request's
+  end only, by the live backend's rule (``HiStateShared``, ``shared_tier.plan``). The
+  shared tier's own engine decides what stays within its one budget: HiState's core or
+  LRU. Writes run off the request path (LMCache and HiCache store asynchronously) and
+  are not charged.
 
 Both engines are the single-node ones (``HiStatePolicy`` over one ``shared`` tier,
 ``TieredLRU`` over one ``shared`` pool): no policy code is repeated here.
@@ -41,7 +44,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from ..core.tiers import PlacementRules, TierSpec
+from ..backends.server.shared_tier.plan import to_shared
+from ..core.tiers import SNAPSHOT, PlacementRules, TierSpec
 from .baselines.end_state import EndStatePolicy, StatePlan
 from .baselines.tiered_lru import KV, PoolSpec, TieredLRU, UseHandle
 from .capture import Capture, capture_of
@@ -134,8 +138,13 @@ class HiStateShared(SharedStore):
         return lookup.handle.match.kv_chunks
 
     def store(self, request: Request, lookup: Lookup, states: list[int], now: float) -> int:
+        """The live rule (``shared_tier.plan.to_shared``): the prompt's KV and, of the
+        states, the final one, at the request's end (the plan's last, ``interval``
+        invariant)."""
         before = self.policy.counter.written_bytes[SHARED]
-        self.policy.cache.complete(lookup.handle, request.input_tokens, now, boundaries=states)
+        end = states[-1] if states else None
+        kept = [s for s in states if to_shared(SNAPSHOT, final=s == end)]
+        self.policy.cache.complete(lookup.handle, request.input_tokens, now, boundaries=kept)
         self.policy.drain()
         return self.policy.counter.written_bytes[SHARED] - before
 

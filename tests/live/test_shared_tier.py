@@ -100,13 +100,16 @@ def test_a_wrong_value_is_never_served_and_leaves(
 
 def test_one_budget_for_every_node_evicts_by_rank(redis_cluster: RedisClusterNodes) -> None:
     size = value_size(0)
-    a = HiStateSharedAdapter(params(redis_cluster, "a", budget=2 * size + size // 2))
-    b = HiStateSharedAdapter(params(redis_cluster, "b", budget=2 * size + size // 2))
+    # No fault here: a loaded host's slow call must not trip the breaker (generous waits).
+    slow = {"op_timeout_s": 20.0, "connect_timeout_s": 10.0}
+    a = HiStateSharedAdapter(params(redis_cluster, "a", budget=2 * size + size // 2, **slow))
+    b = HiStateSharedAdapter(params(redis_cluster, "b", budget=2 * size + size // 2, **slow))
     try:
-        assert store(a, [key(0)], [payload(0)])
+        assert store(a, [key(0)], [payload(0)]), a.report_status()
         time.sleep(1.1)  # H = t + ...: the second object is accessed a second later
-        assert store(a, [key(1)], [payload(1)])
-        assert store(b, [key(2)], [payload(2)])  # over budget: the lowest H (key 0) goes
+        assert store(a, [key(1)], [payload(1)]), a.report_status()
+        # Over budget: the lowest H (key 0) goes.
+        assert store(b, [key(2)], [payload(2)]), b.report_status()
         status = b.report_status()
         assert status["used_bytes"] == 2 * size <= status["budget_bytes"]
         assert lookup(a, [key(0), key(1), key(2)]) == [1, 2]

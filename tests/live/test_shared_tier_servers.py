@@ -135,9 +135,16 @@ def test_cluster_down_the_node_serves_its_own_tiers_as_fast_then_reconciles(
             wait_until(lambda: bool(shared(a)["last_reconcile"]), "a reconcile")
             assert shared(a)["used_bytes"] == 0  # the cluster lost everything: so did the budget
             assert shared(a)["connection"]["recoveries"] == 1
-            engine.store_chunks(q, snapshot_chunks=[3])
+            # Q with an interval snapshot (after chunk 2) and its final one (after chunk 4):
+            # A resumes at both from its own tiers; the cluster gets Q's 4 KV chunks and
+            # the final snapshot only (shared_tier.plan).
+            engine.store_chunks(q, snapshot_chunks=[1, 3])
             settle(a)
             assert shared(a)["used_bytes"] > 0
+            assert resume(a, q[: 2 * CHUNK] + p)["resumable_tokens"] == 2 * CHUNK
+            rows = entries(redis_cluster)
+            assert sorted((e["kind"], e["depth"]) for e in rows) == [
+                ("0", "0"), ("0", "1"), ("0", "2"), ("0", "3"), ("1", "3")]
         text = a.log_path.read_text(errors="replace")
         assert text.count("HiState shared tier: Redis at") == 2  # down once, back once
 

@@ -3,16 +3,16 @@
 Real parts only: a 3-master Redis Cluster on loopback, two ``histate-server`` processes
 (nodes ``a`` and ``b``) with separate disk folders and the same ``shared_tier`` section,
 each with its own vLLM CPU engine serving the tiny hybrid model, and the reference engine
-without a connector (``reference_run``). The scenario and the hand-derived expectations are
-``test_vllm_cpu_roundtrip``'s (its ``LAYOUTS`` table): turn 1, prompt A (10 chunks + 50
-tokens), runs on node A, whose server keeps snapshots at the controller's plan ``[kC,
-10C]`` and sends them with the KV chunks to the shared tier; turn 2, prompt B (A's first
-8.6 chunks, another tail), runs on node B, whose own tiers hold nothing: B hits exactly
-``k`` chunks (the last boundary with a snapshot below the divergence), every one of the
-``k`` KV chunks and the snapshot loaded from the shared tier (none from its disk), and
-its greedy tokens and top-5 logprobs equal the reference's exactly. Negative control:
-with node B's test hook zeroing restored recurrent state, prompt C (same prefix, another
-tail) hits the same boundary and its logprobs differ from recompute.
+without a connector (``reference_run``). Prompts are ``test_vllm_cpu_roundtrip``'s: turn 1
+on node A is the prefix that prompts B and C share (8.6 chunks); node A's server keeps an
+interval snapshot below chunk 8 and the final one at ``8C`` on its own tiers and sends the
+shared tier the 8 KV chunks and the final snapshot only (``shared_tier.plan``: what another
+node resumes from). Turn 2, prompt B (that prefix, then its own tail), runs on node B,
+whose own tiers hold nothing: B hits exactly 8 chunks, all 8 KV chunks and the snapshot
+loaded from the shared tier (none from its disk), and its greedy tokens and top-5
+logprobs equal the reference's exactly. Negative control: with node B's test hook zeroing
+restored recurrent state, prompt C (same prefix, another tail) hits the same boundary and
+its logprobs differ from recompute.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from test_vllm_cpu_roundtrip import (
     ZERO_HOOK_MODULE,
     connector_config,
     histate_config,
-    layout_of,
     make_prompts,
     needs_live,
+    prompt_lengths,
     server_module_arg,
     settle,
 )
@@ -52,7 +52,6 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
 
-    row = layout_of(tiny_layout)
     chunk = tiny_layout.block_size
     config = json.loads((tiny_model / "config.json").read_text())
     prompts = make_prompts(vocab=int(config["vocab_size"]), chunk=chunk)
@@ -80,7 +79,8 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
                        env=support_pythonpath()) as server_b,
     ):
         with engine_on(server_a, "engine-a") as engine_a:
-            a = engine_a.generate(prompts["A"], max_tokens=MAX_TOKENS, kv_transfer_params=ask,
+            turn1 = prompts["B"][: prompt_lengths(chunk)["shared"]]
+            a = engine_a.generate(turn1, max_tokens=MAX_TOKENS, kv_transfer_params=ask,
                                   reset=True)
             final_a = settle(server_a)
         with engine_on(server_b, "engine-b") as engine_b:
@@ -93,22 +93,22 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
             settle(server_b)
         metrics = server_b.http("GET", "/metrics")
 
-    k = row["first_interval_chunks"]
-    assert a["kv_transfer_params"]["histate_saves"]["kept"] == [k * chunk, 10 * chunk]
-    # Node A sent its 10 KV chunks and 2 snapshots to the shared tier.
+    kept = a["kv_transfer_params"]["histate_saves"]["kept"]
+    assert kept[-1] == 8 * chunk and 0 < kept[0] < 8 * chunk, kept  # interval + final
+    # Node A sent the shared tier its 8 KV chunks and the final snapshot, not the interval.
     shared_a = final_a["shared_tier"]
     assert shared_a["mode"] == "connected"
-    assert shared_a["stats"]["objects_stored"] == 10 + 2, shared_a["stats"]
-    # Turn 2 on node B: k chunks, all k KV chunks + the snapshot at kC from the shared tier.
-    assert b["num_cached_tokens"] == k * chunk
-    assert b["kv_transfer_params"]["cached_token_stats"]["num_lmcache_cached_tokens"] == k * chunk
-    assert loads(after_b, "shared_tier") == k + 1
+    assert shared_a["stats"]["objects_stored"] == 8 + 1, shared_a["stats"]
+    # Turn 2 on node B: 8 chunks, all 8 KV chunks + the snapshot at 8C from the shared tier.
+    assert b["num_cached_tokens"] == 8 * chunk
+    assert b["kv_transfer_params"]["cached_token_stats"]["num_lmcache_cached_tokens"] == 8 * chunk
+    assert loads(after_b, "shared_tier") == 8 + 1
     assert loads(after_b, "disk") == 0
     reference = reference_run
     assert b["token_ids"] == reference["B"]["token_ids"]
     assert b["logprobs"] == reference["B"]["logprobs"]  # exact float equality, all top-5
     # Negative control: the same hit with the restored recurrent state zeroed differs.
-    assert c["num_cached_tokens"] == k * chunk
+    assert c["num_cached_tokens"] == 8 * chunk
     assert c["logprobs"] != reference["C"]["logprobs"], "zeroed state left outputs unchanged"
     text = metrics if isinstance(metrics, str) else json.dumps(metrics)
     assert 'histate_l2_objects_loaded{tier="shared"}' in text

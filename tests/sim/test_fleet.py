@@ -135,6 +135,24 @@ def test_histate_shared_tier_stays_within_its_budget() -> None:
     assert 0 < fr.shared_used_bytes <= budget
 
 
+def test_histate_shares_final_states_and_kv_not_interval_snapshots() -> None:
+    # Turn 0 (400 tokens = 100 chunks) on node 0, turn 1 (480 = 120 chunks) on node 1.
+    # Each node keeps its own interval snapshots; the shared tier gets every KV chunk (120)
+    # and each turn's final state only: after chunk 100 (depth 99: resumed by node 1, then
+    # historical) and after chunk 120 (depth 119).
+    s = setup()
+    fleet = FleetSetup(nodes=2, shared_bytes=1 << 40, network=NET)
+    t = trace(Session("a", None, (req("a", 0, 400), req("a", 1, 480, think=100.0))))
+    row = fleet_rows(s, fleet)[HISTATE_SHARED]()
+    fr = simulate_fleet(t, row, ByTurn(2), s)
+    assert by_key(fr)[("a", 1)].hit_tokens == 400
+    shared = row.shared.policy.cache.nodes()
+    assert sum(1 for n in shared if n.kv_tiers) == 120
+    assert sorted(n.depth for n in shared if n.snap_tiers) == [99, 119]
+    node0 = row.nodes[0].local.cache.nodes()
+    assert sum(1 for n in node0 if n.snap_tiers) > 2  # its own plan has interval snapshots
+
+
 def test_least_loaded_picks_the_node_with_least_queued_work() -> None:
     assert LeastLoaded(3).route(req("x", 0, 4), lambda: [3.0, 1.0, 1.0]) == 1
     # s0 (40 tokens: 0.125 + 20 + 8 = 28.1 s of prefill) lands on node 0 (tie → lowest);
@@ -170,14 +188,20 @@ def test_fleet_trace_copies_are_independent_and_interleaved() -> None:
     }
 
 
-def test_halves_split_sorted_ids_with_subagents_and_copies() -> None:
+def test_halves_split_by_crc32_parity_with_subagents_and_copies() -> None:
+    # zlib.crc32 of the ids, worked out by hand: trace_0002 1,170,861,099 (odd, B),
+    # trace_0004 2,896,840,990 (even, A), trace_0006 1,118,054,450 (even, A).
     t = fleet_trace(trace(
-        Session("c", None, (req("c", 0, 8),)), Session("a", None, (req("a", 0, 8),)),
-        Session("b", None, (req("b", 0, 8),)), Session("c-sub", "c", (req("c-sub", 0, 8),)),
+        Session("trace_0002", None, (req("trace_0002", 0, 8),)),
+        Session("trace_0004", None, (req("trace_0004", 0, 8),)),
+        Session("trace_0006", None, (req("trace_0006", 0, 8),)),
+        Session("sub", "trace_0002", (req("sub", 0, 8),)),
     ), 2, 10.0)
     halves = session_halves(t)
-    assert {k for k, v in halves.items() if v == "A"} == {"a@0", "a@1", "b@0", "b@1"}
-    assert {k for k, v in halves.items() if v == "B"} == {"c@0", "c@1", "c-sub@0", "c-sub@1"}
+    assert {k for k, v in halves.items() if v == "A"} == {
+        "trace_0004@0", "trace_0004@1", "trace_0006@0", "trace_0006@1"}
+    assert {k for k, v in halves.items() if v == "B"} == {
+        "trace_0002@0", "trace_0002@1", "sub@0", "sub@1"}
 
 
 def cell(row: str, values: dict[str, list[float]]) -> FleetCell:

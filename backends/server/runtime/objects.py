@@ -255,6 +255,7 @@ class StoreRecord:
     chain: tuple[int, ...]  # node keys of chunks [0, end)
     start: int  # first chunk stored by this request
     session_hint: str | None
+    request_chunks: int = 0  # whole chunks of the request's tokens: its final state's end
 
 
 @dataclass(slots=True)

@@ -143,6 +143,8 @@ from ..disk.entries import ObjectMeta
 from ..disk.shared_link import SharedIndexLink, key_id
 from ..disk.tier import HiStateDiskAdapter
 from ..shared_index.deployment import DeploymentSync
+from ..shared_tier.plan import to_shared
+from ..shared_tier.scores import unit_inputs
 from ..shared_tier.tier import HiStateSharedAdapter
 from .cpu_eviction import RERANK_BUDGET, CpuEvictor
 from .objects import ModelCore, ObjectMap, StoreRecord, node_key
@@ -320,7 +322,8 @@ class HiStateRuntime:
         session.set_tokens(list(key.token_ids))
         hashes = [self.ctx.token_hasher.hash_to_bytes(h) for h in session.get_hashes(0, end)]
         with self.step():
-            record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key))
+            record = StoreRecord(key.request_id, (), key.start // chunk, session_hint(key),
+                                 len(key.token_ids) // chunk)
             record.chain = tuple(
                 self.objects.link_chain(hashes, key.cache_salt, record, record.start))
 
@@ -591,41 +594,47 @@ class HiStateRuntime:
         return out
 
     def shared_route(self, keys: Sequence[ObjectKey], route: set[ObjectKey]) -> list[ObjectKey]:
-        """Which committed ``keys`` go to the shared tier (``shared_tier.tier`` NOTE 3):
-        every snapshot (and KV) the core writes to disk (``route``) and every KV chunk the
-        core keeps, i.e. what another node needs to resume at a snapshot. Their headers
-        go to the shared tier before the store controller submits the write."""
+        """Which committed ``keys`` go to the shared tier: of those the core holds (kept
+        or routed to disk, ``route``), what ``shared_tier.plan.to_shared`` picks — every
+        KV chunk and the snapshots at a session's end. Their headers go to the shared
+        tier before the store controller submits the write (a snapshot is final when it
+        ends the request whose STORE carried it: an interval STORE ends inside the
+        request), with the core's ``(C, M)``
+        of the unit each leaves its lowest tier with (``shared_tier.scores``: re-scored
+        at every janitor tick after that)."""
         shared = self.shared_tier
         if shared is None:
             return []
         out: list[ObjectKey] = []
         metas: dict[ObjectKey, ObjectMeta] = {}
         with self.step():
+            core = self.model.core
             for key in keys:
-                if not self.model.ours(key):
+                where = self.objects.where(key)
+                if core is None or where is None or not self.model.ours(key):
                     continue
-                if key in route or (self.model.part(key) == KV and self.objects.key_tiers(key)):
+                if not (key in route or self.objects.key_tiers(key)):
+                    continue
+                link = self.objects.link_of(key)
+                final = (link is not None and link.record is not None
+                         and link.depth + 1 == link.record.request_chunks)
+                if to_shared(where[1], final=final):
                     out.append(key)
+                    found = unit_inputs(core, *where)
                     metas[key] = ObjectMeta(*self.objects.object_meta(key),
-                                            score=self._unit_score(key))
+                                            score=None if found is None else found[1:])
+                    shared.scores.wrote(where, key_id(key))
         shared.expect_headers(metas)
         self.stats["shared_tier.routed"] += len(out)
         return out
 
-    def _unit_score(self, key: ObjectKey) -> tuple[float, float] | None:
-        """The core's ``(C, M)`` of the unit ``key`` leaves its lowest tier with (under the
-        lock): what the shared tier's ranking in the cluster prices it by, as a shared
-        disk folder's does (``shared_link`` NOTE 2). None when the core holds it nowhere."""
-        core, where = self.model.core, self.objects.where(key)
-        if core is None or where is None:
-            return None
-        nk, part = where
-        tiers = core.tiers_of(nk, part)
-        if not tiers:
-            return None
-        tier = ServerTier.DISK if (tiers >> ServerTier.DISK) & 1 else ServerTier.CPU
-        found = core.eviction_inputs(nk, part, tier)
-        return None if found is None else (found[1], found[2])
+    def _rescore_shared(self, shared: HiStateSharedAdapter) -> None:
+        """The janitor's re-scoring of what this node wrote to the shared tier
+        (``shared_tier.scores``): collected under the lock, sent outside it."""
+        with self.step() as now:
+            core = self.model.core
+            updates = [] if core is None else shared.scores.collect(core, now)
+        shared.rescore(updates)
 
     def on_persisted(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """Objects written to disk by the store controller: those not kept on the CPU tier
@@ -718,6 +727,8 @@ class HiStateRuntime:
         link = self._shared()
         if link is not None:
             self._sync_deployment(link)
+        if self.shared_tier is not None:
+            self._rescore_shared(self.shared_tier)
         # /status janitor_ticks: the background thread is alive (a stalled count is a
         # janitor stuck on the lock or on I/O).
         self.stats["janitor_ticks"] += 1

@@ -37,11 +37,12 @@ reconcile (entries whose value is gone — a master restarted empty — are forg
 their bytes freed; claims and reservations of dead nodes expire) so the budget matches
 what the cluster holds.
 
-NOTE 3 (what goes here) is the store policy's: ``plugins.HiStateStorePolicy`` sends the
-shared tier every snapshot the core writes to disk (intermediate ones and the durable
-copy of each session's final one) and every KV chunk the core keeps: what another node
-needs to resume a session at its snapshots. Headers (kind, depth, parent, the core's
-``C`` and ``M``) come down from the runtime as for the disk tier (``expect_headers``).
+NOTE 3 (what goes here) is ``plan.to_shared``'s, applied by the store policy
+(``plugins.HiStateStorePolicy`` through the runtime's ``shared_route``): every KV chunk
+the core holds and each session's final snapshot, what another node needs to resume a
+session at its deepest boundary; the node's interval snapshots stay on its own tiers.
+Headers (kind, depth, parent, the core's ``C`` and ``M``) come down from the runtime as
+for the disk tier (``expect_headers``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from ..shared_index.layout import KeySpace, ObjectRecord
 from . import values
 from .cluster import cluster_client
 from .config import HiStateSharedAdapterConfig
+from .scores import SharedScores, Update
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -129,6 +131,7 @@ class HiStateSharedAdapter(L2AdapterInterface):
         self._releases: list[str] = []
         self.stats: Counter[str] = Counter()
         self._headers = ExpectedHeaders(self.stats)
+        self.scores = SharedScores()
         self.tasks = TaskBoard()
         self.last_reconcile: dict[str, int] = {}
         self._reconcile_due = threading.Event()
@@ -246,6 +249,16 @@ class HiStateSharedAdapter(L2AdapterInterface):
             for v in victims:
                 p.delete(v.path)
             return len(p.execute(raise_on_error=False))
+
+    def rescore(self, updates: list[Update]) -> bool:
+        """This node's current ``(C, M, age)`` of objects it wrote (``scores``), through
+        the index's ``rescore`` script; False (to be collected again) when not sent."""
+        if not updates:
+            return True
+        ok = not self.conn.degraded and self.index.rescore(updates) is not None
+        self.scores.sent(updates, ok)
+        self.stats["rescored" if ok else "rescore_deferred"] += len(updates)
+        return ok
 
     # ------------------------------------------------------------ lookup / lock
     def submit_lookup_and_lock_task(
