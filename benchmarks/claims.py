@@ -282,8 +282,8 @@ def render_fleet(docs: Mapping[str, Any]) -> str:
             for metric, name in FLEET_METRICS.items())
         lines.append(f"* HiState + shared tier against {label}: {said}.")
     lines += ["", "(Each verdict: HiState + shared tier lower / higher beyond the spread on all "
-              "requests and on both halves of the sessions, the fleet page's halves: sorted "
-              "session ids, first half and second; else tie. In brackets: the row's mean ÷ "
+              "requests and on both halves of the sessions (CRC-32 of the session id even / "
+              "odd, sim/halves.py); else tie. In brackets: the row's mean ÷ "
               "HiState + shared tier's, all requests.)"]
     # Session affinity: each session stays on its node, so the shared tier is rarely read.
     affinity = {c["row"]: c for c in docs["fleet"] if c["router"] == "session-affinity"}

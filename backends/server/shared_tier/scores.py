@@ -37,7 +37,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmcache_histate.core.score import MIN_RATIO
+from lmcache_histate.core.rank import MIN_RATIO
 
 if TYPE_CHECKING:
     from lmcache_histate.core.cache import HiStateCache
