@@ -18,6 +18,11 @@ sessions (halves not run)" where they rank rows.
 Outside the blocks, the simulator sections may carry no comparative word (``RANKING``):
 ``check`` flags one, so a sentence that ranks rows cannot be added by hand.
 
+Set-up sentences that quote a configuration, a constant of the simulator or the bundled
+sample's size (blocks ``paper-load-target``, ``sim-notes``, ``sample``) are rendered from
+those sources the same way (the sample's from a run of its ``unlimited`` row, about a
+second of CPU), so an edited source cannot leave a stale figure on the page.
+
 The live numbers follow the same scheme. README's live table and its verdicts
 (``render_live``) and each live table of ``benchmarks/README.md`` (``render_live_table``,
 blocks ``live-SUFFIX`` for ``benchmarks/live/results-SUFFIX``) are rendered from the
@@ -436,6 +441,67 @@ def live_results() -> dict[str, Path]:
             if (p / "live.json").is_file() and '"runs"' in (p / "live.json").read_text()}
 
 
+# ================================================================ set-up sentences
+# Numbers the simulator sections quote from a configuration, a constant of the code or a
+# quick run rather than from a result file: rendered from there, so an edit of the source
+# shows on the page (or fails the check) instead of leaving a stale figure behind.
+PAPER_LOAD = ROOT / "configs" / "sim-paper-load.yaml"
+SAMPLE = ROOT / "configs" / "sim-sample.yaml"
+
+
+def render_paper_load_target(docs: Mapping[str, Any]) -> str:
+    """The paper-load run's target rate, from its configuration."""
+    from lmcache_histate.sim.config import load_setup
+
+    rate = load_setup(str(PAPER_LOAD)).target_rate_per_h
+    return (f"The load is a target, the paper's {rate:,.0f} requests per hour over the bulk "
+            "of the run, from which each run derives its think-time cap "
+            "(`lmcache_histate/sim/load.py`); "
+            "[benchmarks/sim_weka.md](benchmarks/sim_weka.md).\n")
+
+
+def render_sim_notes(docs: Mapping[str, Any]) -> str:
+    """The neutral set's threshold and the ``vllm-retention`` row's interval, from the
+    constants the simulator uses."""
+    from lmcache_histate.sim.baselines.vllm import DEPLOYED_RETENTION_TOKENS, retention_chunks
+    from lmcache_histate.sim.config import load_setup
+    from lmcache_histate.sim.report import SENSITIVE_POINTS
+
+    chunk = load_setup(str(PAPER_LOAD)).chunk_tokens
+    return (
+        "* Reuse-sensitive: the paper's set, defined against vLLM CPU+disk offload's own "
+        "hits, so part of any difference from that row holds by construction. Neutral set: "
+        f"the requests whose hit rates differ by ≥ {100 * SENSITIVE_POINTS:.0f} points "
+        "between any two of the rows with HiState's memory.\n"
+        "* `vllm-retention` is vLLM with `--prefix-cache-retention-interval` as deployment "
+        f"scripts set it ({DEPLOYED_RETENTION_TOKENS:,}, rounded up to "
+        f"{retention_chunks(chunk)} blocks of {chunk} tokens: vLLM refuses a non-multiple). "
+        "In vLLM 0.32 a periodic state exists only where a prefill step ends on the "
+        "interval, which the scheduler does not aim for "
+        "(`lmcache_histate/sim/baselines/vllm.py` cites the lines).\n")
+
+
+def render_sample(docs: Mapping[str, Any]) -> str:
+    """The bundled sample's size against its tiers: its requests, the configuration's
+    memory, and what the ``unlimited`` row (a state at every chunk, no capacity) holds at
+    the end of a run of it (about a second of CPU)."""
+    import tempfile
+
+    from lmcache_histate.sim.experiment import SimulateOptions, run_simulate
+
+    with tempfile.TemporaryDirectory() as out:
+        exp = run_simulate(SimulateOptions(config=str(SAMPLE), policies="unlimited",
+                                           out=out, plots=False))
+    gib = 1024**3
+    tiers = exp.setup.gpu_bytes + exp.setup.cpu_bytes + exp.setup.disk_bytes
+    fills = next(s.used_bytes for s in exp.summaries if s.name == "unlimited")
+    return (f"Runs from a clone in seconds of CPU: the sample's {exp.trace.num_requests} "
+            f"requests on {tiers / gib:.0f} GiB of tiers, where keeping a state at every "
+            f"chunk fills {fills / gib:.0f} GiB (×{fills / tiers:.0f}), so the rows part; "
+            "the table lands in `out/simulate/report.md` and the TTFT curves in "
+            "`out/simulate/ttft_cdf.png`.\n")
+
+
 RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "paper-load": render_paper_load,
     "pressure": render_pressure,
@@ -444,6 +510,9 @@ RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "fleet": render_fleet,
     "live": render_live,
     "demo": render_demo,
+    "paper-load-target": render_paper_load_target,
+    "sim-notes": render_sim_notes,
+    "sample": render_sample,
 }
 
 

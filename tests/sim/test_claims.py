@@ -4,8 +4,11 @@
   (hand-made spreads);
 * ``check_page`` reports a block whose numbers differ from its file and a ranking word
   written outside a block (hand-made page and file);
+* the set-up sentences quote their sources: the paper-load target from its YAML, the
+  neutral set's threshold and the retention interval from the simulator's constants, the
+  bundled sample's size from a run of its ``unlimited`` row (about a second of CPU);
 * the real pages (README.md, benchmarks/README.md) against the recorded files: no
-  problem. This reads JSON only; it runs no simulation.
+  problem.
 """
 
 from __future__ import annotations
@@ -157,3 +160,19 @@ def test_a_single_run_section_may_state_numbers_but_rank_nothing() -> None:
             "## Other\n\n* HiState is lower.\n")
     assert [str(p) for p in claims.check_single_runs(page, "D.md", ("## What it means",))] == [
         "D.md: ranking word 'lower' in a single-run section: '* HiState is lower here.'"]
+
+
+def test_the_set_up_sentences_quote_their_sources() -> None:
+    """Expected values by hand: ``configs/sim-paper-load.yaml`` asks for 1261 requests/h;
+    ``SENSITIVE_POINTS`` = 0.05 is 5 points; 4,096 tokens on 528-token blocks round up to
+    ceil(4096 / 528) = 8 blocks; the sample config's tiers are 2 + 2 + 4 = 8 GiB; the
+    bundled sample has 319 requests (9 sessions) and the unlimited row ends holding
+    77,345,587,200 B = 72.03 GiB, 9.0 times the 8 GiB."""
+    claims = _claims()
+    assert "the paper's 1,261 requests per hour" in claims.render_paper_load_target({})
+    notes = claims.render_sim_notes({})
+    assert "differ by ≥ 5 points" in notes
+    assert "(4,096, rounded up to 8 blocks of 528 tokens" in notes
+    sample = claims.render_sample({})
+    assert "the sample's 319 requests on 8 GiB of tiers" in sample
+    assert "fills 72 GiB (×9)" in sample
