@@ -764,16 +764,22 @@ def check_prose_numbers(name: str, text: str,
                         quotes: Mapping[str, str] = PAPER_QUOTES) -> list[Problem]:
     """Every number in the prose of ``text`` outside the claims blocks (``_prose_lines``,
     ``NUMBER``), each naming its line, unless it is one of the paper's ``quotes`` on a line
-    that says ``(paper)``: so a figure typed by hand into README fails the check."""
+    that says ``(paper)``: so a figure typed by hand into README fails the check. A quote
+    the page no longer carries is a problem too (the allow-list stays what README quotes)."""
     bare = BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
-    problems = []
+    problems, quoted = [], set()
     for i, line in _prose_lines(bare):
         if PAPER_MARK in line:
             for quote in quotes:
-                line = line.replace(quote, "")
+                if quote in line:
+                    quoted.add(quote)
+                    line = line.replace(quote, "")
         if m := NUMBER.search(line):
             problems.append(Problem(f"{name}:{i}", f"{m.group(0)!r} in prose outside a claims "
                                                   f"block: {line.strip()[:80]!r}"))
+    problems += [Problem(name, f"paper quotation {q!r} is not on the page beside "
+                               f"{PAPER_MARK!r}: drop it from PAPER_QUOTES")
+                 for q in quotes if q not in quoted]
     return problems
 
 

@@ -231,7 +231,8 @@ def test_a_number_typed_into_readme_prose_is_reported_with_its_line() -> None:
     """A hand-made page: numbers inside a block, fenced code, a table, inline code, a link
     target, a numbered-list marker, names (Qwen3.5-9B, Qwen3-Next, p99, L1, AVX-512,
     Apache-2.0) and a section sign pass; the paper's quotation passes only on a line that
-    says "(paper)"; "8K" on line 9 and "2.5 s" on line 11 are reported."""
+    says "(paper)"; "8K" on line 9 and "2.5 s" on line 11 are reported; an allow-listed
+    quotation missing from the page is reported by name."""
     claims = _claims()
     page = ("# T\n"                                                     # 1
             "<!-- claims:x -->\nHiState 4.2 s.\n<!-- /claims -->\n"     # 2-4
@@ -248,3 +249,7 @@ def test_a_number_typed_into_readme_prose_is_reported_with_its_line() -> None:
         "P.md:11: '2.5' in prose outside a claims block: "
         "'* The rewrite test:  (paper); mean 2.5 s.'",
         "P.md:12: '18' in prose outside a claims block: '* The rewrite test: −18 to −21 %.'"]
+    # A quotation on the allow-list that the page no longer carries beside "(paper)".
+    stale = [str(p) for p in claims.check_prose_numbers("P.md", "# T\n", {"+37 %": "§2"})]
+    assert stale == ["P.md: paper quotation '+37 %' is not on the page beside '(paper)': "
+                     "drop it from PAPER_QUOTES"]
