@@ -335,8 +335,9 @@ class HiStateCache:
         """The placement events queued since the last call, oldest first, and an empty
         queue (``placement``, "Events"): what was stored, moved and dropped where. The
         owner drains them after each call that places, evicts or loses anything
-        (``complete``, ``promote``, ``evict``, ``set_capacity``, ``lose``); an owner that
-        never acts on them still drains them, or they accumulate."""
+        (``complete``, ``release``, ``promote``, ``evict``, ``set_capacity``,
+        ``lose``); an owner that never acts on them still drains them, or they
+        accumulate."""
         store = self._store
         events, store.events = store.events, []
         return events
@@ -632,7 +633,8 @@ class HiStateCache:
         return nbytes
 
     def release(self, handle: RequestHandle) -> None:
-        """Unpin a request's path without storing (module docstring, step 4)."""
+        """Unpin a request's path without storing (module docstring, step 4); a final
+        snapshot whose retirement this read put off moves now (``placement`` NOTE 3)."""
         pinned = handle.pinned
         for node in pinned:
             node.pins -= 1
@@ -646,6 +648,8 @@ class HiStateCache:
         for node in reversed(pinned[cut:]):
             if not node.pins and node.key in self._index.nodes:
                 self._index.prune(node)
+        if self._store.retire_later:  # a final retired while this read pinned it
+            self._store.retire_pending(pinned)
         handle.pinned = []
 
     def _move_session(

@@ -53,6 +53,14 @@ the dependency one way: the owner reads the core. Events are tuples, not objects
 built per part moved, and a slotted dataclass cost 0.45 µs more per event than a tuple
 here, which an eviction pays once per chunk of the unit it drops or moves
 (``benchmarks/core_ops.py``).
+NOTE 3 (a retirement a pin put off is done when the pin goes). A final snapshot that
+stops being final while another request in flight pins its node (a lookup that read it, a
+live server's probe) is not moved under that read. Left on the final tier for good, it
+would keep its KV in the bundle it no longer ends: the old chunks' unit, and every rank
+taken from it (a shared tier's re-scoring, ``shared_tier.scores``), would depend on
+whether a lookup happened to overlap the next turn's store. So the move is recorded
+(``retire_later``, bounded by the pinned nodes) and made when the node's last pin goes
+(``retire_pending``, from ``HiStateCache.release``), at the time it was decided.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ class TieredStore:
         self.events: list[PlacementEvent] = []  # drained by the owner (module docstring)
         self.used = [0] * len(self.tiers)
         self.dropped_units = 0
+        self.retire_later: dict[Node, float] = {}  # NOTE 3: node -> when it was decided
 
     def free(self, tier: int) -> int:
         return self.tiers[tier].capacity - self.used[tier]
@@ -176,10 +185,10 @@ class TieredStore:
         """``node``'s snapshot stopped being a session's final one: move it to its home.
 
         A snapshot pinned by an in-flight load stays where it is (moving it would race
-        the read); it is then an ordinary unit on the fast tier and leaves it through the
-        eviction queue like any other.
+        the read) until its last pin goes (NOTE 3, ``retire_pending``).
         """
         if node.pins:
+            self.retire_later[node] = now
             return
         home = self.rules.snapshot_tier
         if not node.snap_tiers or node.snap_tiers & (1 << home):
@@ -190,6 +199,19 @@ class TieredStore:
         for tier in bits(node.snap_tiers):
             self._move_snapshot(node, tier, home, now)
             break
+
+    def retire_pending(self, nodes: Sequence[Node]) -> None:
+        """The retirements a pin put off (NOTE 3) of those ``nodes`` no longer pinned,
+        made now at the time each was decided; a node that ends a session again, lost
+        its snapshot or left the index meanwhile is only forgotten."""
+        later = self.retire_later
+        for node in nodes:
+            if node.pins or node not in later:
+                continue
+            decided = later.pop(node)
+            if node.snap_tiers and not node.ends and self.index.get(node.key) is node:
+                self.retire_final(node, decided)
+                self.queue.update_around(node)
 
     def promote(self, node: Node, part: str, tier: int, now: float, *, rerank: bool = True) -> bool:
         """Move ``part`` of ``node`` up to ``tier``: an engine read it into fast memory.

@@ -5,6 +5,8 @@
   residents' ``H`` (``EvictionQueue.arrival_rank``), never a fast tier's ``t``.
 * ``cache`` NOTE 1: a hit counts as read when the request completes (the engine
   held it until then), not only when it began.
+* ``placement`` NOTE 3: a final snapshot retired while a read pinned it moves when that
+  read ends, unless it ends a session again by then.
 
 Chunks of 10 tokens, 1 B per token: a KV chunk is 10 B, a snapshot 20 B, unless a test
 says otherwise. Every expected value is derived in the test's docstring.
@@ -177,3 +179,32 @@ def test_a_handle_that_pinned_nothing_refreshes_nothing_when_it_completes(
     begun.complete(begun.begin("A", [1, 2, 3], 10.0), 30, 50.0, boundaries=[30])
     inputs = begun.eviction_inputs(2, SNAPSHOT, 1)
     assert inputs is not None and inputs[0] == 50.0
+
+
+@pytest.mark.parametrize("ends_again", [False, True])
+def test_a_final_retired_under_a_read_moves_when_the_read_ends(ends_again: bool) -> None:
+    """Two tiers of 1000 B. Session A: chunks 1, 2 with its final snapshot after 2 (on
+    the CPU). A read of A's prefix (``begin`` at t = 2) is in flight when A's next turn
+    (chunks 1-3, final after 3) lands at t = 5: S2 stops being final but stays on the CPU
+    (no move under a read, no event for it). When the read ends it moves to disk, its
+    home as an intermediate snapshot: one ``moved`` event, 20 B from tier 0 to 1. If
+    session B ended at chunk 2 meanwhile (a store of chunks 1, 2 at t = 6), S2 is a final
+    snapshot again and stays: no event."""
+    c = HiStateCache(CacheConfig(
+        chunk_tokens=CHUNK, kv_chunk_bytes=KV_B, snapshot_bytes=SNAP_B,
+        tiers=(TierSpec("cpu", 1000), TierSpec("disk", 1000)),
+    ))
+    request(c, "A", [1, 2], 0.0, [20])
+    read = c.begin("R", [1, 2], 2.0)
+    c.complete(c.attach("A", [1, 2, 3]), 30, 5.0, boundaries=[30])
+    assert c.tiers_of(2, SNAPSHOT) == 1 << 0
+    if ends_again:
+        c.complete(c.attach("B", [1, 2]), 20, 6.0, boundaries=[20])
+    c.take_events()
+    c.release(read)
+    if ends_again:
+        assert c.take_events() == [] and c.tiers_of(2, SNAPSHOT) == 1 << 0
+    else:
+        assert c.take_events() == [("moved", 2, SNAPSHOT, 0, 1, SNAP_B)]
+        assert c.tiers_of(2, SNAPSHOT) == 1 << 1
+    c.check()

@@ -601,7 +601,7 @@ class HiStateRuntime:
         ends the request whose STORE carried it: an interval STORE ends inside the
         request), with the core's ``(C, M)``
         of the unit each leaves its lowest tier with (``shared_tier.scores``: re-scored
-        at every janitor tick after that)."""
+        at every janitor tick once committed)."""
         shared = self.shared_tier
         if shared is None:
             return []
@@ -623,7 +623,7 @@ class HiStateRuntime:
                     found = unit_inputs(core, *where)
                     metas[key] = ObjectMeta(*self.objects.object_meta(key),
                                             score=None if found is None else found[1:])
-                    shared.scores.wrote(where, key_id(key))
+                    shared.scores.wrote(where, key_id(key), found)
         shared.expect_headers(metas)
         self.stats["shared_tier.routed"] += len(out)
         return out

@@ -220,13 +220,16 @@ class HiStateSharedAdapter(L2AdapterInterface):
         replies = self.conn.call(put, None) if todo else []
         done = [it for it, r in zip(todo, replies or [None] * len(todo), strict=True) if r is True]
         failed = [it[0] for it in todo if it not in done]
-        if done:
-            self.index.commit([
-                ObjectRecord(df.encode_id(o), self.value_key(i), len(v), c, m.kind, m.depth,
-                             m.parent, *(m.score or (float(len(v)), float(len(v)))),
-                             tier=SHARED_TIER_NUMBER)
-                for i, o, v, c, m in done
-            ])
+        codes = self.index.commit([
+            ObjectRecord(df.encode_id(o), self.value_key(i), len(v), c, m.kind, m.depth,
+                         m.parent, *(m.score or (float(len(v)), float(len(v)))),
+                         tier=SHARED_TIER_NUMBER)
+            for i, o, v, c, m in done
+        ]) if done else []
+        # scores NOTE 2: re-scored from now on; 0 = stored already, with another value
+        committed = list(zip((it[0] for it in done), codes or (), strict=False))
+        self.scores.committed([i for i, code in committed if code],
+                              [*got.present, *(i for i, code in committed if not code)])
         if failed:
             self.index.unreserve(failed)
         written = sum(len(it[2]) for it in done)
