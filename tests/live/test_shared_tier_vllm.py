@@ -51,6 +51,7 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
 ) -> None:
     from lmcache_histate.backends.demo.engine_proc import EngineProcess, engine_kwargs
     from support.lmcache_mp import lmcache_server, support_pythonpath
+    from support.load_counts import reconciled_loads
 
     chunk = tiny_layout.block_size
     config = json.loads((tiny_model / "config.json").read_text())
@@ -91,6 +92,7 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
             c = engine_b.generate(prompts["C"], max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS,
                                   kv_transfer_params=ask, reset=True)
             settle(server_b)
+            loaded_b = reconciled_loads(server_b, engine_b)  # what B's vLLM took
         metrics = server_b.http("GET", "/metrics")
 
     kept = a["kv_transfer_params"]["histate_saves"]["kept"]
@@ -110,5 +112,7 @@ def test_turn_two_on_node_b_resumes_from_node_a_through_the_shared_tier(
     # Negative control: the same hit with the restored recurrent state zeroed differs.
     assert c["num_cached_tokens"] == 8 * chunk
     assert c["logprobs"] != reference["C"]["logprobs"], "zeroed state left outputs unchanged"
+    # B's server loaded what B's vLLM took: 8 chunks for B and 8 for C (caches reset).
+    assert loaded_b == 2 * 8 * chunk
     text = metrics if isinstance(metrics, str) else json.dumps(metrics)
     assert 'histate_l2_objects_loaded{tier="shared"}' in text
