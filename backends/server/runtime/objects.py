@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -379,8 +379,10 @@ class ObjectMap:
         where = self.part_of.get(key)
         return self.tiers(*where) if where is not None else 0
 
-    def is_cpu_tracked(self, key: ObjectKey) -> bool:
-        return bool(self.key_tiers(key) & _CPU_BIT)
+    def not_cpu_tracked(self, keys: Iterable[ObjectKey]) -> list[ObjectKey]:
+        """The ``keys`` whose part the core does not hold on the CPU tier (unregistered
+        objects included), in their order: the L1 copies HiState no longer keeps."""
+        return [k for k in keys if not self.key_tiers(k) & _CPU_BIT]
 
     # ================================================================ checks
     def check(self) -> None:

@@ -652,7 +652,7 @@ class HiStateRuntime:
         manage, or copies it released), in their order: one step for the whole list (the
         L1 eviction policy asks about every object in L1)."""
         with self.step():
-            return [k for k in keys if not self.objects.is_cpu_tracked(k)]
+            return self.objects.not_cpu_tracked(keys)
 
     def cpu_used_bytes(self) -> int:
         with self.step():

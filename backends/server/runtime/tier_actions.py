@@ -277,8 +277,7 @@ class TierActions:
         if isinstance(report, WriteDone):
             self._lose_on_disk(report.failed, "not_persisted")
             leaving = report.failed if report.store_task else [*report.failed, *report.ok]
-            self.pending.l1_delete.extend(
-                k for k in leaving if not self.objects.is_cpu_tracked(k))
+            self.pending.l1_delete.extend(self.objects.not_cpu_tracked(leaving))
         elif isinstance(report, FilesLost):
             self._lose_on_disk(report.keys, "lost.disk")
         elif isinstance(report, CapacityChanged):
@@ -333,7 +332,7 @@ class TierActions:
         actions run (under the lock). Deleted here rather than by the store controller,
         which ignores a delete refused because a lookup holds a read lock; here it is
         retried. Returns the keys to delete."""
-        out = [k for k in keys if not self.objects.is_cpu_tracked(k)]
+        out = self.objects.not_cpu_tracked(keys)
         self.pending.l1_delete.extend(out)
         return out
 
