@@ -225,6 +225,7 @@ __all__ = [
     "UnitKind",
     "expected_recompute",
     "freed_in",
+    "log_ratio",
     "score",
     "tail_chain",
     "tier_bytes",
@@ -468,12 +469,18 @@ _GAP_FLOOR_S = 1e-3
 _GAP_BINS = 40 * GAP_BINS_PER_DOUBLING
 
 
+def log_ratio(cost: float, freed: float) -> float:
+    """``ln(max(C/M, MIN_RATIO))``: the term ``τ`` scales in ``H`` (``M <= 0`` counts as
+    the floor), as a shared index publishes it for its own script to rank by."""
+    ratio = cost / freed if freed > 0 else 0.0
+    return math.log(ratio if ratio > MIN_RATIO else MIN_RATIO)
+
+
 def score(access: float, cost: float, freed: float, tau: float) -> float:
     """``H = t + τ · ln(max(C/M, MIN_RATIO))`` (module docstring); ``τ = 0`` gives ``t``."""
     if tau <= 0.0:
         return access
-    ratio = cost / freed if freed > 0 else 0.0
-    return access + tau * math.log(ratio if ratio > MIN_RATIO else MIN_RATIO)
+    return access + tau * log_ratio(cost, freed)
 
 
 class ReaccessScale(SeededEMA):

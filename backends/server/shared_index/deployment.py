@@ -41,12 +41,11 @@ the queued samples and session starts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmcache_histate.core.rank import MIN_RATIO
+from lmcache_histate.core.rank import MIN_RATIO, log_ratio
 from lmcache_histate.core.tiers import KV, SNAPSHOT, ServerTier
 
 if TYPE_CHECKING:
@@ -172,7 +171,7 @@ class DeploymentSync:
         if found is None:
             return
         t, cost, freed = found
-        ratio = math.log(max(cost / freed, MIN_RATIO))
+        ratio = log_ratio(cost, freed)
         for key in self._keys_of(nk, part):
             oid = self._id_of(key)
             last = self._published.get(oid)

@@ -47,12 +47,11 @@ it gone). Thread-safe (one lock): ``wrote`` runs on the store controller's threa
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from lmcache_histate.core.rank import MIN_RATIO
+from lmcache_histate.core.rank import log_ratio
 
 if TYPE_CHECKING:
     from lmcache_histate.core.cache import HiStateCache
@@ -105,7 +104,7 @@ class SharedScores:
             if score is None:
                 self._published.pop(oid, None)
             else:
-                self._published[oid] = (_ratio(score[1], score[2]), score[0])
+                self._published[oid] = (log_ratio(score[1], score[2]), score[0])
 
     def committed(self, stored: Iterable[str], present: Iterable[str] = ()) -> None:
         """The entries of ``stored`` ids now hold their header's value; ``present`` ids
@@ -138,7 +137,7 @@ class SharedScores:
                             self._pending.discard(oid)
                     continue
                 t, cost, freed = found
-                ratio = _ratio(cost, freed)
+                ratio = log_ratio(cost, freed)
                 for oid in ids:
                     if oid in self._pending:  # NOTE 2: no entry to re-score yet
                         continue
@@ -157,7 +156,3 @@ class SharedScores:
             for oid, *_ in updates:
                 self._published.pop(oid, None)
 
-
-def _ratio(cost: float, freed: float) -> float:
-    """``ln(C/M)``, floored as the rank floors it (``rank.MIN_RATIO``)."""
-    return math.log(max(cost / freed, MIN_RATIO))
